@@ -1,0 +1,105 @@
+"""`sfcore-daemon`: parse flags, apply them over the config, pin CPUs, run the server.
+
+A user's mistake (bad config, missing model, busy socket) ends here as one line
+on stderr and a non-zero exit, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+from .config import Config, ConfigError, apply_overrides, load_config
+
+log = logging.getLogger("sfcore_daemon")
+
+EXIT_USAGE = 2
+EXIT_STARTUP = 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sfcore-daemon",
+        description="Local LLM inference daemon: one GGUF model, NDJSON over a Unix socket.",
+    )
+    parser.add_argument("--config", metavar="PATH",
+                        help="config file (default: ./server_config.toml if present, "
+                             "else built-in defaults)")
+    parser.add_argument("--socket", metavar="PATH", help="override [server] socket_path")
+    parser.add_argument("--model", metavar="PATH", help="override [model] path (a GGUF file)")
+    parser.add_argument("--threads", metavar="N", type=int,
+                        help="override [runtime] n_threads (decode threads)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    return parser
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    config = load_config(args.config)
+    # Only flags the user gave: None means "not on the command line".
+    return apply_overrides(
+        config,
+        server__socket_path=args.socket,
+        model__path=args.model,
+        runtime__n_threads=args.threads,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = resolve_config(args)
+    except ConfigError as exc:
+        print(f"sfcore-daemon: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    # Must be set before llama.cpp (and any BLAS it links) is loaded.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+    from .logs import setup_logging
+
+    listener = setup_logging(config.log.level)
+    try:
+        return _run(config)
+    finally:
+        listener.stop()
+
+
+def _run(config: Config) -> int:
+    from . import cpus, models
+
+    try:
+        # Pin first: llama.cpp's worker threads inherit the mask when they are created.
+        pinned = cpus.pin(config.runtime.cpu_affinity)
+        n_threads, n_threads_batch = cpus.derive_threads(
+            pinned, config.runtime.n_threads, config.runtime.n_threads_batch)
+        model_path = models.resolve_model_path(config.model.path)
+    except (cpus.CpuError, models.ModelSourceError) as exc:
+        log.error("%s", exc)
+        return EXIT_STARTUP
+
+    from .engine import ModelLoadError, route_llama_logs
+    from .server import EngineSettings, Server, StartupError
+
+    route_llama_logs()
+    server = Server(config, EngineSettings(model_path, n_threads, n_threads_batch, pinned))
+    try:
+        return _event_loop_runner()(server.run())
+    except (StartupError, ModelLoadError) as exc:
+        log.error("%s", exc)
+        return EXIT_STARTUP
+
+
+def _event_loop_runner():  # type: ignore[no-untyped-def]
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run
+    return uvloop.run
+
+
+if __name__ == "__main__":
+    sys.exit(main())

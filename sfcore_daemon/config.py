@@ -1,0 +1,175 @@
+"""Daemon configuration: frozen msgspec Structs decoded once from TOML.
+
+Every option and its default lives here and nowhere else; `server_config.toml`
+documents the same values for people. CLI flags are applied by `apply_overrides`,
+the only place a decoded config is changed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+DEFAULT_SOCKET_NAME = "sfcore-ai.sock"
+DEFAULT_SOCKET_PATH = "/tmp/" + DEFAULT_SOCKET_NAME
+CONFIG_FILE_NAME = "server_config.toml"
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+# C int fields: larger values would wrap silently when handed to llama.cpp.
+CInt = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ServerConfig(_Section):
+    # Empty: $RUNTIME_DIRECTORY/sfcore-ai.sock under systemd, else /tmp/sfcore-ai.sock.
+    socket_path: str = ""
+    socket_mode: Annotated[str, msgspec.Meta(pattern=r"^0?[0-7]{3}$")] = "0600"
+    # Empty: anyone who can open the socket file may talk to the daemon.
+    allowed_uids: tuple[NonNegInt, ...] = ()
+    max_queue: NonNegInt = 64
+    max_connections: PositiveInt = 64
+    max_line_bytes: Annotated[int, msgspec.Meta(ge=256)] = 1 << 20
+    max_output_buffer_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 1 << 20
+    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+
+    @property
+    def socket_mode_bits(self) -> int:
+        return int(self.socket_mode, 8)
+
+    def resolved_socket_path(self) -> str:
+        if self.socket_path:
+            return self.socket_path
+        runtime_dir = os.environ.get("RUNTIME_DIRECTORY")
+        if runtime_dir:
+            # systemd may list several directories separated by ':'; the first is ours.
+            return os.path.join(runtime_dir.split(":")[0], DEFAULT_SOCKET_NAME)
+        return DEFAULT_SOCKET_PATH
+
+
+class ModelConfig(_Section):
+    # Empty: the embedded default model (Gemma 3 270M Q4_K_M).
+    path: str = ""
+    n_ctx: Annotated[int, msgspec.Meta(ge=64, le=2**31 - 1)] = 8192
+    n_batch: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] = 512
+    n_ubatch: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] = 512
+    use_mmap: bool = True
+    use_mlock: bool = False
+    # -1 offloads every layer; 0 keeps the model on the CPU.
+    n_gpu_layers: Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)] = 0
+    flash_attn: bool | Literal["auto"] = "auto"
+    reproducible: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n_ubatch > self.n_batch:
+            raise ValueError(
+                f"n_ubatch ({self.n_ubatch}) must not exceed n_batch ({self.n_batch})"
+            )
+
+
+class RuntimeConfig(_Section):
+    # Empty: every CPU the process may run on.
+    cpu_affinity: tuple[NonNegInt, ...] = ()
+    # 0: derived from the pinned set (physical cores for decode, logical CPUs for batches).
+    n_threads: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+    n_threads_batch: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+
+
+class GenerationConfig(_Section):
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] = 512
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=1e6)] = 0.8
+    top_k: CInt = 40
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.95
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.05
+    repeat_penalty: Annotated[float, msgspec.Meta(gt=0, le=1e6)] = 1.0
+
+
+class LogConfig(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class Config(_Section):
+    server: ServerConfig = ServerConfig()
+    model: ModelConfig = ModelConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    generation: GenerationConfig = GenerationConfig()
+    log: LogConfig = LogConfig()
+
+
+class ConfigError(Exception):
+    """A config problem, worded for the person who wrote the file."""
+
+
+_UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `(?P<key>[^`]+)` - at `\$(?P<at>[^`]*)`$")
+_AT_PATH = re.compile(r"^(?P<what>.*) - at `\$(?P<at>[^`]*)`$")
+
+
+def _dotted(path: str) -> str:
+    # msgspec paths look like `.server.max_queue` or `.runtime.cpu_affinity[2]`.
+    return path.lstrip(".")
+
+
+def describe_validation_error(error: msgspec.ValidationError) -> str:
+    """Turn msgspec's `... - at `$.a.b`` into a message that names the TOML key first."""
+    text = str(error)
+    if match := _UNKNOWN_FIELD.match(text):
+        key = ".".join(filter(None, (_dotted(match["at"]), match["key"])))
+        return f"unknown key `{key}`"
+    if match := _AT_PATH.match(text):
+        return f"`{_dotted(match['at'])}`: {match['what']}"
+    return text
+
+
+def load_config(path: str | os.PathLike[str] | None) -> Config:
+    """Decode `path`, or `./server_config.toml` when present, or the built-in defaults."""
+    if path is None:
+        default = Path(CONFIG_FILE_NAME)
+        if not default.is_file():
+            return Config()
+        path = default
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    try:
+        return msgspec.toml.decode(data, type=Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid config {path}: {describe_validation_error(exc)}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"invalid config {path}: not valid TOML ({exc})") from None
+
+
+def apply_overrides(config: Config, **overrides: Any) -> Config:
+    """Apply the CLI flags the user actually gave (None means 'not given').
+
+    Keys are `section.field`-like names spelled with a double underscore,
+    e.g. `server__socket_path`. Values are validated by re-decoding the section.
+    """
+    sections: dict[str, dict[str, Any]] = {}
+    for name, value in overrides.items():
+        if value is None:
+            continue
+        section, field = name.split("__", 1)
+        sections.setdefault(section, {})[field] = value
+    for section, fields in sections.items():
+        current = getattr(config, section)
+        try:
+            updated = msgspec.convert(
+                {**msgspec.structs.asdict(current), **fields}, type=type(current)
+            )
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"invalid option: {describe_validation_error(exc)}") from None
+        config = msgspec.structs.replace(config, **{section: updated})
+    return config
+
+
+def to_toml_dict(config: Config) -> dict[str, Any]:
+    """The config as plain data, ready for tomli-w."""
+    return msgspec.to_builtins(config)  # type: ignore[no-any-return]

@@ -1,0 +1,450 @@
+"""The llama.cpp wrapper and the decode thread.
+
+Everything here drives llama.cpp through llama-cpp-python's low-level ctypes API:
+`llama_decode` on batches and llama.cpp's C sampler chain. No logits reach Python,
+so per-token Python work is a few C calls, independent of the vocabulary size.
+
+The decode thread only evaluates prompts, decodes and samples. It hands each
+token's bytes to the event loop through `Job.pieces` and wakes the loop at most
+once per batch of pieces; it never logs, encodes JSON or touches a socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import llama_cpp.llama_cpp as C
+
+from .config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+EndReason = Literal["stop", "length", "cancelled", "error"]
+
+# llama.cpp takes LLAMA_DEFAULT_SEED (0xFFFFFFFF) as "pick a random seed", so client
+# seeds are folded into the 32-bit range below it.
+_SEED_MODULUS = 0xFFFFFFFF
+
+
+class ModelLoadError(Exception):
+    """The model file could not be loaded; the message names the path."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repeat_penalty: float
+    seed: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    path: str
+    name: str
+    architecture: str
+    n_params: int
+    n_ctx_train: int
+    n_vocab: int
+    size_bytes: int
+    chat_template: str | None
+
+
+class Job:
+    """One generation, shared between the event loop and the decode thread.
+
+    The loop writes only `stop_requested`; the thread writes everything else and
+    announces new pieces through `wake`, which the loop answers with `drain`.
+    """
+
+    __slots__ = (
+        "prompt", "sampling", "max_tokens", "cache_prompt", "stop_requested",
+        "pieces", "wake_pending", "_wake", "_finished", "loop",
+        "n_cached", "t_start", "t_prompt_done", "t_first", "end_reason", "error",
+    )
+
+    def __init__(
+        self,
+        prompt: list[int],
+        sampling: Sampling,
+        max_tokens: int,
+        cache_prompt: bool,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        on_pieces: Callable[[], None],
+        on_finished: Callable[[], None],
+    ) -> None:
+        self.prompt = prompt
+        self.sampling = sampling
+        self.max_tokens = max_tokens
+        self.cache_prompt = cache_prompt
+        self.stop_requested = False
+        # (token bytes, perf_counter_ns at sampling); appended by the thread only.
+        self.pieces: deque[tuple[bytes, int]] = deque()
+        self.wake_pending = False
+        self.loop = loop
+        self._wake = on_pieces
+        self._finished = on_finished
+        self.n_cached = 0
+        self.t_start = 0
+        self.t_prompt_done = 0
+        self.t_first = 0
+        self.end_reason: EndReason = "error"
+        self.error: BaseException | None = None
+
+
+class Engine:
+    """One model, one context, one slot, one decode thread."""
+
+    def __init__(
+        self,
+        model_path: str,
+        model_config: ModelConfig,
+        n_threads: int,
+        n_threads_batch: int,
+    ) -> None:
+        self.config = model_config
+        self.n_threads = n_threads
+        self.n_threads_batch = n_threads_batch
+        if not os.path.isfile(model_path):
+            raise ModelLoadError(f"model file not found: {model_path}")
+
+        C.llama_backend_init()
+        model_params = C.llama_model_default_params()
+        model_params.n_gpu_layers = model_config.n_gpu_layers
+        model_params.load_mode = _load_mode(model_config.use_mmap, model_config.use_mlock)
+        started = time.perf_counter()
+        model = C.llama_model_load_from_file(model_path.encode(), model_params)
+        if not model:
+            raise ModelLoadError(
+                f"cannot load model {model_path}: not a valid GGUF model for this llama.cpp "
+                "(see the llama.cpp messages above)"
+            )
+        self._model = model
+
+        ctx_params = C.llama_context_default_params()
+        ctx_params.n_ctx = model_config.n_ctx
+        ctx_params.n_batch = model_config.n_batch
+        ctx_params.n_ubatch = model_config.n_ubatch
+        ctx_params.n_seq_max = 1
+        # Only the last prompt token's logits are ever read. Without this llama.cpp
+        # reserves logits for n_ubatch outputs: 512 x 262k floats, a 514 MiB buffer.
+        ctx_params.n_outputs_max = 1
+        ctx_params.n_threads = n_threads
+        ctx_params.n_threads_batch = n_threads_batch
+        ctx_params.flash_attn_type = _flash_attn_type(model_config.flash_attn)
+        # A full-size sliding-window cache: with llama.cpp's default small one, rows
+        # before the window are pruned and a reused prefix silently changes the output.
+        ctx_params.swa_full = True
+        ctx_params.no_perf = True
+        ctx = C.llama_init_from_model(model, ctx_params)
+        if not ctx:
+            C.llama_model_free(model)
+            raise ModelLoadError(
+                f"cannot create a context for {model_path} (n_ctx={model_config.n_ctx}); "
+                "see the llama.cpp messages above"
+            )
+        self._ctx = ctx
+        self.load_seconds = time.perf_counter() - started
+        self._vocab = C.llama_model_get_vocab(model)
+        self._memory = C.llama_get_memory(ctx)
+        self.n_ctx = C.llama_n_ctx(ctx)
+        self.n_ubatch = C.llama_n_ubatch(ctx)
+        batch = C.llama_n_batch(ctx)
+        # Reproducible mode cuts prompts at multiples of n_ubatch, so that a chunk
+        # evaluated after a cache hit is cut exactly as in a cold run.
+        self._prefill_chunk = (
+            batch - batch % self.n_ubatch if model_config.reproducible else batch
+        )
+        self.info = _read_model_info(model, self._vocab, model_path)
+        self.system_info = C.llama_print_system_info().decode(errors="replace")
+
+        # Tokens whose rows are in the KV cache, position by position.
+        self._cached: list[int] = []
+        # How many leading rows came from prompt evaluation (not single-token decode).
+        self._prompt_rows = 0
+        self._pieces: dict[int, bytes] = {}
+        self._piece_buf = ctypes.create_string_buffer(256)
+        self._one_token = (C.llama_token * 1)()
+        self._one_batch = C.llama_batch_get_one(self._one_token, 1)
+        self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    # --- used from the event loop -----------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """Thread-safe: llama.cpp's tokenizer only reads the vocabulary."""
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        tokens = (C.llama_token * capacity)()
+        n = C.llama_tokenize(self._vocab, data, len(data), tokens, capacity, add_special, True)
+        if n < 0:  # cannot happen with one slot per byte, but never trust a size guess
+            capacity = -n
+            tokens = (C.llama_token * capacity)()
+            n = C.llama_tokenize(self._vocab, data, len(data), tokens, capacity, add_special, True)
+        return tokens[:n]
+
+    def start(self) -> None:
+        self.warm_up()
+        self._thread = threading.Thread(target=self._serve, name="sfcore-decode", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        self._inbox.put(job)
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop the decode thread and free the model; False if the thread would not stop."""
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
+        C.llama_free(self._ctx)
+        C.llama_model_free(self._model)
+        C.llama_backend_free()
+        return True
+
+    def warm_up(self) -> None:
+        """One decode before serving, so the first request does not pay for first-touch costs."""
+        bos = C.llama_vocab_bos(self._vocab)
+        self._one_token[0] = bos if bos >= 0 else 0
+        C.llama_decode(self._ctx, self._one_batch)
+        C.llama_memory_clear(self._memory, False)
+
+    # --- the decode thread ------------------------------------------------------------
+
+    def _serve(self) -> None:
+        inbox = self._inbox
+        while (job := inbox.get()) is not None:
+            try:
+                self._run(job)
+            except BaseException as exc:  # the slot must survive anything; the loop logs it
+                job.end_reason = "error"
+                job.error = exc
+                self._forget_cache()
+            job.loop.call_soon_threadsafe(job._finished)
+
+    def _run(self, job: Job) -> None:
+        ctx, vocab = self._ctx, self._vocab
+        job.t_start = time.perf_counter_ns()
+        prompt = job.prompt
+        n_reused = self._reuse_prefix(prompt) if job.cache_prompt else 0
+        if n_reused == 0:
+            self._forget_cache()
+        job.n_cached = n_reused
+
+        # Prefill in chunks, so a cancelled request stops between them.
+        tokens = (C.llama_token * len(prompt))(*prompt)
+        base, token_size = ctypes.addressof(tokens), ctypes.sizeof(C.llama_token)
+        pos, chunk = n_reused, self._prefill_chunk
+        while pos < len(prompt):
+            if job.stop_requested:
+                job.end_reason = "cancelled"
+                return
+            end = min(pos - pos % chunk + chunk, len(prompt))
+            start = ctypes.cast(base + pos * token_size, C.llama_token_p)
+            batch = C.llama_batch_get_one(start, end - pos)
+            rc = C.llama_decode(ctx, batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed on the prompt (code {rc})")
+            self._cached.extend(prompt[pos:end])
+            self._prompt_rows = end
+            pos = end
+        job.t_prompt_done = time.perf_counter_ns()
+
+        sampler = self._make_sampler(job.sampling, prompt)
+        try:
+            self._generate(job, sampler)
+        finally:
+            C.llama_sampler_free(sampler)
+
+    def _generate(self, job: Job, sampler: Any) -> None:
+        ctx, vocab = self._ctx, self._vocab
+        sample, decode, is_eog = C.llama_sampler_sample, C.llama_decode, C.llama_vocab_is_eog
+        pieces, piece_of = self._pieces, self._piece
+        one_token, one_batch = self._one_token, self._one_batch
+        out, wake, cached = job.pieces, job.loop.call_soon_threadsafe, self._cached
+        clock = time.perf_counter_ns
+        limit = min(job.max_tokens, self.n_ctx - len(job.prompt))
+        n = 0
+        while True:
+            token = sample(sampler, ctx, -1)
+            now = clock()
+            if n == 0:
+                job.t_first = now
+            if is_eog(vocab, token):
+                job.end_reason = "stop"
+                return
+            piece = pieces.get(token)
+            if piece is None:
+                piece = piece_of(token)
+            out.append((piece, now))
+            if not job.wake_pending:
+                job.wake_pending = True
+                wake(job._wake)
+            n += 1
+            if n >= limit:
+                job.end_reason = "length"
+                return
+            one_token[0] = token
+            rc = decode(ctx, one_batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed while generating (code {rc})")
+            cached.append(token)
+            if job.stop_requested:
+                job.end_reason = "cancelled"
+                return
+
+    def _reuse_prefix(self, prompt: list[int]) -> int:
+        """Keep the longest usable cached prefix of `prompt`; return its length."""
+        cached = self._cached
+        limit = min(len(cached), len(prompt) - 1)  # the last prompt token must be evaluated
+        n = 0
+        while n < limit and cached[n] == prompt[n]:
+            n += 1
+        if self.config.reproducible:
+            # Only whole n_ubatch-aligned chunks of earlier prompt evaluation are
+            # bit-identical to what a cold run computes.
+            n = min(n, self._prompt_rows)
+            n -= n % self.n_ubatch
+        if n == 0:
+            return 0
+        memory = self._memory
+        if not C.llama_memory_seq_rm(memory, 0, n, -1) or C.llama_memory_seq_pos_min(memory, 0) > 0:
+            return 0
+        del cached[n:]
+        self._prompt_rows = min(self._prompt_rows, n)
+        return n
+
+    def _forget_cache(self) -> None:
+        C.llama_memory_seq_rm(self._memory, 0, -1, -1)
+        self._cached.clear()
+        self._prompt_rows = 0
+
+    def _make_sampler(self, sampling: Sampling, prompt: list[int]) -> Any:
+        chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
+        add = C.llama_sampler_chain_add
+        # Cheap filters first: top_k shrinks the candidates before anything sorts them.
+        if sampling.temperature > 0 and sampling.top_k > 0:
+            add(chain, C.llama_sampler_init_top_k(sampling.top_k))
+        if sampling.repeat_penalty != 1.0:
+            n_vocab = C.llama_vocab_n_tokens(self._vocab)
+            add(chain, C.llama_sampler_init_penalties(n_vocab, 64, sampling.repeat_penalty, 0.0, 0.0))
+            for token in prompt[-64:]:
+                C.llama_sampler_accept(chain, token)
+        if sampling.temperature <= 0:
+            add(chain, C.llama_sampler_init_greedy())
+            return chain
+        if sampling.top_p < 1.0:
+            add(chain, C.llama_sampler_init_top_p(sampling.top_p, 1))
+        if sampling.min_p > 0.0:
+            add(chain, C.llama_sampler_init_min_p(sampling.min_p, 1))
+        add(chain, C.llama_sampler_init_temp(sampling.temperature))
+        seed = C.LLAMA_DEFAULT_SEED if sampling.seed is None else sampling.seed % _SEED_MODULUS
+        add(chain, C.llama_sampler_init_dist(seed))
+        return chain
+
+    def _piece(self, token: int) -> bytes:
+        buf = self._piece_buf
+        n = C.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = C.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        piece = buf.raw[:n]
+        self._pieces[token] = piece
+        return piece
+
+
+def _load_mode(use_mmap: bool, use_mlock: bool) -> int:
+    if use_mmap:
+        return C.LLAMA_LOAD_MODE_MMAP_MLOCK if use_mlock else C.LLAMA_LOAD_MODE_MMAP
+    return C.LLAMA_LOAD_MODE_MLOCK if use_mlock else C.LLAMA_LOAD_MODE_NONE
+
+
+def _flash_attn_type(setting: bool | str) -> int:
+    if setting == "auto":
+        return C.LLAMA_FLASH_ATTN_TYPE_AUTO
+    return C.LLAMA_FLASH_ATTN_TYPE_ENABLED if setting else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
+
+
+def _meta(model: Any, key: str) -> str | None:
+    buf = ctypes.create_string_buffer(1024)
+    n = C.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    if n < 0:
+        return None
+    if n >= len(buf):
+        buf = ctypes.create_string_buffer(n + 1)
+        C.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", errors="replace")
+
+
+def _read_model_info(model: Any, vocab: Any, path: str) -> ModelInfo:
+    template = C.llama_model_chat_template(model, None)
+    return ModelInfo(
+        path=path,
+        name=_meta(model, "general.name") or os.path.basename(path),
+        architecture=_meta(model, "general.architecture") or "unknown",
+        n_params=C.llama_model_n_params(model),
+        n_ctx_train=C.llama_model_n_ctx_train(model),
+        n_vocab=C.llama_vocab_n_tokens(vocab),
+        size_bytes=os.path.getsize(path),
+        chat_template=template.decode("utf-8", errors="replace") if template else None,
+    )
+
+
+# --- llama.cpp's own log lines ------------------------------------------------------------
+
+# enum ggml_log_level of the bundled ggml: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4,
+# CONT=5 (llama-cpp-python's _logger.py still documents an older numbering).
+_GGML_LEVELS = {
+    1: logging.DEBUG,
+    2: logging.DEBUG,  # INFO: the model loader prints ~150 lines at this level
+    3: logging.WARNING,
+    4: logging.ERROR,
+}
+_llama_log = logging.getLogger("sfcore_daemon.llama_cpp")
+
+
+class _LlamaLogRouter:
+    """Collect llama.cpp's log fragments into lines and hand them to logging.
+
+    logging here ends in a QueueHandler, so even a rare message emitted from the
+    decode thread costs only a record and a queue put there.
+    """
+
+    def __init__(self) -> None:
+        self._parts: list[str] = []
+        self._level = logging.DEBUG
+        self.callback = C.llama_log_callback(self._on_log)
+
+    def _on_log(self, level: int, text: bytes, _user_data: Any) -> None:
+        if level != 5:  # GGML_LOG_LEVEL_CONT continues the previous line's level
+            self._level = _GGML_LEVELS.get(level, logging.DEBUG)
+        if not _llama_log.isEnabledFor(self._level):
+            return
+        chunk = text.decode("utf-8", errors="replace")
+        self._parts.append(chunk)
+        if chunk.endswith("\n"):
+            line = "".join(self._parts).rstrip()
+            self._parts.clear()
+            if line:
+                _llama_log.log(self._level, "%s", line)
+
+
+_router = _LlamaLogRouter()
+
+
+def route_llama_logs() -> None:
+    C.llama_log_set(_router.callback, ctypes.c_void_p(0))

@@ -1,0 +1,30 @@
+"""Logging through a queue: callers only enqueue a record; one listener thread formats and writes."""
+
+from __future__ import annotations
+
+import logging
+import logging.handlers
+import queue
+import sys
+
+
+class _DeferredQueueHandler(logging.handlers.QueueHandler):
+    # The stock QueueHandler formats the message on the calling thread; ours leaves
+    # all formatting to the listener, so logging from any thread is just a queue put.
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        return record
+
+
+def setup_logging(level: str) -> logging.handlers.QueueListener:
+    log_queue: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    output = logging.StreamHandler(sys.stderr)
+    output.setFormatter(
+        logging.Formatter("%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
+                          "%H:%M:%S")
+    )
+    listener = logging.handlers.QueueListener(log_queue, output, respect_handler_level=False)
+    root = logging.getLogger()
+    root.handlers[:] = [_DeferredQueueHandler(log_queue)]
+    root.setLevel(level.upper())
+    listener.start()
+    return listener

@@ -1,0 +1,228 @@
+"""The wire protocol: NDJSON messages as msgspec Structs (see README, "Protocol").
+
+Requests are a tagged union on `op`, decoded by one reused typed Decoder; replies
+are tagged on `type` and encoded by one reused Encoder. Nothing here touches a
+socket: `decode_request` turns one line into a request or a `RequestError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from typing import Annotated, Final, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+RequestId = str | int
+
+# Error codes of PROTOCOL.md.
+BAD_JSON: Final = "bad_json"
+INVALID_REQUEST: Final = "invalid_request"
+CONTEXT_OVERFLOW: Final = "context_overflow"
+QUEUE_FULL: Final = "queue_full"
+LINE_TOO_LONG: Final = "line_too_long"
+TOO_MANY_CONNECTIONS: Final = "too_many_connections"
+FORBIDDEN: Final = "forbidden"
+SHUTTING_DOWN: Final = "shutting_down"
+INTERNAL: Final = "internal"
+
+FinishReason = Literal["stop", "stop_sequence", "length", "cancelled"]
+
+StopText = Annotated[str, Meta(min_length=1)]
+# Bounds past the protocol's "int >= 0" / "float >= 0" keep values that llama.cpp
+# takes as C ints finite and unwrapped; they are far beyond any useful setting.
+CInt = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+
+
+# --- requests -------------------------------------------------------------------------
+
+
+class _Request(Struct, tag_field="op", forbid_unknown_fields=True, kw_only=True):
+    id: RequestId | None = None
+
+
+class _GenerationOptions(_Request):
+    """Fields shared by every op that runs the model (generate; chat later)."""
+
+    stream: bool = True
+    max_tokens: Annotated[int, Meta(ge=1, le=2**31 - 1)] | None = None
+    temperature: Annotated[float, Meta(ge=0, le=1e6)] | None = None
+    top_k: CInt | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    repeat_penalty: Annotated[float, Meta(gt=0, le=1e6)] | None = None
+    seed: Annotated[int, Meta(ge=0)] | None = None
+    stop: StopText | Annotated[list[StopText], Meta(max_length=8)] | None = None
+    cache_prompt: bool = True
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        if isinstance(self.stop, str):
+            return (self.stop,)
+        return tuple(dict.fromkeys(self.stop))
+
+
+class GenerateRequest(_GenerationOptions, tag="generate", kw_only=True):
+    prompt: Annotated[str, Meta(min_length=1)]
+
+
+class HealthRequest(_Request, tag="health"):
+    pass
+
+
+Request = GenerateRequest | HealthRequest
+
+
+# --- replies --------------------------------------------------------------------------
+
+
+class _Reply(Struct, tag_field="type", kw_only=True):
+    id: RequestId
+
+
+class TokenReply(_Reply, tag="token", kw_only=True):
+    text: str
+
+
+class Usage(Struct, kw_only=True):
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+class Timings(Struct, kw_only=True):
+    queued_ms: float
+    prompt_ms: float
+    prompt_tok_s: float
+    first_token_ms: float
+    decode_ms: float
+    decode_tok_s: float
+    total_ms: float
+
+
+class DoneReply(_Reply, tag="done", kw_only=True):
+    text: str
+    finish_reason: FinishReason
+    stop_sequence: str | None
+    usage: Usage
+    timings: Timings
+
+
+class ErrorReply(_Reply, tag="error", kw_only=True):
+    code: str
+    message: str
+
+
+class HealthReply(_Reply, tag="health", kw_only=True):
+    status: Literal["ok", "loading", "draining"]
+    model: str
+    busy: bool
+    queue_depth: int
+    uptime_s: float
+
+
+Reply = TokenReply | DoneReply | ErrorReply | HealthReply
+
+
+# --- decoding -------------------------------------------------------------------------
+
+_request_decoder: Final = msgspec.json.Decoder(Request)
+# `op` may be left out and then means "generate"; msgspec has no default tag, so a
+# request without one is decoded again as the generate Struct.
+_generate_decoder: Final = msgspec.json.Decoder(GenerateRequest)
+_any_decoder: Final = msgspec.json.Decoder()
+_MISSING_OP: Final = "Object missing required field `op`"
+_INVALID_TAG = re.compile(r"^Invalid value '(?P<op>.*)' - at `\$\.op`$")
+_KNOWN_OPS: Final = ("generate", "health")
+# msgspec rejects NaN/Infinity literals, lone surrogates and numbers out of range
+# itself; invalid UTF-8 surfaces as UnicodeDecodeError, deep nesting may recurse.
+_MALFORMED: Final = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+
+_assigned_ids = itertools.count(1)
+
+
+def assign_id() -> str:
+    """An id for a request that came without one: unique within this process."""
+    return f"sfc-{next(_assigned_ids)}"
+
+
+class RequestError(Exception):
+    def __init__(self, code: str, message: str, request_id: RequestId | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+def decode_request(line: bytes) -> Request:
+    """Decode one NDJSON line; raise RequestError (bad_json / invalid_request) if it is wrong.
+
+    The returned request always has an id (the client's, or an assigned one).
+    """
+    try:
+        try:
+            request: Request = _request_decoder.decode(line)
+        except msgspec.ValidationError as exc:
+            if str(exc) != _MISSING_OP:
+                raise
+            request = _generate_decoder.decode(line)
+    except msgspec.ValidationError as exc:
+        raise _classify_invalid(line, exc) from None
+    except _MALFORMED as exc:
+        raise RequestError(BAD_JSON, f"not valid JSON: {_malformed_reason(exc)}") from None
+    if request.id is None:
+        request.id = assign_id()
+    return request
+
+
+def _classify_invalid(line: bytes, exc: msgspec.ValidationError) -> RequestError:
+    """A typed decode failed: tell bad JSON from a well-formed but invalid request.
+
+    The typed decoder stops at the first field of the wrong type, so the line may
+    still be malformed further on; parsing it untyped settles which error it is,
+    and recovers the client's id for the error line.
+    """
+    try:
+        document = _any_decoder.decode(line)
+    except _MALFORMED as bad:
+        return RequestError(BAD_JSON, f"not valid JSON: {_malformed_reason(bad)}")
+    if not isinstance(document, dict):
+        return RequestError(BAD_JSON, f"not a JSON object (got {type(document).__name__})")
+    request_id = document.get("id")
+    if isinstance(request_id, bool) or not isinstance(request_id, str | int):
+        request_id = None
+    message = str(exc)
+    if match := _INVALID_TAG.match(message):
+        known = ", ".join(sorted(_KNOWN_OPS))
+        message = f"unknown op {match['op']!r} (known: {known}) - at `$.op`"
+    return RequestError(INVALID_REQUEST, message, request_id)
+
+
+def _malformed_reason(exc: Exception) -> str:
+    if isinstance(exc, UnicodeDecodeError):
+        return f"invalid UTF-8 at byte {exc.start}"
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return str(exc)
+
+
+# --- encoding -------------------------------------------------------------------------
+
+_encoder: Final = msgspec.json.Encoder()
+
+
+def encode_line(reply: Reply) -> bytes:
+    return _encoder.encode(reply) + b"\n"
+
+
+def encode_line_into(reply: Reply, buffer: bytearray) -> None:
+    """Append one reply line to `buffer` (one allocation-free step per streamed token)."""
+    _encoder.encode_into(reply, buffer, -1)
+    buffer.extend(b"\n")
+
+
+def error_line(request_id: RequestId, code: str, message: str) -> bytes:
+    return encode_line(ErrorReply(id=request_id, code=code, message=message))

@@ -1,0 +1,248 @@
+"""The wait queue and the single decode slot, and the event-loop half of a generation.
+
+`Generation` turns the pieces the decode thread produces into protocol lines: it
+runs the UTF-8/stop-sequence filter, encodes `token` lines in batches, and writes
+the final `done`. `Scheduler` keeps one FIFO for every connection and feeds the
+engine one job at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import Protocol
+
+from . import protocol
+from .engine import Engine, Job, Sampling
+from .protocol import DoneReply, ErrorReply, FinishReason, RequestId, Timings, TokenReply, Usage
+from .textstream import TextStream
+
+log = logging.getLogger(__name__)
+
+
+class ReplySink(Protocol):
+    """Where one request's reply lines go (a connection keeps them in request order)."""
+
+    def write(self, data: bytes | bytearray) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Generation:
+    """One generate request, from the moment it is queued until its last line is written."""
+
+    def __init__(
+        self,
+        *,
+        request_id: RequestId,
+        stream: bool,
+        stops: tuple[str, ...],
+        prompt: list[int],
+        sampling: Sampling,
+        max_tokens: int,
+        cache_prompt: bool,
+        sink: ReplySink,
+        arrived_ns: int,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.request_id = request_id
+        self.stream = stream
+        self.sink = sink
+        self.arrived_ns = arrived_ns
+        self.job = Job(
+            prompt, sampling, max_tokens, cache_prompt,
+            loop=loop, on_pieces=self._drain, on_finished=self._finished,
+        )
+        self._text = TextStream(stops)
+        self._parts: list[str] = []
+        self.completion_tokens = 0
+        self._last_token_ns = 0
+        # True once nothing more may be written: done/error sent, or the client is gone.
+        self.replied = False
+        self._scheduler: Scheduler | None = None
+
+    # --- called by the scheduler and the connection --------------------------------------
+
+    def cancel(self) -> None:
+        """End the generation early; its `done` says `cancelled` (cancel op, shutdown)."""
+        self.job.stop_requested = True
+
+    def abandon(self) -> None:
+        """The client is gone: stop at the next token and write nothing more."""
+        self.job.stop_requested = True
+        if not self.replied:
+            self.replied = True
+            self.sink.close()
+
+    def fail(self, code: str, message: str) -> None:
+        """Answer with an error instead of running (used for queued requests)."""
+        if not self.replied:
+            self.replied = True
+            self.sink.write(protocol.encode_line(
+                ErrorReply(id=self.request_id, code=code, message=message)))
+            self.sink.close()
+
+    # --- called on the event loop by the decode thread's wake-ups -----------------------
+
+    def _drain(self) -> None:
+        job = self.job
+        # Cleared before reading, so a piece appended meanwhile schedules another drain.
+        job.wake_pending = False
+        pieces = job.pieces
+        if self.replied:
+            pieces.clear()
+            return
+        text_stream, stream = self._text, self.stream
+        batch = bytearray()
+        while pieces:
+            piece, sampled_ns = pieces.popleft()
+            self.completion_tokens += 1
+            self._last_token_ns = sampled_ns
+            text = text_stream.feed(piece)
+            if text:
+                if stream:
+                    protocol.encode_line_into(TokenReply(id=self.request_id, text=text), batch)
+                else:
+                    self._parts.append(text)
+            if text_stream.stop_hit is not None:
+                # Reply now; the decode thread notices within one token and frees the slot.
+                job.stop_requested = True
+                pieces.clear()
+                self._write(batch)
+                self._reply_done("stop_sequence")
+                return
+        self._write(batch)
+
+    def _finished(self) -> None:
+        self._drain()
+        job = self.job
+        if not self.replied:
+            if job.end_reason == "error":
+                log.error("generation %r failed", self.request_id, exc_info=job.error)
+                self.fail(protocol.INTERNAL, "the model failed while generating; see the daemon log")
+            else:
+                tail = self._text.finish()
+                if tail:
+                    if self.stream:
+                        self._write(protocol.encode_line(TokenReply(id=self.request_id, text=tail)))
+                    else:
+                        self._parts.append(tail)
+                reason: FinishReason = job.end_reason  # type: ignore[assignment]
+                self._reply_done("stop_sequence" if self._text.stop_hit is not None else reason)
+        if self._scheduler is not None:
+            self._scheduler._released(self)
+
+    def _write(self, data: bytes | bytearray) -> None:
+        if data:
+            self.sink.write(data)
+
+    def _reply_done(self, reason: FinishReason) -> None:
+        self.replied = True
+        self.sink.write(protocol.encode_line(DoneReply(
+            id=self.request_id,
+            text="" if self.stream else "".join(self._parts),
+            finish_reason=reason,
+            stop_sequence=self._text.stop_hit,
+            usage=Usage(
+                prompt_tokens=len(self.job.prompt),
+                cached_tokens=self.job.n_cached,
+                completion_tokens=self.completion_tokens,
+            ),
+            timings=self._timings(),
+        )))
+        self.sink.close()
+
+    def _timings(self) -> Timings:
+        job, now = self.job, time.perf_counter_ns()
+        started = job.t_start or now
+        prompt_ns = job.t_prompt_done - job.t_start if job.t_prompt_done else 0
+        evaluated = len(job.prompt) - job.n_cached
+        decode_ns = self._last_token_ns - job.t_first if self.completion_tokens > 1 else 0
+        return Timings(
+            queued_ms=_ms(started - self.arrived_ns),
+            prompt_ms=_ms(prompt_ns),
+            prompt_tok_s=_rate(evaluated, prompt_ns),
+            first_token_ms=_ms(job.t_first - self.arrived_ns) if job.t_first else 0.0,
+            decode_ms=_ms(decode_ns),
+            decode_tok_s=_rate(self.completion_tokens - 1, decode_ns),
+            total_ms=_ms(now - self.arrived_ns),
+        )
+
+
+def _ms(ns: int) -> float:
+    return round(ns / 1e6, 3)
+
+
+def _rate(count: int, ns: int) -> float:
+    return round(count * 1e9 / ns, 2) if ns > 0 and count > 0 else 0.0
+
+
+class Scheduler:
+    """One FIFO in front of one slot. Runs on the event loop only."""
+
+    def __init__(self, engine: Engine, max_queue: int) -> None:
+        self._engine = engine
+        self._max_queue = max_queue
+        self.waiting: deque[Generation] = deque()
+        self.running: Generation | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def busy(self) -> bool:
+        return self.running is not None
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    def submit(self, generation: Generation) -> None:
+        if self.running is None:
+            self._start(generation)
+        elif len(self.waiting) >= self._max_queue:
+            raise QueueFull
+        else:
+            self.waiting.append(generation)
+
+    def abandon(self, generation: Generation) -> None:
+        """The client went away: drop it from the queue, or stop it within one token."""
+        generation.abandon()
+        if generation is not self.running:
+            try:
+                self.waiting.remove(generation)
+            except ValueError:
+                pass
+
+    def reject_waiting(self, code: str, message: str) -> None:
+        while self.waiting:
+            self.waiting.popleft().fail(code, message)
+
+    def cancel_running(self) -> None:
+        if self.running is not None:
+            self.running.cancel()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    def _start(self, generation: Generation) -> None:
+        self.running = generation
+        self._idle.clear()
+        generation._scheduler = self
+        self._engine.submit(generation.job)
+
+    def _released(self, generation: Generation) -> None:
+        if generation is not self.running:
+            return
+        self.running = None
+        while self.waiting:
+            following = self.waiting.popleft()
+            if not following.replied:
+                self._start(following)
+                return
+        self._idle.set()
