@@ -11,7 +11,8 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 from . import __version__
 from .config import Config, ConfigError, apply_overrides, load_config
@@ -87,18 +88,19 @@ def _run(config: Config) -> int:
     route_llama_logs()
     server = Server(config, EngineSettings(model_path, n_threads, n_threads_batch, pinned))
     try:
-        return _event_loop_runner()(server.run())
+        return _run_event_loop(server.run())
     except (StartupError, ModelLoadError) as exc:
         log.error("%s", exc)
         return EXIT_STARTUP
 
 
-def _event_loop_runner():  # type: ignore[no-untyped-def]
+def _run_event_loop(main: Coroutine[Any, Any, int]) -> int:
     try:
         import uvloop
     except ImportError:
-        return asyncio.run
-    return uvloop.run
+        return asyncio.run(main)
+    result: int = uvloop.run(main)
+    return result
 
 
 if __name__ == "__main__":

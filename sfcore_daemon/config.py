@@ -28,7 +28,7 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     pass
 
 
-class ServerConfig(_Section):
+class ServerConfig(_Section, frozen=True):
     # Empty: $RUNTIME_DIRECTORY/sfcore-ai.sock under systemd, else /tmp/sfcore-ai.sock.
     socket_path: str = ""
     socket_mode: Annotated[str, msgspec.Meta(pattern=r"^0?[0-7]{3}$")] = "0600"
@@ -54,7 +54,7 @@ class ServerConfig(_Section):
         return DEFAULT_SOCKET_PATH
 
 
-class ModelConfig(_Section):
+class ModelConfig(_Section, frozen=True):
     # Empty: the embedded default model (Gemma 3 270M Q4_K_M).
     path: str = ""
     n_ctx: Annotated[int, msgspec.Meta(ge=64, le=2**31 - 1)] = 8192
@@ -74,7 +74,7 @@ class ModelConfig(_Section):
             )
 
 
-class RuntimeConfig(_Section):
+class RuntimeConfig(_Section, frozen=True):
     # Empty: every CPU the process may run on.
     cpu_affinity: tuple[NonNegInt, ...] = ()
     # 0: derived from the pinned set (physical cores for decode, logical CPUs for batches).
@@ -82,7 +82,7 @@ class RuntimeConfig(_Section):
     n_threads_batch: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
 
 
-class GenerationConfig(_Section):
+class GenerationConfig(_Section, frozen=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] = 512
     temperature: Annotated[float, msgspec.Meta(ge=0, le=1e6)] = 0.8
     top_k: CInt = 40
@@ -91,11 +91,11 @@ class GenerationConfig(_Section):
     repeat_penalty: Annotated[float, msgspec.Meta(gt=0, le=1e6)] = 1.0
 
 
-class LogConfig(_Section):
+class LogConfig(_Section, frozen=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
 
 
-class Config(_Section):
+class Config(_Section, frozen=True):
     server: ServerConfig = ServerConfig()
     model: ModelConfig = ModelConfig()
     runtime: RuntimeConfig = RuntimeConfig()
@@ -107,7 +107,8 @@ class ConfigError(Exception):
     """A config problem, worded for the person who wrote the file."""
 
 
-_UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `(?P<key>[^`]+)` - at `\$(?P<at>[^`]*)`$")
+_UNKNOWN_FIELD = re.compile(
+    r"^Object contains unknown field `(?P<key>[^`]+)`(?: - at `\$(?P<at>[^`]*)`)?$")
 _AT_PATH = re.compile(r"^(?P<what>.*) - at `\$(?P<at>[^`]*)`$")
 
 
@@ -120,7 +121,7 @@ def describe_validation_error(error: msgspec.ValidationError) -> str:
     """Turn msgspec's `... - at `$.a.b`` into a message that names the TOML key first."""
     text = str(error)
     if match := _UNKNOWN_FIELD.match(text):
-        key = ".".join(filter(None, (_dotted(match["at"]), match["key"])))
+        key = ".".join(filter(None, (_dotted(match["at"] or ""), match["key"])))
         return f"unknown key `{key}`"
     if match := _AT_PATH.match(text):
         return f"`{_dotted(match['at'])}`: {match['what']}"

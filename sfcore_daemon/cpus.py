@@ -79,7 +79,7 @@ def _ranges(cpus: list[int]) -> str:
     if not cpus:
         return "none"
     spans, start, prev = [], cpus[0], cpus[0]
-    for cpu in cpus[1:] + [-2]:
+    for cpu in [*cpus[1:], -2]:
         if cpu != prev + 1:
             spans.append(f"{start}-{prev}" if prev != start else str(start))
             start = cpu

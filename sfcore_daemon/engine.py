@@ -34,6 +34,8 @@ EndReason = Literal["stop", "length", "cancelled", "error"]
 # llama.cpp takes LLAMA_DEFAULT_SEED (0xFFFFFFFF) as "pick a random seed", so client
 # seeds are folded into the 32-bit range below it.
 _SEED_MODULUS = 0xFFFFFFFF
+# Tokens the repeat penalty looks back over (llama.cpp's default).
+_PENALTY_LAST_N = 64
 
 
 class ModelLoadError(Exception):
@@ -237,7 +239,7 @@ class Engine:
             job.loop.call_soon_threadsafe(job._finished)
 
     def _run(self, job: Job) -> None:
-        ctx, vocab = self._ctx, self._vocab
+        ctx = self._ctx
         job.t_start = time.perf_counter_ns()
         prompt = job.prompt
         n_reused = self._reuse_prefix(prompt) if job.cache_prompt else 0
@@ -322,7 +324,8 @@ class Engine:
         if n == 0:
             return 0
         memory = self._memory
-        if not C.llama_memory_seq_rm(memory, 0, n, -1) or C.llama_memory_seq_pos_min(memory, 0) > 0:
+        removed = C.llama_memory_seq_rm(memory, 0, n, -1)
+        if not removed or C.llama_memory_seq_pos_min(memory, 0) > 0:
             return 0
         del cached[n:]
         self._prompt_rows = min(self._prompt_rows, n)
@@ -341,8 +344,11 @@ class Engine:
             add(chain, C.llama_sampler_init_top_k(sampling.top_k))
         if sampling.repeat_penalty != 1.0:
             n_vocab = C.llama_vocab_n_tokens(self._vocab)
-            add(chain, C.llama_sampler_init_penalties(n_vocab, 64, sampling.repeat_penalty, 0.0, 0.0))
-            for token in prompt[-64:]:
+            penalties = C.llama_sampler_init_penalties(
+                n_vocab, _PENALTY_LAST_N, sampling.repeat_penalty, 0.0, 0.0)
+            add(chain, penalties)
+            # The prompt's tail counts as "recent" too, as in llama.cpp's own tools.
+            for token in prompt[-_PENALTY_LAST_N:]:
                 C.llama_sampler_accept(chain, token)
         if sampling.temperature <= 0:
             add(chain, C.llama_sampler_init_greedy())

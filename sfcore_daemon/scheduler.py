@@ -9,6 +9,7 @@ engine one job at a time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -125,16 +126,18 @@ class Generation:
         if not self.replied:
             if job.end_reason == "error":
                 log.error("generation %r failed", self.request_id, exc_info=job.error)
-                self.fail(protocol.INTERNAL, "the model failed while generating; see the daemon log")
+                self.fail(protocol.INTERNAL,
+                          "the model failed while generating; see the daemon log")
             else:
                 tail = self._text.finish()
                 if tail:
                     if self.stream:
-                        self._write(protocol.encode_line(TokenReply(id=self.request_id, text=tail)))
+                        self._write(protocol.encode_line(
+                            TokenReply(id=self.request_id, text=tail)))
                     else:
                         self._parts.append(tail)
-                reason: FinishReason = job.end_reason  # type: ignore[assignment]
-                self._reply_done("stop_sequence" if self._text.stop_hit is not None else reason)
+                self._reply_done("stop_sequence" if self._text.stop_hit is not None
+                                 else _FINISH_REASONS[job.end_reason])
         if self._scheduler is not None:
             self._scheduler._released(self)
 
@@ -173,6 +176,10 @@ class Generation:
             decode_tok_s=_rate(self.completion_tokens - 1, decode_ns),
             total_ms=_ms(now - self.arrived_ns),
         )
+
+
+_FINISH_REASONS: dict[str, FinishReason] = {
+    "stop": "stop", "length": "length", "cancelled": "cancelled"}
 
 
 def _ms(ns: int) -> float:
@@ -214,10 +221,8 @@ class Scheduler:
         """The client went away: drop it from the queue, or stop it within one token."""
         generation.abandon()
         if generation is not self.running:
-            try:
+            with contextlib.suppress(ValueError):  # already dispatched or answered
                 self.waiting.remove(generation)
-            except ValueError:
-                pass
 
     def reject_waiting(self, code: str, message: str) -> None:
         while self.waiting:

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from . import protocol, systemd
 from .config import Config
-from .engine import Engine, ModelLoadError, Sampling
+from .engine import Engine, Sampling
 from .protocol import GenerateRequest, HealthReply, HealthRequest, RequestError, RequestId
 from .scheduler import Generation, QueueFull, Scheduler
 
@@ -220,6 +220,8 @@ class Connection:
                 # A last line without its newline still counts.
                 if await self.handle_line(eof.partial, time.perf_counter_ns()):
                     await self._after_eof()
+                else:
+                    await self.close_after_replies()
                 return
             except asyncio.LimitOverrunError:
                 limit = self.server.config.server.max_line_bytes
@@ -245,15 +247,21 @@ class Connection:
             self.reply_error(exc.request_id, exc.code, exc.message)
             return True
         server = self.server
-        match request:
-            case HealthRequest(id=request_id) if request_id is not None:
-                self.reply(protocol.encode_line(server.health(request_id)))
-            case _ if server.draining:
-                self.reply_error(request.id, protocol.SHUTTING_DOWN,
-                                 "the daemon is shutting down and takes no new requests")
-                return False
-            case GenerateRequest():
-                await server.start_generation(self, request, arrived_ns)
+        try:
+            match request:
+                case HealthRequest(id=request_id) if request_id is not None:
+                    self.reply(protocol.encode_line(server.health(request_id)))
+                case _ if server.draining:
+                    self.reply_error(request.id, protocol.SHUTTING_DOWN,
+                                     "the daemon is shutting down and takes no new requests")
+                    return False
+                case GenerateRequest():
+                    await server.start_generation(self, request, arrived_ns)
+        except Exception:
+            # A bug of ours must not cost the client its connection or other requests.
+            log.exception("request %r failed", request.id)
+            self.reply_error(request.id, protocol.INTERNAL,
+                             "unexpected error in the daemon; see its log")
         return True
 
     async def _after_eof(self) -> None:
@@ -268,8 +276,9 @@ class Connection:
         """Close once every accepted request is answered, or drop if the client leaves first."""
         if not self.replies_done.is_set():
             # shield: cancelling our wait must not cancel the protocol's own close future.
-            closed = asyncio.ensure_future(asyncio.shield(_wait_closed(self.writer)))
-            replied = asyncio.ensure_future(self.replies_done.wait())
+            closed: asyncio.Future[Any] = asyncio.ensure_future(
+                asyncio.shield(_wait_closed(self.writer)))
+            replied: asyncio.Future[Any] = asyncio.ensure_future(self.replies_done.wait())
             await asyncio.wait({closed, replied}, return_when=asyncio.FIRST_COMPLETED)
             replied.cancel()
             closed.cancel()
@@ -306,6 +315,7 @@ class Server:
         self._listener: asyncio.AbstractServer | None = None
         self._socket_identity: tuple[int, int] | None = None
         self.errors_by_code: dict[str, int] = {}
+        self._closing: set[asyncio.Future[None]] = set()
 
     # --- lifecycle ---
 
@@ -320,11 +330,11 @@ class Server:
             self._socket_identity = (info.st_dev, info.st_ino)
         else:
             self.socket_path = sock.getsockname() or self.socket_path
+            log.info("using the socket passed by systemd: %s", self.socket_path)
         try:
             self._listener = await asyncio.start_unix_server(
                 self._accept, sock=sock, limit=self.config.server.max_line_bytes + 1)
-            log.info("listening on %s (mode %s); loading the model",
-                     self.socket_path, self.config.server.socket_mode)
+            log.info("listening on %s; loading the model", self.socket_path)
             await self._load()
             if not self._stop.is_set():
                 await self._stop.wait()
@@ -372,6 +382,12 @@ class Server:
         scheduler = self.scheduler
         if scheduler is not None:
             scheduler.reject_waiting(protocol.SHUTTING_DOWN, "the daemon is shutting down")
+        # Connections with nothing running are answered and closed now; the others
+        # close once their running request has finished.
+        for connection in list(self.connections):
+            if not connection.generations:
+                self._closing.add(asyncio.ensure_future(connection.close_after_replies()))
+        if scheduler is not None:
             try:
                 await asyncio.wait_for(scheduler.wait_idle(), self.config.server.drain_timeout_s)
             except TimeoutError:
@@ -381,9 +397,8 @@ class Server:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(scheduler.wait_idle(), _CLOSE_GRACE_S)
         await self._close_connections()
-        if self.engine is not None:
-            if not await asyncio.to_thread(self.engine.close):
-                log.error("the decode thread did not stop; leaving the model to the OS")
+        if self.engine is not None and not await asyncio.to_thread(self.engine.close):
+            log.error("the decode thread did not stop; leaving the model to the OS")
         log.info("stopped")
 
     async def _close_connections(self) -> None:
@@ -395,7 +410,7 @@ class Server:
         for connection in list(self.connections):
             connection.gone = True
             connection.transport.close()
-        tasks = list(self._connection_tasks)
+        tasks = [*self._connection_tasks, *self._closing]
         for task in tasks:
             task.cancel()
         if tasks:

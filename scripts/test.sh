@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Install the test dependencies (first run only) and run the whole test suite
+# against the real default model.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/bootstrap.sh test
+exec .venv/bin/python -m pytest "$@"
