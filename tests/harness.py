@@ -163,6 +163,7 @@ async def running_daemon(
     config: dict[str, Any] | None = None,
     *,
     args: Iterable[str] = (),
+    socket_path: str | None = None,
     expect_clean_exit: bool = True,
 ) -> AsyncIterator[Daemon]:
     """Start a daemon on a short temp socket path, wait for READY=1, stop it afterwards.
@@ -176,7 +177,7 @@ async def running_daemon(
     notify_sock.setblocking(False)
     config_path = directory / "c.toml"
     config_path.write_text(tomli_w.dumps(merge(BASE_CONFIG, config or {})))
-    socket_path = str(directory / "d.sock")
+    socket_path = socket_path or str(directory / "d.sock")
     log_path = directory / "daemon.log"
     env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONUNBUFFERED="1")
     with log_path.open("wb") as log_file:
