@@ -69,10 +69,10 @@ def daemon_run(model: str, threads: int, tokens: int) -> dict[str, float]:
                       f"[runtime]\nn_threads = {threads}\nn_threads_batch = {threads}\n")
     env = dict(os.environ, NOTIFY_SOCKET=str(notify_path))
     started = time.perf_counter()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sfcore_daemon", "--config", str(config), "--socket",
-         str(sock_path)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-        stderr=open(directory / "log", "wb"))
+    with (directory / "log").open("wb") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sfcore_daemon", "--config", str(config), "--socket",
+             str(sock_path)], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log_file)
     try:
         while notify.recv(4096) != b"READY=1":
             pass

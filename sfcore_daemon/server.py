@@ -335,6 +335,7 @@ class Server:
             self._listener = await asyncio.start_unix_server(
                 self._accept, sock=sock, limit=self.config.server.max_line_bytes + 1)
             log.info("listening on %s; loading the model", self.socket_path)
+            systemd.notify("STATUS=loading the model")
             await self._load()
             if not self._stop.is_set():
                 await self._stop.wait()
@@ -361,7 +362,7 @@ class Server:
                  model_config.reproducible)
         log.info("llama.cpp system info: %s", engine.system_info.strip())
         self.ready.set()
-        systemd.notify("READY=1")
+        systemd.notify(f"READY=1\nSTATUS=serving {info.name} on {self.socket_path}")
         log.info("ready in %.0f ms since start (%.0f ms loading)",
                  (time.monotonic() - self._started) * 1000, (time.perf_counter() - started) * 1000)
 

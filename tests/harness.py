@@ -164,9 +164,12 @@ async def running_daemon(
     *,
     args: Iterable[str] = (),
     socket_path: str | None = None,
+    wait_ready: bool = True,
     expect_clean_exit: bool = True,
 ) -> AsyncIterator[Daemon]:
     """Start a daemon on a short temp socket path, wait for READY=1, stop it afterwards.
+
+    With wait_ready=False it yields as soon as the socket accepts (model still loading).
 
     On leaving, the daemon is sent SIGTERM and must exit 0 and remove its socket.
     """
@@ -189,7 +192,7 @@ async def running_daemon(
         )
     daemon = Daemon(process, socket_path, log_path, directory, _notify_sock=notify_sock)
     try:
-        await daemon.notification("READY=1")
+        await daemon.notification("READY=1" if wait_ready else "STATUS=loading")
         yield daemon
         code = await daemon.stop()
         if expect_clean_exit:

@@ -1,4 +1,4 @@
-"""Bad input and limits over a real socket: a structured error line, and the daemon keeps serving."""
+"""Bad input and limits over a real socket: a structured error, and the daemon keeps serving."""
 
 from __future__ import annotations
 

@@ -157,6 +157,17 @@ async def test_pipelined_requests_are_answered_in_order() -> None:
         assert set(order) == {1, 2, 3, 4, 5}
 
 
+async def test_requests_during_model_load_are_served_once_loaded() -> None:
+    async with running_daemon(wait_ready=False) as daemon, daemon.client() as client:
+        health = await client.final({"op": "health"})
+        assert health["status"] == "loading"
+        assert health["model"] == ""
+        lines = await client.request({"prompt": "Hello", "max_tokens": 3})
+        assert done_of(lines)["usage"]["completion_tokens"] == 3
+        assert (await daemon.notification("READY=1")).startswith("READY=1")
+        assert (await client.final({"op": "health"}))["status"] == "ok"
+
+
 async def test_health_reports_model_and_state() -> None:
     async with running_daemon() as daemon, daemon.client() as client:
         health = await client.final({"op": "health", "id": "h"})

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.harness import done_of, running_daemon, run_cli
+from tests.harness import done_of, run_cli, running_daemon
 
 pytestmark = pytest.mark.asyncio
 
