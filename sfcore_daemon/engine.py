@@ -461,7 +461,8 @@ class _LlamaLogRouter:
     def capturing_errors(self) -> Iterator[list[str]]:
         """Collect llama.cpp's error lines (logged at DEBUG meanwhile) for one message
         of our own: a user sees the reason once, not four lines of loader internals."""
-        self._captured = captured = []
+        captured: list[str] = []
+        self._captured = captured
         try:
             yield captured
         finally:

@@ -125,7 +125,7 @@ async def test_sigterm_drains_the_running_request_and_rejects_queued_ones() -> N
             assert (await watcher.final({"op": "health"}))["queue_depth"] == 1
             daemon.signal(signal.SIGTERM)
             assert await daemon.notification("STOPPING=1", timeout=30)
-            queued = await waiter.final({"op": "health"}, timeout=30)
+            queued = (await waiter.reply(timeout=30))[-1]
             assert queued["id"] == "queued" and queued["code"] == "shutting_down"
             await waiter.expect_eof()
             # The running request finishes in full.
