@@ -166,7 +166,6 @@ class Connection:
         slot.close()
 
     def reply_error(self, request_id: RequestId | None, code: str, message: str) -> None:
-        self.server.count_error(code)
         self.reply(protocol.error_line(request_id if request_id is not None
                                        else protocol.assign_id(), code, message))
 
@@ -314,7 +313,6 @@ class Server:
         self._started = time.monotonic()
         self._listener: asyncio.AbstractServer | None = None
         self._socket_identity: tuple[int, int] | None = None
-        self.errors_by_code: dict[str, int] = {}
         self._closing: set[asyncio.Future[None]] = set()
 
     # --- lifecycle ---
@@ -470,9 +468,6 @@ class Server:
 
     # --- requests ---
 
-    def count_error(self, code: str) -> None:
-        self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
-
     def health(self, request_id: RequestId) -> HealthReply:
         scheduler = self.scheduler
         status = "draining" if self.draining else "ok" if self.ready.is_set() else "loading"
@@ -535,7 +530,6 @@ class Server:
             scheduler.submit(generation)
         except QueueFull:
             connection.generations.discard(generation)
-            self.count_error(protocol.QUEUE_FULL)
             generation.fail(protocol.QUEUE_FULL,
                             f"the slot is busy and {scheduler.queue_depth} requests are waiting "
                             "(server.max_queue)")

@@ -10,7 +10,7 @@ import pytest
 from tests.harness import REPO, running_daemon
 
 sys.path.insert(0, str(REPO / "clients" / "python"))
-import sfcore_client  # noqa: E402
+import sfcore_client
 
 pytestmark = pytest.mark.asyncio
 
