@@ -12,6 +12,7 @@ once per batch of pieces; it never logs, encodes JSON or touches a socket.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
 import logging
@@ -205,24 +206,20 @@ class Engine:
         keeps a worker team per calling thread, and a second team (say, from a
         warm-up elsewhere) left decode at 50 tok/s instead of 65 on 2 CPUs.
         """
-        warmed = threading.Event()
-        failure: list[BaseException] = []
+        warmed: concurrent.futures.Future[None] = concurrent.futures.Future()
 
         def run() -> None:
             try:
                 self.warm_up()
             except BaseException as exc:
-                failure.append(exc)
+                warmed.set_exception(exc)
                 return
-            finally:
-                warmed.set()
+            warmed.set_result(None)
             self._serve()
 
         self._thread = threading.Thread(target=run, name="sfcore-decode", daemon=True)
         self._thread.start()
-        warmed.wait()
-        if failure:
-            raise failure[0]
+        warmed.result()
 
     def submit(self, job: Job) -> None:
         self._inbox.put(job)
@@ -472,7 +469,8 @@ class _LlamaLogRouter:
         if level != 5:  # GGML_LOG_LEVEL_CONT continues the previous line's level
             self._level = _GGML_LEVELS.get(level, logging.DEBUG)
         level = self._level
-        if self._captured is not None and level >= logging.ERROR:
+        capture = self._captured is not None and level >= logging.ERROR
+        if capture:
             level = logging.DEBUG
         elif not _llama_log.isEnabledFor(level):
             return
@@ -483,7 +481,7 @@ class _LlamaLogRouter:
             self._parts.clear()
             if not line:
                 return
-            if level != self._level and self._captured is not None:
+            if capture and self._captured is not None:
                 # "func: message" -> "message"
                 self._captured.append(line.split(": ", 1)[-1])
             _llama_log.log(level, "%s", line)

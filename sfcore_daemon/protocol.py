@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import Annotated, Final, Literal
+from typing import Annotated, Final, Literal, get_args
 
 import msgspec
 from msgspec import Meta, Struct
@@ -136,7 +136,7 @@ _generate_decoder: Final = msgspec.json.Decoder(GenerateRequest)
 _any_decoder: Final = msgspec.json.Decoder()
 _MISSING_OP: Final = "Object missing required field `op`"
 _INVALID_TAG = re.compile(r"^Invalid value '(?P<op>.*)' - at `\$\.op`$")
-_KNOWN_OPS: Final = ("generate", "health")
+_KNOWN_OPS: Final = tuple(sorted(str(t.__struct_config__.tag) for t in get_args(Request)))
 # msgspec rejects NaN/Infinity literals, lone surrogates and numbers out of range
 # itself; invalid UTF-8 surfaces as UnicodeDecodeError, deep nesting may recurse.
 _MALFORMED: Final = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
@@ -196,7 +196,7 @@ def _classify_invalid(line: bytes, exc: msgspec.ValidationError) -> RequestError
         request_id = None
     message = str(exc)
     if match := _INVALID_TAG.match(message):
-        known = ", ".join(sorted(_KNOWN_OPS))
+        known = ", ".join(_KNOWN_OPS)
         message = f"unknown op {match['op']!r} (known: {known}) - at `$.op`"
     return RequestError(INVALID_REQUEST, message, request_id)
 

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from typing import Protocol
+from typing import Protocol, cast
 
 from . import protocol
 from .engine import Engine, Job, Sampling
@@ -136,8 +136,9 @@ class Generation:
                             TokenReply(id=self.request_id, text=tail)))
                     else:
                         self._parts.append(tail)
+                # end_reason is "stop", "length" or "cancelled" here ("error" is above).
                 self._reply_done("stop_sequence" if self._text.stop_hit is not None
-                                 else _FINISH_REASONS[job.end_reason])
+                                 else cast(FinishReason, job.end_reason))
         if self._scheduler is not None:
             self._scheduler._released(self)
 
@@ -176,10 +177,6 @@ class Generation:
             decode_tok_s=_rate(self.completion_tokens - 1, decode_ns),
             total_ms=_ms(now - self.arrived_ns),
         )
-
-
-_FINISH_REASONS: dict[str, FinishReason] = {
-    "stop": "stop", "length": "length", "cancelled": "cancelled"}
 
 
 def _ms(ns: int) -> float:

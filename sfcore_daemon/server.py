@@ -117,12 +117,14 @@ def _peer_hung_up(sock: Any) -> bool:
 class ReplySlot:
     """The reply lines of one request; written through only while it heads the outbox."""
 
-    __slots__ = ("_connection", "held", "complete")
+    __slots__ = ("_connection", "held", "complete", "generation")
 
     def __init__(self, connection: Connection) -> None:
         self._connection = connection
         self.held: list[bytes] = []
         self.complete = False
+        # The generation writing here, forgotten by the connection once it is answered.
+        self.generation: Generation | None = None
 
     def write(self, data: bytes | bytearray) -> None:
         connection = self._connection
@@ -136,6 +138,8 @@ class ReplySlot:
     def close(self) -> None:
         if not self.complete:
             self.complete = True
+            if self.generation is not None:
+                self._connection.generations.discard(self.generation)
             self._connection.advance()
 
 
@@ -197,11 +201,9 @@ class Connection:
         self.gone = True
         log.info("dropping connection: %s", reason)
         scheduler = self.server.scheduler
-        for generation in list(self.generations):
-            if scheduler is not None:
+        if scheduler is not None:  # generations exist only once the model is loaded
+            for generation in list(self.generations):
                 scheduler.abandon(generation)
-            else:
-                generation.abandon()
         self.outbox.clear()
         self.replies_done.set()
         self.transport.abort()
@@ -504,7 +506,7 @@ class Server:
                                        "the daemon is shutting down")
             return
         defaults = self.config.generation
-        sink = _TrackedSlot(connection.open_slot(), connection)
+        slot = connection.open_slot()
         generation = Generation(
             request_id=request_id,
             stream=request.stream,
@@ -520,11 +522,11 @@ class Server:
             ),
             max_tokens=_pick(request.max_tokens, defaults.max_tokens),
             cache_prompt=request.cache_prompt,
-            sink=sink,
+            sink=slot,
             arrived_ns=arrived_ns,
             loop=asyncio.get_running_loop(),
         )
-        sink.generation = generation
+        slot.generation = generation
         connection.generations.add(generation)
         try:
             scheduler.submit(generation)
@@ -533,25 +535,6 @@ class Server:
             generation.fail(protocol.QUEUE_FULL,
                             f"the slot is busy and {scheduler.queue_depth} requests are waiting "
                             "(server.max_queue)")
-
-
-class _TrackedSlot:
-    """A reply slot that also forgets its generation once the reply is complete."""
-
-    __slots__ = ("_slot", "_connection", "generation")
-
-    def __init__(self, slot: ReplySlot, connection: Connection) -> None:
-        self._slot = slot
-        self._connection = connection
-        self.generation: Generation | None = None
-
-    def write(self, data: bytes | bytearray) -> None:
-        self._slot.write(data)
-
-    def close(self) -> None:
-        self._slot.close()
-        if self.generation is not None:
-            self._connection.generations.discard(self.generation)
 
 
 _T = TypeVar("_T")
