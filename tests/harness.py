@@ -88,6 +88,14 @@ class Client:
                     timeout: float = REPLY_TIMEOUT_S) -> dict[str, Any]:
         return (await self.request(message, timeout))[-1]
 
+    async def start_streaming(self, *messages: dict[str, Any]) -> dict[str, Any]:
+        """Send (pipelined) requests and return once the first has streamed a token:
+        from then on the slot is known to be busy with it."""
+        await self.send(*messages)
+        first = await self.recv()
+        assert first is not None and first["type"] == "token", first
+        return first
+
     async def expect_eof(self, timeout: float = REPLY_TIMEOUT_S) -> None:
         rest = await asyncio.wait_for(self.reader.read(), timeout)
         assert rest == b"", rest

@@ -116,9 +116,7 @@ async def test_queue_full_and_nothing_accepted_is_lost() -> None:
     async with running_daemon({"server": {"max_queue": 1}}) as daemon:
         async with daemon.client() as runner, daemon.client() as waiter, \
                 daemon.client() as extra:
-            await runner.send({"id": "run", "prompt": "Tell a story.", "max_tokens": 60})
-            first = await runner.recv()
-            assert first is not None and first["type"] == "token"  # the slot is busy
+            await runner.start_streaming({"id": "run", "prompt": "Tell a story.", "max_tokens": 60})
             await waiter.send({"id": "wait", "prompt": "Hello", "max_tokens": 5})
             # The health answer proves the waiting request was queued before we go on.
             assert (await extra.final(HEALTH))["queue_depth"] == 1

@@ -176,9 +176,7 @@ async def test_health_reports_model_and_state() -> None:
                           "uptime_s": health["uptime_s"]}
         assert health["uptime_s"] > 0
         async with daemon.client() as other:
-            await other.send({"prompt": "Tell me a long story.", "max_tokens": 400})
-            first = await other.recv()
-            assert first is not None and first["type"] == "token"
+            await other.start_streaming({"prompt": "Tell me a long story.", "max_tokens": 400})
             busy = await client.final({"op": "health"})
             assert busy["busy"] is True
             assert busy["id"].startswith("sfc-")  # assigned when the client gives none

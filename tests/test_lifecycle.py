@@ -118,9 +118,8 @@ async def test_sigterm_drains_the_running_request_and_rejects_queued_ones() -> N
     async with running_daemon({"server": {"drain_timeout_s": 60}}) as daemon:
         async with daemon.client() as runner, daemon.client() as waiter, \
                 daemon.client() as watcher:
-            await runner.send({"id": "running", "prompt": "Tell a story.", "max_tokens": 40})
-            first = await runner.recv()
-            assert first is not None and first["type"] == "token"
+            await runner.start_streaming(
+                {"id": "running", "prompt": "Tell a story.", "max_tokens": 40})
             await waiter.send({"id": "queued", "prompt": "Hello", "max_tokens": 4})
             assert (await watcher.final({"op": "health"}))["queue_depth"] == 1
             daemon.signal(signal.SIGTERM)
@@ -140,9 +139,8 @@ async def test_sigterm_drains_the_running_request_and_rejects_queued_ones() -> N
 async def test_drain_timeout_cancels_the_running_request() -> None:
     async with running_daemon({"server": {"drain_timeout_s": 0.5}}) as daemon:
         async with daemon.client() as runner, daemon.client() as watcher:
-            await runner.send({"id": "long", "prompt": "Tell a story.", "max_tokens": 2000})
-            first = await runner.recv()
-            assert first is not None and first["type"] == "token"
+            await runner.start_streaming(
+                {"id": "long", "prompt": "Tell a story.", "max_tokens": 2000})
             daemon.signal(signal.SIGTERM)
             done = done_of(await runner.reply(timeout=30))
             assert done["finish_reason"] == "cancelled"
@@ -154,9 +152,8 @@ async def test_drain_timeout_cancels_the_running_request() -> None:
 async def test_health_says_draining_and_new_work_is_refused_during_shutdown() -> None:
     async with running_daemon({"server": {"drain_timeout_s": 60}}) as daemon:
         async with daemon.client() as runner:
-            await runner.send({"id": "long", "prompt": "Tell a story.", "max_tokens": 200})
-            first = await runner.recv()
-            assert first is not None and first["type"] == "token"
+            await runner.start_streaming(
+                {"id": "long", "prompt": "Tell a story.", "max_tokens": 200})
             daemon.signal(signal.SIGTERM)
             assert await daemon.notification("STOPPING=1", timeout=30)
             # Pipelined behind the running request on the same connection.
@@ -175,9 +172,7 @@ async def test_health_says_draining_and_new_work_is_refused_during_shutdown() ->
 async def test_second_signal_cancels_at_once() -> None:
     async with running_daemon({"server": {"drain_timeout_s": 600}}) as daemon:
         async with daemon.client() as runner:
-            await runner.send({"prompt": "Tell a story.", "max_tokens": 2000})
-            first = await runner.recv()
-            assert first is not None
+            await runner.start_streaming({"prompt": "Tell a story.", "max_tokens": 2000})
             daemon.signal(signal.SIGINT)
             assert await daemon.notification("STOPPING=1", timeout=30)
             daemon.signal(signal.SIGINT)
