@@ -7,7 +7,6 @@ on stderr and a non-zero exit, never as a traceback.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -51,6 +50,11 @@ def resolve_config(args: argparse.Namespace) -> Config:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["tune"]:
+        from .tune import main as tune_main
+
+        return tune_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         config = resolve_config(args)
@@ -59,45 +63,64 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     # Must be set before llama.cpp (and any BLAS it links) is loaded.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    from . import cpus
 
+    try:
+        # Before any thread exists (the log listener included): a thread inherits
+        # its creator's CPU mask, and pinning the process later changes one thread only.
+        pinned = cpus.pin(config.runtime.cpu_affinity)
+    except cpus.CpuError as exc:
+        print(f"sfcore-daemon: {exc}", file=sys.stderr)
+        return EXIT_STARTUP
     from .logs import setup_logging
 
     listener = setup_logging(config.log.level)
     try:
-        return _run(config)
+        return _run(config, pinned)
     finally:
         listener.stop()
 
 
-def _run(config: Config) -> int:
+def _run(config: Config, pinned: list[int]) -> int:
     from . import cpus, models
 
+    n_threads, n_threads_batch = cpus.derive_threads(
+        pinned, config.runtime.n_threads, config.runtime.n_threads_batch)
     try:
-        # Pin first: llama.cpp's worker threads inherit the mask when they are created.
-        pinned = cpus.pin(config.runtime.cpu_affinity)
-        n_threads, n_threads_batch = cpus.derive_threads(
-            pinned, config.runtime.n_threads, config.runtime.n_threads_batch)
         model_path = models.resolve_model_path(config.model.path)
-    except (cpus.CpuError, models.ModelSourceError) as exc:
+    except models.ModelSourceError as exc:
         log.error("%s", exc)
         return EXIT_STARTUP
 
-    from .engine import ModelLoadError, route_llama_logs
-    from .server import EngineSettings, Server, StartupError
+    from .engine import Engine, ModelLoadError, route_llama_logs
 
     route_llama_logs()
-    server = Server(config, EngineSettings(model_path, n_threads, n_threads_batch, pinned))
     try:
+        engine = Engine(model_path, config.model, n_threads, n_threads_batch)
+    except ModelLoadError as exc:
+        log.error("%s", exc)
+        return EXIT_STARTUP
+    # llama.cpp reads the model on the decode thread (the GIL is released in C)
+    # while this thread imports the server and binds the socket.
+    engine.start()
+    try:
+        from .server import Server, StartupError
+
+        server = Server(config, engine, pinned)
         return _run_event_loop(server.run())
     except (StartupError, ModelLoadError) as exc:
         log.error("%s", exc)
         return EXIT_STARTUP
+    finally:
+        engine.close()
 
 
 def _run_event_loop(main: Coroutine[Any, Any, int]) -> int:
     try:
         import uvloop
     except ImportError:
+        import asyncio
+
         return asyncio.run(main)
     result: int = uvloop.run(main)
     return result

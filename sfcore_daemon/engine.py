@@ -11,7 +11,6 @@ once per batch of pieces; it never logs, encodes JSON or touches a socket.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import ctypes
@@ -23,11 +22,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
-
-import llama_cpp.llama_cpp as C
+from typing import TYPE_CHECKING, Any, Literal
 
 from .config import ModelConfig
+from .llama_c import C
+
+if TYPE_CHECKING:
+    import asyncio
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ EndReason = Literal["stop", "length", "cancelled", "error"]
 _SEED_MODULUS = 0xFFFFFFFF
 # Tokens the repeat penalty looks back over (llama.cpp's default).
 _PENALTY_LAST_N = 64
+# llama_decode's return value when the abort callback said stop.
+_DECODE_ABORTED = 2
 
 
 class ModelLoadError(Exception):
@@ -110,7 +113,15 @@ class Job:
 
 
 class Engine:
-    """One model, one context, one slot, one decode thread."""
+    """One model, one context, one slot, one decode thread.
+
+    The decode thread does everything that touches the context: it loads the
+    model, runs the warm-up decode and then serves jobs. Loading on it lets the
+    caller go on with its own start-up (imports, the socket) while llama.cpp reads
+    the model, and keeps every llama_decode on one thread: libgomp keeps a worker
+    team per calling thread, and a second team (say, from a warm-up elsewhere)
+    left decode at 50 tok/s instead of 65 on 2 CPUs.
+    """
 
     def __init__(
         self,
@@ -119,42 +130,51 @@ class Engine:
         n_threads: int,
         n_threads_batch: int,
     ) -> None:
+        if not os.path.isfile(model_path):
+            raise ModelLoadError(f"model file not found: {model_path}")
+        self.model_path = model_path
         self.config = model_config
         self.n_threads = n_threads
         self.n_threads_batch = n_threads_batch
-        if not os.path.isfile(model_path):
-            raise ModelLoadError(f"model file not found: {model_path}")
+        # Resolved once the model is loaded and warmed up, or fails with ModelLoadError.
+        self.ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._model: Any = None
+        self._ctx: Any = None
+        self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
 
+    def start(self) -> concurrent.futures.Future[None]:
+        """Start loading on the decode thread; the returned future says when it is ready."""
+        self._thread = threading.Thread(target=self._main, name="sfcore-decode", daemon=True)
+        self._thread.start()
+        return self.ready
+
+    def _main(self) -> None:
+        try:
+            self._load()
+            self.warm_up()
+        except BaseException as exc:
+            self.ready.set_exception(exc)
+            return
+        self.ready.set_result(None)
+        self._serve()
+
+    def _load(self) -> None:
+        model_path, model_config = self.model_path, self.config
+        started = time.perf_counter()
         C.llama_backend_init()
         model_params = C.llama_model_default_params()
         model_params.n_gpu_layers = model_config.n_gpu_layers
-        model_params.load_mode = _load_mode(model_config.use_mmap, model_config.use_mlock)
-        started = time.perf_counter()
+        model_params.load_mode = load_mode(model_config.use_mmap, model_config.use_mlock)
         with _router.capturing_errors() as errors:
             model = C.llama_model_load_from_file(model_path.encode(), model_params)
         if not model:
             reason = errors[0] if errors else "not a GGUF model this llama.cpp can load"
             raise ModelLoadError(f"cannot load model {model_path}: {reason}")
         self._model = model
-
-        ctx_params = C.llama_context_default_params()
-        ctx_params.n_ctx = model_config.n_ctx
-        ctx_params.n_batch = model_config.n_batch
-        ctx_params.n_ubatch = model_config.n_ubatch
-        ctx_params.n_seq_max = 1
-        # Only the last prompt token's logits are ever read. Without this llama.cpp
-        # reserves logits for n_ubatch outputs: 512 x 262k floats, a 514 MiB buffer.
-        ctx_params.n_outputs_max = 1
-        ctx_params.n_threads = n_threads
-        ctx_params.n_threads_batch = n_threads_batch
-        ctx_params.flash_attn_type = _flash_attn_type(model_config.flash_attn)
-        # A full-size sliding-window cache: with llama.cpp's default small one, rows
-        # before the window are pruned and a reused prefix silently changes the output.
-        ctx_params.swa_full = True
-        ctx_params.no_perf = True
-        ctx = C.llama_init_from_model(model, ctx_params)
+        ctx = C.llama_init_from_model(model, context_params(
+            model_config, self.n_threads, self.n_threads_batch))
         if not ctx:
-            C.llama_model_free(model)
             raise ModelLoadError(
                 f"cannot create a context for {model_path} (n_ctx={model_config.n_ctx}); "
                 "see the llama.cpp messages above"
@@ -182,8 +202,11 @@ class Engine:
         self._piece_buf = ctypes.create_string_buffer(256)
         self._one_token = (C.llama_token * 1)()
         self._one_batch = C.llama_batch_get_one(self._one_token, 1)
-        self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        # Installed only while a prompt is evaluated: llama.cpp polls it once per
+        # graph node, ~400 times per decoded token, which costs decode speed.
+        self._abort_job: Job | None = None
+        self._abort_callback = C.ggml_abort_callback(self._should_abort)
+        self._no_abort_callback = C.ggml_abort_callback()
 
     # --- used from the event loop -----------------------------------------------------
 
@@ -199,41 +222,27 @@ class Engine:
             n = C.llama_tokenize(self._vocab, data, len(data), tokens, capacity, add_special, True)
         return tokens[:n]
 
-    def start(self) -> None:
-        """Start the decode thread; return once its warm-up decode is done.
-
-        Every llama_decode runs on that one thread, the warm-up included: libgomp
-        keeps a worker team per calling thread, and a second team (say, from a
-        warm-up elsewhere) left decode at 50 tok/s instead of 65 on 2 CPUs.
-        """
-        warmed: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                self.warm_up()
-            except BaseException as exc:
-                warmed.set_exception(exc)
-                return
-            warmed.set_result(None)
-            self._serve()
-
-        self._thread = threading.Thread(target=run, name="sfcore-decode", daemon=True)
-        self._thread.start()
-        warmed.result()
-
     def submit(self, job: Job) -> None:
         self._inbox.put(job)
 
     def close(self, timeout: float = 10.0) -> bool:
-        """Stop the decode thread and free the model; False if the thread would not stop."""
+        """Stop the decode thread and free the model; False if the thread would not stop.
+
+        Called while the model is still loading, this waits for the load to end.
+        """
         if self._thread is not None:
             self._inbox.put(None)
             self._thread.join(timeout)
             if self._thread.is_alive():
                 return False
-        C.llama_free(self._ctx)
-        C.llama_model_free(self._model)
-        C.llama_backend_free()
+            self._thread = None
+        if self._ctx:
+            C.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            C.llama_model_free(self._model)
+            self._model = None
+            C.llama_backend_free()
         return True
 
     def warm_up(self) -> None:
@@ -265,23 +274,35 @@ class Engine:
             self._forget_cache()
         job.n_cached = n_reused
 
-        # Prefill in chunks, so a cancelled request stops between them.
+        # Prefill in n_batch chunks; a cancelled request stops between chunks, and
+        # within one through the abort callback, installed for the prompt only.
         tokens = (C.llama_token * len(prompt))(*prompt)
         base, token_size = ctypes.addressof(tokens), ctypes.sizeof(C.llama_token)
         pos, chunk = n_reused, self._prefill_chunk
-        while pos < len(prompt):
-            if job.stop_requested:
-                job.end_reason = "cancelled"
-                return
-            end = min(pos - pos % chunk + chunk, len(prompt))
-            start = ctypes.cast(base + pos * token_size, C.llama_token_p)
-            batch = C.llama_batch_get_one(start, end - pos)
-            rc = C.llama_decode(ctx, batch)
-            if rc != 0:
-                raise RuntimeError(f"llama_decode failed on the prompt (code {rc})")
-            self._cached.extend(prompt[pos:end])
-            self._prompt_rows = end
-            pos = end
+        self._abort_job = job
+        C.llama_set_abort_callback(ctx, self._abort_callback, None)
+        try:
+            while pos < len(prompt):
+                if job.stop_requested:
+                    job.end_reason = "cancelled"
+                    return
+                end = min(pos - pos % chunk + chunk, len(prompt))
+                start = ctypes.cast(base + pos * token_size, C.llama_token_p)
+                rc = C.llama_decode(ctx, C.llama_batch_get_one(start, end - pos))
+                if rc == _DECODE_ABORTED:
+                    # Whole ubatches done before the abort stay in the cache; drop
+                    # them so the cache holds exactly the tokens in self._cached.
+                    C.llama_memory_seq_rm(self._memory, 0, len(self._cached), -1)
+                    job.end_reason = "cancelled"
+                    return
+                if rc != 0:
+                    raise RuntimeError(f"llama_decode failed on the prompt (code {rc})")
+                self._cached.extend(prompt[pos:end])
+                self._prompt_rows = end
+                pos = end
+        finally:
+            C.llama_set_abort_callback(ctx, self._no_abort_callback, None)
+            self._abort_job = None
         job.t_prompt_done = time.perf_counter_ns()
 
         sampler = self._make_sampler(job.sampling, prompt)
@@ -289,6 +310,10 @@ class Engine:
             self._generate(job, sampler)
         finally:
             C.llama_sampler_free(sampler)
+
+    def _should_abort(self, _data: Any) -> bool:
+        job = self._abort_job
+        return job is not None and job.stop_requested
 
     def _generate(self, job: Job, sampler: Any) -> None:
         ctx, vocab = self._ctx, self._vocab
@@ -391,7 +416,27 @@ class Engine:
         return piece
 
 
-def _load_mode(use_mmap: bool, use_mlock: bool) -> int:
+def context_params(model_config: ModelConfig, n_threads: int, n_threads_batch: int) -> Any:
+    """The daemon's llama_context_params; the tuner and the benchmark use the same."""
+    params = C.llama_context_default_params()
+    params.n_ctx = model_config.n_ctx
+    params.n_batch = model_config.n_batch
+    params.n_ubatch = model_config.n_ubatch
+    params.n_seq_max = 1
+    # Only the last prompt token's logits are ever read. Without this llama.cpp
+    # reserves logits for n_ubatch outputs: 512 x 262k floats, a 514 MiB buffer.
+    params.n_outputs_max = 1
+    params.n_threads = n_threads
+    params.n_threads_batch = n_threads_batch
+    params.flash_attn_type = _flash_attn_type(model_config.flash_attn)
+    # A full-size sliding-window cache: with llama.cpp's default small one, rows
+    # before the window are pruned and a reused prefix silently changes the output.
+    params.swa_full = True
+    params.no_perf = True
+    return params
+
+
+def load_mode(use_mmap: bool, use_mlock: bool) -> int:
     if use_mmap:
         return C.LLAMA_LOAD_MODE_MMAP_MLOCK if use_mlock else C.LLAMA_LOAD_MODE_MMAP
     return C.LLAMA_LOAD_MODE_MLOCK if use_mlock else C.LLAMA_LOAD_MODE_NONE

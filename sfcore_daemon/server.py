@@ -20,7 +20,6 @@ import stat
 import struct
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from . import protocol, systemd
@@ -38,14 +37,6 @@ _CLOSE_GRACE_S = 5.0
 
 class StartupError(Exception):
     """A problem that stops the daemon before it serves; the message is for the user."""
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    model_path: str
-    n_threads: int
-    n_threads_batch: int
-    cpus: list[int]
 
 
 # --- the socket file ----------------------------------------------------------------------
@@ -300,10 +291,13 @@ async def _wait_closed(writer: asyncio.StreamWriter) -> None:
 
 
 class Server:
-    def __init__(self, config: Config, settings: EngineSettings) -> None:
+    def __init__(self, config: Config, engine: Engine, cpus: list[int]) -> None:
+        """`engine` has been started (it may still be loading); the server closes it."""
         self.config = config
-        self.settings = settings
+        self.cpus = cpus
         self.socket_path = config.server.resolved_socket_path()
+        self._engine = engine
+        # Set once the model is loaded and warmed up.
         self.engine: Engine | None = None
         self.scheduler: Scheduler | None = None
         self.connections: set[Connection] = set()
@@ -345,11 +339,8 @@ class Server:
         return 0
 
     async def _load(self) -> None:
-        settings, model_config = self.settings, self.config.model
-        started = time.perf_counter()
-        engine = await asyncio.to_thread(
-            Engine, settings.model_path, model_config, settings.n_threads, settings.n_threads_batch)
-        await asyncio.to_thread(engine.start)
+        engine, model_config = self._engine, self.config.model
+        await asyncio.wrap_future(engine.ready)
         self.engine = engine
         self.scheduler = Scheduler(engine, self.config.server.max_queue)
         info = engine.info
@@ -358,13 +349,11 @@ class Server:
                  info.path, engine.load_seconds * 1000)
         log.info("n_ctx=%d n_batch=%d n_ubatch=%d threads=%d threads_batch=%d cpus=%s "
                  "reproducible=%s", engine.n_ctx, model_config.n_batch, engine.n_ubatch,
-                 settings.n_threads, settings.n_threads_batch, settings.cpus,
+                 engine.n_threads, engine.n_threads_batch, self.cpus,
                  model_config.reproducible)
         log.info("llama.cpp system info: %s", engine.system_info.strip())
         self.ready.set()
         systemd.notify(f"READY=1\nSTATUS=serving {info.name} on {self.socket_path}")
-        log.info("ready in %.0f ms since start (%.0f ms loading)",
-                 (time.monotonic() - self._started) * 1000, (time.perf_counter() - started) * 1000)
 
     def request_stop(self, signum: int | None = None) -> None:
         self._stop_count += 1
@@ -398,7 +387,7 @@ class Server:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(scheduler.wait_idle(), _CLOSE_GRACE_S)
         await self._close_connections()
-        if self.engine is not None and not await asyncio.to_thread(self.engine.close):
+        if not await asyncio.to_thread(self._engine.close):
             log.error("the decode thread did not stop; leaving the model to the OS")
         log.info("stopped")
 

@@ -30,20 +30,28 @@ async def test_killing_a_client_mid_stream_frees_the_slot_within_a_second() -> N
             assert health["queue_depth"] == 0
 
 
-async def test_client_gone_during_prefill_stops_between_prompt_batches() -> None:
-    # ~4000 prompt tokens: about ten seconds of prefill in 512-token batches.
+async def test_client_gone_during_prefill_stops_inside_a_prompt_batch() -> None:
+    # ~4000 prompt tokens in one 4096-token batch: about ten seconds of llama_decode,
+    # which only llama.cpp's abort callback can interrupt.
     long_prompt = {"prompt": "The quick brown fox jumps over the lazy dog. " * 400,
                    "max_tokens": 50}
-    async with running_daemon({"model": {"n_ctx": 8192}}) as daemon:
+    greedy = {"id": "next", "prompt": "Hello", "max_tokens": 8, "temperature": 0}
+    config = {"model": {"n_ctx": 8192, "n_batch": 4096, "n_ubatch": 512}}
+    async with running_daemon(config) as daemon:
+        async with daemon.client() as client:
+            before = tokens_text(await client.request(greedy))
         leaver = await daemon.connect()
         await leaver.send(long_prompt)
+        # Connected after the long request was sent, so it is read first; health
+        # answers once that prompt is tokenized and in the slot.
         async with daemon.client() as client:
-            # Health answers once the prompt is tokenized and in the slot.
             assert (await client.final({"op": "health"}))["busy"] is True
             await leaver.close()
-            done = done_of(await client.request(QUICK, timeout=60))
-            # One prompt batch is ~1.2 s here; the whole prefill would be ~10 s.
-            assert done["timings"]["queued_ms"] < 4000, done["timings"]
+            done = done_of(after := await client.request(greedy, timeout=60))
+            # Between batches only, this would wait for the whole ~10 s batch.
+            assert done["timings"]["queued_ms"] < 2000, done["timings"]
+            # The rows evaluated before the abort are gone from the cache.
+            assert tokens_text(after) == before
 
 
 async def test_half_closed_client_still_gets_every_reply() -> None:

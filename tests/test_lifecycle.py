@@ -102,7 +102,11 @@ async def test_nonexistent_cpu_is_a_startup_error() -> None:
 
 async def test_daemon_pins_itself_and_derives_threads_from_the_pinned_set() -> None:
     async with running_daemon({"runtime": {"cpu_affinity": [0]}}) as daemon:
-        assert psutil.Process(daemon.process.pid).cpu_affinity() == [0]
+        process = psutil.Process(daemon.process.pid)
+        assert process.cpu_affinity() == [0]
+        # Every thread, not just the main one: affinity is per thread on Linux.
+        assert {t.id: os.sched_getaffinity(t.id) for t in process.threads()} == {
+            t.id: {0} for t in process.threads()}
         async with daemon.client() as client:
             done = done_of(await client.request({"prompt": "Hi", "max_tokens": 3}))
             assert done["usage"]["completion_tokens"] == 3

@@ -1,0 +1,628 @@
+"""`sfcore-daemon tune`: measure decode and prefill speed, recommend thread counts and n_ubatch.
+
+The tuner pins itself to the configured CPU set, loads the model once with the
+daemon's own model and context settings, and sweeps:
+
+- decode threads (1..n pinned CPUs): greedy single-token decodes, tokens/s;
+- prefill threads x n_ubatch: a fixed prompt evaluated in n_batch chunks, tokens/s.
+
+Decode speed does not depend on n_ubatch and prefill speed does not depend on the
+decode thread count, so the two sweeps are separate. Each figure is the median of
+--runs runs. With --write the best values go into the config file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+import tomllib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import IO, Any, NoReturn
+
+import msgspec
+import tomli_w
+
+from . import cpus, models
+from .config import CONFIG_FILE_NAME, Config, ConfigError, apply_overrides, load_config
+
+PROG = "sfcore-daemon tune"
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+UBATCH_CANDIDATES = (128, 256, 512)
+# Results this close to the fastest count as equal; the cheaper setting wins.
+TIE_TOLERANCE = 0.02
+# Decode is measured after a short prompt, as in a typical chat turn's first tokens.
+DECODE_PROMPT_TOKENS = 16
+# Other processes' share of the pinned CPUs above which the figures are flagged.
+BUSY_WARNING = 0.10
+# Real text, so the prompt tokens look like what the daemon evaluates.
+PROMPT_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Local language models answer "
+    "questions, summarise documents and write code on ordinary hardware. "
+    "Memory bandwidth bounds token generation, while prompt evaluation is bound "
+    "by arithmetic, so the best thread counts for the two often differ. "
+)
+
+
+class TuneError(Exception):
+    """A problem worded for the user; ends the command with `exit_code`."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_RUNTIME) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# --- command line -----------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # argparse would print the usage block too; one line is the CLI's promise.
+        raise TuneError(f"{message} (see --help)", EXIT_USAGE)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    values = {_positive_int(part.strip()) for part in text.split(",") if part.strip()}
+    if not values:
+        raise argparse.ArgumentTypeError("empty list")
+    return tuple(sorted(values))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description="Measure decode and prompt (prefill) speed over thread counts and "
+                    "n_ubatch values on this machine, and recommend the fastest settings.",
+    )
+    parser.add_argument("--config", metavar="PATH",
+                        help="config file (default: ./server_config.toml if present, "
+                             "else built-in defaults)")
+    parser.add_argument("--model", metavar="PATH", help="override [model] path (a GGUF file)")
+    parser.add_argument("--runs", metavar="N", type=_positive_int, default=3,
+                        help="runs per measurement; the median is reported (default 3)")
+    parser.add_argument("--tokens", metavar="N", type=_positive_int, default=64,
+                        help="tokens decoded per decode run (default 64)")
+    parser.add_argument("--prompt-tokens", metavar="N", type=_positive_int, default=512,
+                        help="prompt length of a prefill run (default 512)")
+    parser.add_argument("--threads", metavar="LIST", type=_int_list,
+                        help="thread counts to try, e.g. 2,4 (default: 1..number of pinned CPUs)")
+    parser.add_argument("--ubatch", metavar="LIST", type=_int_list,
+                        help="n_ubatch values to try, e.g. 128,512 "
+                             "(default: 128, 256, 512 up to n_batch, and the configured one)")
+    parser.add_argument("--write", action="store_true",
+                        help="store the recommended values in the config file "
+                             "(comments in it are not preserved)")
+    return parser
+
+
+# --- the plan ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    decode_threads: tuple[int, ...]
+    batch_threads: tuple[int, ...]
+    # The first value is the context the decode sweep runs on.
+    ubatches: tuple[int, ...]
+    runs: int
+    decode_tokens: int
+    prompt_tokens: int
+
+    @property
+    def steps(self) -> int:
+        return len(self.decode_threads) + len(self.batch_threads) * len(self.ubatches)
+
+
+def make_plan(args: argparse.Namespace, config: Config, pinned: Sequence[int]) -> Plan:
+    model = config.model
+    threads = _thread_counts(args.threads, len(pinned))
+    # llama.cpp caps n_batch at n_ctx, and n_ubatch at n_batch.
+    n_batch = min(model.n_batch, model.n_ctx)
+    ubatches = _ubatch_values(args.ubatch, n_batch, model.n_ubatch)
+    if args.prompt_tokens < 2:
+        # A one-token batch runs with the decode thread count, not the batch one.
+        raise TuneError("--prompt-tokens must be at least 2", EXIT_USAGE)
+    if args.prompt_tokens > model.n_ctx:
+        raise TuneError(f"--prompt-tokens {args.prompt_tokens} exceeds [model] n_ctx "
+                        f"{model.n_ctx}", EXIT_USAGE)
+    if DECODE_PROMPT_TOKENS + args.tokens > model.n_ctx:
+        raise TuneError(f"--tokens {args.tokens} does not fit in [model] n_ctx {model.n_ctx} "
+                        f"after a {DECODE_PROMPT_TOKENS}-token prompt", EXIT_USAGE)
+    return Plan(threads, threads, ubatches, args.runs, args.tokens, args.prompt_tokens)
+
+
+def _thread_counts(requested: tuple[int, ...] | None, n_cpus: int) -> tuple[int, ...]:
+    if requested is None:
+        return tuple(range(1, n_cpus + 1))
+    too_many = [n for n in requested if n > n_cpus]
+    if too_many:
+        raise TuneError(f"--threads: {too_many[0]} is more than the {n_cpus} CPUs pinned "
+                        "(see [runtime] cpu_affinity)", EXIT_USAGE)
+    return requested
+
+
+def _ubatch_values(requested: tuple[int, ...] | None, n_batch: int,
+                   configured: int) -> tuple[int, ...]:
+    if requested is not None:
+        too_big = [n for n in requested if n > n_batch]
+        if too_big:
+            raise TuneError(f"--ubatch: {too_big[0]} exceeds n_batch {n_batch} "
+                            "(n_ubatch must not exceed [model] n_batch or n_ctx)", EXIT_USAGE)
+        values = requested
+    elif n_batch < UBATCH_CANDIDATES[0]:
+        values = (n_batch,)
+    else:
+        values = tuple(n for n in UBATCH_CANDIDATES if n <= n_batch)
+    configured = min(configured, n_batch)
+    if requested is None:
+        values = tuple(sorted({*values, configured}))
+    # Decode does not depend on n_ubatch: run it on the configured context when swept.
+    first = configured if configured in values else values[0]
+    return (first, *(n for n in values if n != first))
+
+
+# --- measuring --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    threads: int
+    n_ubatch: int
+    rates: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.rates)
+
+    @property
+    def spread(self) -> str:
+        return f"{min(self.rates):.1f}-{max(self.rates):.1f}"
+
+
+@dataclass(slots=True)
+class Sweep:
+    decode: list[Result] = field(default_factory=list)
+    prefill: list[Result] = field(default_factory=list)
+    # Share of the pinned CPUs' time that other processes took meanwhile.
+    others_share: float = 0.0
+
+
+class _ErrorLines(logging.Handler):
+    """Keeps llama.cpp's error lines for one message of our own; drops everything else."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # "llama_model_load: error loading model: ..." -> the part after the function name
+        self.lines.append(record.getMessage().split(": ", 1)[-1])
+
+
+def _silence_llama_logs() -> _ErrorLines:
+    from .engine import route_llama_logs
+
+    route_llama_logs()
+    errors = _ErrorLines()
+    llama_log = logging.getLogger("sfcore_daemon.llama_cpp")
+    llama_log.setLevel(logging.ERROR)
+    llama_log.propagate = False
+    llama_log.addHandler(errors)
+    return errors
+
+
+class Bench:
+    """One loaded model; contexts are created per n_ubatch on demand.
+
+    Every llama_decode runs on the thread that created the Bench: libgomp keeps a
+    worker team per calling thread, and decoding from a second thread cost 25%
+    decode speed on the 2-CPU machine this was written on.
+    """
+
+    def __init__(self, model_path: str, config: Config, pinned: Sequence[int]) -> None:
+        from .engine import load_mode
+        from .llama_c import C
+
+        self.C = C
+        self.config = config
+        self.pinned = pinned
+        errors = _silence_llama_logs()
+        C.llama_backend_init()
+        params = C.llama_model_default_params()
+        params.n_gpu_layers = config.model.n_gpu_layers
+        params.load_mode = load_mode(config.model.use_mmap, config.model.use_mlock)
+        self.model = C.llama_model_load_from_file(model_path.encode(), params)
+        if not self.model:
+            C.llama_backend_free()
+            reason = errors.lines[0] if errors.lines else "not a GGUF model this llama.cpp can load"
+            raise TuneError(f"cannot load model {model_path}: {reason}")
+        self.vocab = C.llama_model_get_vocab(self.model)
+
+    def close(self) -> None:
+        self.C.llama_model_free(self.model)
+        self.C.llama_backend_free()
+
+    def prompt(self, n_tokens: int) -> Any:
+        """`n_tokens` tokens of real text (BOS first), as a ctypes array."""
+        C = self.C
+        data = PROMPT_TEXT.encode()
+        buffer = (C.llama_token * (len(data) + 8))()
+        n = C.llama_tokenize(self.vocab, data, len(data), buffer, len(buffer), False, False)
+        text = list(buffer[:max(n, 0)]) or [0]
+        bos = C.llama_vocab_bos(self.vocab)
+        tokens = ([bos] if bos >= 0 else []) + text * math.ceil(n_tokens / len(text))
+        return (C.llama_token * n_tokens)(*tokens[:n_tokens])
+
+    @contextmanager
+    def context(self, n_ubatch: int) -> Iterator[Context]:
+        from .engine import context_params
+
+        model_config = msgspec.structs.replace(self.config.model, n_ubatch=n_ubatch)
+        ctx = self.C.llama_init_from_model(self.model, context_params(model_config, 1, 1))
+        if not ctx:
+            raise TuneError(f"cannot create a context with n_ctx={model_config.n_ctx} "
+                            f"n_ubatch={n_ubatch} (out of memory?)")
+        try:
+            yield Context(self.C, ctx)
+        finally:
+            self.C.llama_free(ctx)
+
+
+class Context:
+    """One llama_context, measured at different thread counts."""
+
+    def __init__(self, C: Any, ctx: Any) -> None:
+        self.C = C
+        self.ctx = ctx
+        self.memory = self.C.llama_get_memory(ctx)
+        self.n_batch = self.C.llama_n_batch(ctx)
+        self.n_ubatch = self.C.llama_n_ubatch(ctx)
+
+    def warm_up(self, prompt: Any) -> None:
+        """One full ubatch first: it touches the model's pages and the largest compute graph."""
+        self._clear()
+        self._evaluate(prompt, min(len(prompt), self.n_ubatch))
+
+    def prefill_rate(self, prompt: Any, n_tokens: int, n_threads_batch: int) -> float:
+        C = self.C
+        C.llama_set_n_threads(self.ctx, 1, n_threads_batch)
+        self._clear()
+        started = time.perf_counter_ns()
+        self._evaluate(prompt, n_tokens)
+        C.llama_synchronize(self.ctx)
+        return n_tokens * 1e9 / (time.perf_counter_ns() - started)
+
+    def decode_rate(self, prompt: Any, n_threads: int, n_tokens: int) -> float:
+        C, ctx = self.C, self.ctx
+        C.llama_set_n_threads(ctx, n_threads, n_threads)
+        self._clear()
+        self._evaluate(prompt, DECODE_PROMPT_TOKENS)
+        sampler = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
+        C.llama_sampler_chain_add(sampler, C.llama_sampler_init_greedy())
+        one_token = (C.llama_token * 1)()
+        one_batch = C.llama_batch_get_one(one_token, 1)
+        sample, decode = C.llama_sampler_sample, C.llama_decode
+        try:
+            started = time.perf_counter_ns()
+            # End-of-generation tokens are decoded like any other: every run does the same work.
+            for _ in range(n_tokens):
+                one_token[0] = sample(sampler, ctx, -1)
+                if decode(ctx, one_batch) != 0:
+                    raise TuneError("llama_decode failed while decoding")
+            elapsed = time.perf_counter_ns() - started
+        finally:
+            C.llama_sampler_free(sampler)
+        return n_tokens * 1e9 / elapsed
+
+    def _clear(self) -> None:
+        # Outside the timed part: with data=True it zeroes the whole KV cache
+        # (150 MB at n_ctx 8192 for the default model).
+        self.C.llama_memory_clear(self.memory, True)
+
+    def _evaluate(self, prompt: Any, n_tokens: int) -> None:
+        """Evaluate prompt[:n_tokens] in n_batch chunks, as the daemon does."""
+        C = self.C
+        base, size = ctypes.addressof(prompt), ctypes.sizeof(C.llama_token)
+        for pos in range(0, n_tokens, self.n_batch):
+            chunk = min(self.n_batch, n_tokens - pos)
+            start = ctypes.cast(base + pos * size, C.llama_token_p)
+            if C.llama_decode(self.ctx, C.llama_batch_get_one(start, chunk)) != 0:
+                raise TuneError(f"llama_decode failed on a {chunk}-token batch")
+
+
+def run_sweep(bench: Bench, plan: Plan, progress: Callable[[str], None]) -> Sweep:
+    prompt = bench.prompt(max(plan.prompt_tokens, DECODE_PROMPT_TOKENS, *plan.ubatches))
+    watch = CpuWatch(bench.pinned)
+    sweep = Sweep()
+    step = 0
+
+    def measure(label: str, run: Callable[[], float]) -> tuple[float, ...]:
+        nonlocal step
+        step += 1
+        rates = tuple(run() for _ in range(plan.runs))
+        progress(f"[{step}/{plan.steps}] {label}: {statistics.median(rates):.1f} tok/s")
+        return rates
+
+    for index, n_ubatch in enumerate(plan.ubatches):
+        with bench.context(n_ubatch) as context:
+            context.warm_up(prompt)
+            if index == 0:
+                for threads in plan.decode_threads:
+                    rates = measure(f"decode threads={threads}", partial(
+                        context.decode_rate, prompt, threads, plan.decode_tokens))
+                    sweep.decode.append(Result(threads, n_ubatch, rates))
+            for threads in plan.batch_threads:
+                rates = measure(f"prefill threads_batch={threads} n_ubatch={n_ubatch}", partial(
+                    context.prefill_rate, prompt, plan.prompt_tokens, threads))
+                sweep.prefill.append(Result(threads, n_ubatch, rates))
+    sweep.others_share = watch.others_share()
+    sweep.prefill.sort(key=lambda r: (r.n_ubatch, r.threads))
+    return sweep
+
+
+def best(results: Sequence[Result]) -> Result:
+    """The cheapest result (fewest threads, then smallest n_ubatch) within TIE_TOLERANCE
+    of the fastest: the same speed for less CPU and less memory."""
+    fastest = max(result.median for result in results)
+    close = [r for r in results if r.median >= fastest * (1 - TIE_TOLERANCE)]
+    return min(close, key=lambda r: (r.threads, r.n_ubatch))
+
+
+class CpuWatch:
+    """How much of the pinned CPUs' time went to other processes (or the hypervisor).
+
+    The daemon's threads normally have their CPUs to themselves; on a busy machine
+    more threads look slower than they are, so such a sweep is flagged.
+    """
+
+    def __init__(self, pinned: Sequence[int]) -> None:
+        import psutil
+
+        self._process = psutil.Process()
+        self._pinned = list(pinned)
+        self._start = self._snapshot()
+
+    def others_share(self) -> float:
+        wall, busy, own = (end - start for end, start in zip(
+            self._snapshot(), self._start, strict=True))
+        capacity = wall * len(self._pinned)
+        return max(0.0, (busy - own) / capacity) if capacity > 0 else 0.0
+
+    def _snapshot(self) -> tuple[float, float, float]:
+        import psutil
+
+        per_cpu = psutil.cpu_times(percpu=True)
+        busy = sum(_busy_seconds(per_cpu[cpu]) for cpu in self._pinned if cpu < len(per_cpu))
+        own = self._process.cpu_times()
+        return time.monotonic(), busy, float(own.user + own.system)
+
+
+def _busy_seconds(times: Any) -> float:
+    # As psutil.cpu_percent counts it: guest time is already inside user and nice,
+    # and steal counts as busy (a vCPU the hypervisor gave away was not ours either).
+    not_busy = float(times.idle + getattr(times, "iowait", 0.0))
+    counted_twice = float(getattr(times, "guest", 0.0) + getattr(times, "guest_nice", 0.0))
+    return float(sum(times)) - not_busy - counted_twice
+
+
+# --- output -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Recommendation:
+    n_threads: int
+    n_threads_batch: int
+    n_ubatch: int
+
+
+def recommend(sweep: Sweep) -> Recommendation:
+    decode, prefill = best(sweep.decode), best(sweep.prefill)
+    return Recommendation(decode.threads, prefill.threads, prefill.n_ubatch)
+
+
+def print_report(out: IO[str], sweep: Sweep, plan: Plan, config: Config,
+                 pinned: Sequence[int]) -> Recommendation:
+    runs = f"median of {plan.runs} run{'s' if plan.runs > 1 else ''}"
+    out.write(f"decode: {plan.decode_tokens} tokens after a {DECODE_PROMPT_TOKENS}-token "
+              f"prompt, {runs}\n")
+    _print_table(out, sweep.decode, with_ubatch=False)
+    n_batch = min(config.model.n_batch, config.model.n_ctx)
+    out.write(f"\nprefill: {plan.prompt_tokens}-token prompt in chunks of n_batch {n_batch}, "
+              f"{runs}\n")
+    _print_table(out, sweep.prefill, with_ubatch=True)
+    out.write(f"\n* best: fewest threads, then smallest n_ubatch, within {TIE_TOLERANCE:.0%} "
+              "of the fastest\n\n")
+    if sweep.others_share > BUSY_WARNING:
+        out.write(f"note: other processes kept the pinned CPUs {sweep.others_share:.0%} busy "
+                  "during the sweep,\nso these figures are off; rerun on an idle machine\n\n")
+    recommended = recommend(sweep)
+    runtime = config.runtime
+    n_threads, n_threads_batch = cpus.derive_threads(
+        pinned, runtime.n_threads, runtime.n_threads_batch)
+    out.write(f"recommended: n_threads = {recommended.n_threads}, "
+              f"n_threads_batch = {recommended.n_threads_batch}, "
+              f"n_ubatch = {recommended.n_ubatch}\n")
+    out.write(f"configured:  n_threads = {_configured(runtime.n_threads, n_threads)}, "
+              f"n_threads_batch = {_configured(runtime.n_threads_batch, n_threads_batch)}, "
+              f"n_ubatch = {config.model.n_ubatch}\n")
+    return recommended
+
+
+def _print_table(out: IO[str], results: Sequence[Result], *, with_ubatch: bool) -> None:
+    winner = best(results)
+    threads = "threads_batch" if with_ubatch else "threads"
+    width = len(threads)
+    ubatch = f"  {'n_ubatch':>8}" if with_ubatch else ""
+    out.write(f"    {threads}{ubatch}  {'tok/s':>8}  {'min-max':>13}\n")
+    for r in results:
+        mark = "*" if r is winner else " "
+        ubatch = f"  {r.n_ubatch:>8}" if with_ubatch else ""
+        out.write(f"  {mark} {r.threads:>{width}}{ubatch}  {r.median:>8.1f}  {r.spread:>13}\n")
+
+
+def _configured(value: int, effective: int) -> str:
+    return f"{value} (derived: {effective})" if value == 0 else str(value)
+
+
+def _describe_cpus(pinned: Sequence[int]) -> str:
+    return f"{len(pinned)} CPU{'s' if len(pinned) != 1 else ''} ({','.join(map(str, pinned))})"
+
+
+# --- writing the config -----------------------------------------------------------------
+
+
+def config_file(args: argparse.Namespace) -> Path:
+    """The file --write changes: the given --config, else ./server_config.toml.
+
+    Symlinks are followed, so the file they point at is replaced, not the link.
+    """
+    return Path(os.path.realpath(args.config or CONFIG_FILE_NAME))
+
+
+def check_writable(path: Path) -> None:
+    """Fail before a long sweep rather than after it."""
+    if not path.parent.is_dir():
+        raise TuneError(f"cannot write {path}: directory {path.parent} does not exist")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise TuneError(f"cannot write {path}: directory {path.parent} is not writable")
+
+
+def write_config(path: Path, recommended: Recommendation) -> None:
+    """Set the three tuned keys in `path`, keeping every other key and value.
+
+    The new text is validated with load_config before it atomically replaces the
+    old file, so a reader never sees a half-written or invalid config.
+    """
+    data = _read_toml(path)
+    runtime, model = _table(data, "runtime", path), _table(data, "model", path)
+    runtime["n_threads"] = recommended.n_threads
+    runtime["n_threads_batch"] = recommended.n_threads_batch
+    model["n_ubatch"] = recommended.n_ubatch
+    n_batch = model.get("n_batch", Config().model.n_batch)
+    if isinstance(n_batch, int) and n_batch < recommended.n_ubatch:
+        model["n_batch"] = recommended.n_ubatch
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        _write_new_file(temp, tomli_w.dumps(data).encode(), like=path)
+        load_config(temp)
+        os.replace(temp, path)
+    except OSError as exc:
+        raise TuneError(f"cannot write {path}: {exc.strerror}") from None
+    except ConfigError as exc:
+        raise TuneError(f"not writing {path}: the result would be invalid ({exc})") from None
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as file:
+            return tomllib.load(file)
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise TuneError(f"cannot read config {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise TuneError(f"invalid config {path}: not valid TOML ({exc})", EXIT_USAGE) from None
+
+
+def _table(data: dict[str, Any], name: str, path: Path) -> dict[str, Any]:
+    table = data.setdefault(name, {})
+    if not isinstance(table, dict):
+        raise TuneError(f"invalid config {path}: `{name}` is not a table", EXIT_USAGE)
+    return table
+
+
+def _write_new_file(temp: Path, content: bytes, like: Path) -> None:
+    # 0o666 less the umask for a new config, as any editor would create it.
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    with os.fdopen(fd, "wb") as file:
+        file.write(content)
+        file.flush()
+        os.fsync(file.fileno())
+    if like.exists():
+        os.chmod(temp, like.stat().st_mode & 0o7777)
+
+
+# --- main -------------------------------------------------------------------------------
+
+
+def main(argv: list[str]) -> int:
+    try:
+        return _tune(argv)
+    except TuneError as exc:
+        sys.stderr.write(f"{PROG}: {exc}\n")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{PROG}: interrupted\n")
+        return EXIT_INTERRUPTED
+
+
+def _tune(argv: list[str]) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        config = apply_overrides(load_config(args.config), model__path=args.model)
+    except ConfigError as exc:
+        raise TuneError(str(exc), EXIT_USAGE) from None
+    target = config_file(args)
+    if args.write:
+        check_writable(target)
+    try:
+        # Pin first: llama.cpp's worker threads inherit the mask when they are created.
+        pinned = cpus.pin(config.runtime.cpu_affinity)
+    except cpus.CpuError as exc:
+        raise TuneError(str(exc)) from None
+    plan = make_plan(args, config, pinned)
+    try:
+        model_path = models.resolve_model_path(config.model.path)
+    except models.ModelSourceError as exc:
+        raise TuneError(str(exc)) from None
+    # Must be set before llama.cpp (and any BLAS it links) is loaded.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+    def progress(line: str) -> None:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    progress(f"tuning {model_path} on {_describe_cpus(pinned)}, n_ctx {config.model.n_ctx}: "
+             f"{plan.steps} measurements x {plan.runs} runs")
+    bench = Bench(model_path, config, pinned)
+    try:
+        sweep = run_sweep(bench, plan, progress)
+    finally:
+        bench.close()
+    recommended = print_report(sys.stdout, sweep, plan, config, pinned)
+    if args.write:
+        existed = target.exists()
+        write_config(target, recommended)
+        note = " (comments and layout are not preserved: tomli-w rewrites the file)"
+        sys.stdout.write(f"\nwrote n_threads, n_threads_batch and n_ubatch to {target}"
+                         f"{note if existed else ''}\n")
+    else:
+        sys.stdout.write(f"\nrun with --write to store these values in {target}\n")
+    return 0

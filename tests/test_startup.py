@@ -1,0 +1,45 @@
+"""Start-up does only what the first request needs (real daemon, real model)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import REPO, done_of, running_daemon
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_the_daemon_never_loads_numpy_or_the_high_level_api() -> None:
+    # `import llama_cpp` would pull in numpy, jinja2 and the Llama class: ~120 ms and
+    # ~15 MB the daemon never uses. Shared objects in the process's maps show it.
+    async with running_daemon() as daemon:
+        async with daemon.client() as client:
+            done = done_of(await client.request({"prompt": "Hi", "max_tokens": 2}))
+            assert done["usage"]["completion_tokens"] == 2
+        maps = Path(f"/proc/{daemon.process.pid}/maps").read_text()
+        assert "libllama" in maps  # the check can see llama.cpp's own libraries
+        assert "numpy" not in maps
+        assert "jinja2" not in maps
+
+
+async def test_the_rest_of_llama_cpp_still_imports_on_first_use() -> None:
+    code = (
+        "import sys\n"
+        "from sfcore_daemon.llama_c import C\n"
+        "assert C.llama_max_devices() >= 1\n"
+        "assert 'numpy' not in sys.modules and 'llama_cpp.llama' not in sys.modules\n"
+        "from llama_cpp import Llama, __version__\n"
+        "import llama_cpp\n"
+        "assert llama_cpp.llama_cpp is C and Llama.__name__ == 'Llama' and __version__\n"
+        "print('ok')\n"
+    )
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 0, stderr.decode()
+    assert stdout == b"ok\n"
