@@ -1,16 +1,23 @@
 #!/usr/bin/env python3
 """The daemon against the llama.cpp ceiling, measured side by side in one run.
 
-Each run starts three fresh processes on the same model, threads and prompts:
+Each run starts fresh processes on the same model, threads and prompts:
 
-- the ceiling: llama.cpp driven in-process through llama-cpp-python's low-level C API
-  and llama.cpp's C sampler chain, with the daemon's context settings, no daemon;
+- the ceiling: llama.cpp driven in a process of its own through llama-cpp-python's
+  low-level C API and llama.cpp's C sampler chain, with the daemon's context settings;
 - the daemon, through its Unix socket, timed as a client sees it;
 - a peer for reference: llama-cpp-python's high-level `Llama` (decode and first token).
 
+The ceiling and the daemon are up together, idle but for the one being measured, and
+each figure is taken on one right after the other (who goes first alternates by run),
+so a noisy moment on a shared machine hits both sides, not one.
+
 With `--llama-bench PATH` (or LLAMA_BENCH=PATH) llama.cpp's own `llama-bench` runs too.
-Every figure is the median of --runs runs, shown with its min-max and the ratio
-daemon/ceiling; the full results, raw samples included, go to --json.
+Every figure is the median of --runs runs, shown with its min-max; ratios are the
+median of the per-run ratios (each pair measured back to back). The full results, raw
+samples included, go to --json. Both sides first evaluate one unmeasured long prompt:
+the first 512-token batch after start also pays ~25 MB of first-touch page faults in
+llama.cpp's compute buffer.
 
     .venv/bin/python scripts/bench.py [--runs 5] [--tokens 128] [--json bench_results.json]
 """
@@ -30,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -82,11 +89,12 @@ def peak_rss_mb(pid: int | str = "self") -> float:
     return float("nan")
 
 
-# --- the ceiling: llama.cpp's C API in this process -----------------------------------------
+# --- the ceiling: llama.cpp's C API in a process of its own ---------------------------------
 
 
 def ceiling_worker(params: dict[str, Any]) -> None:
-    """Runs in a child process; prints "ready" once warmed up, then one JSON line."""
+    """The child process: prints "ready" once warmed up, then answers one JSON
+    command per stdin line with one JSON line, until stdin closes."""
     from sfcore_daemon.config import ModelConfig
     from sfcore_daemon.engine import context_params
     from sfcore_daemon.llama_c import C
@@ -101,8 +109,8 @@ def ceiling_worker(params: dict[str, Any]) -> None:
     callback = C.llama_log_callback(on_log)
     C.llama_log_set(callback, None)
     C.llama_backend_init()
-    model_params = C.llama_model_default_params()
-    model = C.llama_model_load_from_file(params["model"].encode(), model_params)
+    model = C.llama_model_load_from_file(params["model"].encode(),
+                                         C.llama_model_default_params())
     config = ModelConfig(n_ctx=params["n_ctx"])
     ctx = C.llama_init_from_model(
         model, context_params(config, params["n_threads"], params["n_threads_batch"]))
@@ -123,7 +131,7 @@ def ceiling_worker(params: dict[str, Any]) -> None:
 
     cached: list[int] = []
 
-    def prefill(tokens: list[int], reuse: bool) -> None:
+    def prefill(tokens: list[int], reuse: bool) -> int:
         n_keep = 0
         if reuse:
             limit = min(len(cached), len(tokens) - 1)
@@ -131,31 +139,31 @@ def ceiling_worker(params: dict[str, Any]) -> None:
                 n_keep += 1
         C.llama_memory_seq_rm(memory, 0, n_keep, -1)
         del cached[n_keep:]
-        rest = (C.llama_token * (len(tokens) - n_keep))(*tokens[n_keep:])
-        for start in range(0, len(rest), config.n_batch):
-            chunk = rest[start:start + config.n_batch]
+        for start in range(n_keep, len(tokens), config.n_batch):
+            chunk = tokens[start:start + config.n_batch]
             array = (C.llama_token * len(chunk))(*chunk)
             C.llama_decode(ctx, C.llama_batch_get_one(array, len(chunk)))
         cached.extend(tokens)
+        return n_keep
 
     def sampler(sampled: bool) -> Any:
         chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
+        add = C.llama_sampler_chain_add
         if not sampled:
-            C.llama_sampler_chain_add(chain, C.llama_sampler_init_greedy())
+            add(chain, C.llama_sampler_init_greedy())
             return chain
-        C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_k(SAMPLED["top_k"]))
-        C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_p(SAMPLED["top_p"], 1))
-        C.llama_sampler_chain_add(chain, C.llama_sampler_init_min_p(SAMPLED["min_p"], 1))
-        C.llama_sampler_chain_add(chain, C.llama_sampler_init_temp(SAMPLED["temperature"]))
-        C.llama_sampler_chain_add(chain, C.llama_sampler_init_dist(SAMPLED["seed"]))
+        add(chain, C.llama_sampler_init_top_k(SAMPLED["top_k"]))
+        add(chain, C.llama_sampler_init_top_p(SAMPLED["top_p"], 1))
+        add(chain, C.llama_sampler_init_min_p(SAMPLED["min_p"], 1))
+        add(chain, C.llama_sampler_init_temp(SAMPLED["temperature"]))
+        add(chain, C.llama_sampler_init_dist(SAMPLED["seed"]))
         return chain
 
-    def generate(prompt: list[int], n_tokens: int, sampled: bool = False,
-                 reuse: bool = False) -> tuple[float, float, int]:
-        """(first-token ms, decode tok/s, tokens) from the start of prompt evaluation."""
+    def generate(text: str, tokens: int, sampled: bool, cache: bool) -> dict[str, Any]:
+        prompt = tokenize(text)
         chain = sampler(sampled)
         started = time.perf_counter()
-        prefill(prompt, reuse)
+        n_cached = prefill(prompt, cache)
         sample, decode, is_eog = C.llama_sampler_sample, C.llama_decode, C.llama_vocab_is_eog
         first = last = 0.0
         count = 0
@@ -167,36 +175,41 @@ def ceiling_worker(params: dict[str, Any]) -> None:
             if count == 0:
                 first = last
             count += 1
-            if count >= n_tokens:
+            if count >= tokens:
                 break
             one[0] = token
             decode(ctx, one_batch)
+            cached.append(token)
         C.llama_sampler_free(chain)
-        rate = (count - 1) / (last - first) if count > 1 else float("nan")
-        return (first - started) * 1e3, rate, count
+        return generation_figures(started, first or time.perf_counter(), last, count,
+                                  prompt_tokens=len(prompt), cached_tokens=n_cached)
 
-    # Prompts of exact token counts, shared with the daemon's runs.
-    prefill_text = fit_to_tokens(tokenize, PREFILL_TOKENS, seed=1)
-    prefix_text = fit_to_tokens(tokenize, PREFIX_TOKENS, seed=2)
-    tokens = params["tokens"]
-    results: dict[str, Any] = {}
-    _, results["decode_tok_s"], results["decode_tokens"] = generate(
-        tokenize(DECODE_PROMPT), tokens)
-    _, results["sampled_tok_s"], results["sampled_tokens"] = generate(
-        tokenize(DECODE_PROMPT), tokens, sampled=True)
-    first_ms, _, _ = generate(tokenize(prefill_text), 1)
-    results["prefill_tok_s"] = len(tokenize(prefill_text)) / (first_ms / 1e3)
-    results["first_token_short_ms"] = generate(tokenize(SHORT_PROMPT), 1)[0]
-    prompt_a, prompt_b = (tokenize(prefix_text + question) for question in QUESTIONS)
-    results["first_token_prefix_cold_ms"] = generate(prompt_b, 1)[0]
-    generate(prompt_a, 1)
-    results["first_token_prefix_cached_ms"] = generate(prompt_b, 1, reuse=True)[0]
-    results["peak_rss_mb"] = peak_rss_mb()
-    results["kv_mib"] = sum(kv_mib)
-    results["prompts"] = {"prefill": prefill_text, "prefix": prefix_text}
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["op"] == "generate":
+            reply = generate(command["text"], command["tokens"], command["sampled"],
+                             command["cache"])
+        elif command["op"] == "prompts":  # texts of exact token counts, for both sides
+            reply = {"prefill": fit_to_tokens(tokenize, PREFILL_TOKENS, seed=1),
+                     "prefix": fit_to_tokens(tokenize, PREFIX_TOKENS, seed=2)}
+        else:
+            reply = {"peak_rss_mb": peak_rss_mb(), "kv_mib": sum(kv_mib)}
+        print(json.dumps(reply), flush=True)
     C.llama_free(ctx)
     C.llama_model_free(model)
-    print(json.dumps(results), flush=True)
+
+
+def generation_figures(started: float, first: float, last: float, tokens: int, *,
+                       prompt_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """The same figures for both sides, from the same instants."""
+    return {
+        "first_token_ms": (first - started) * 1e3,
+        "decode_tok_s": (tokens - 1) / (last - first) if tokens > 1 and last > first
+        else float("nan"),
+        "tokens": tokens,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached_tokens,
+    }
 
 
 def fit_to_tokens(tokenize: Callable[[str], list[int]], target: int, seed: int) -> str:
@@ -211,23 +224,44 @@ def fit_to_tokens(tokenize: Callable[[str], list[int]], target: int, seed: int) 
     return filler_text(low, seed)
 
 
-def run_ceiling(params: dict[str, Any]) -> dict[str, Any]:
-    started = time.perf_counter()
-    process = subprocess.Popen(
-        [sys.executable, __file__, "--ceiling-worker", json.dumps(params)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert process.stdout is not None
-    try:
-        ready_line = process.stdout.readline()
-        ready_ms = (time.perf_counter() - started) * 1e3
-        if ready_line.strip() != "ready":
+class Ceiling:
+    """The parent's handle on a ceiling worker."""
+
+    def __init__(self, process: asyncio.subprocess.Process, ready_ms: float) -> None:
+        self.process, self.ready_ms = process, ready_ms
+
+    @classmethod
+    async def start(cls, params: dict[str, Any]) -> Ceiling:
+        started = time.perf_counter()
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--ceiling-worker", json.dumps(params), cwd=REPO,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        ceiling = cls(process, 0.0)
+        if await ceiling._line() != "ready":
             raise RuntimeError("the ceiling worker failed to start")
-        result: dict[str, Any] = json.loads(process.stdout.readline())
-        process.wait(TIMEOUT_S)
-    finally:
-        process.kill()
-    result["ready_ms"] = ready_ms
-    return result
+        ceiling.ready_ms = (time.perf_counter() - started) * 1e3
+        return ceiling
+
+    async def _line(self) -> str:
+        assert self.process.stdout is not None
+        line = await asyncio.wait_for(self.process.stdout.readline(), TIMEOUT_S)
+        return line.decode().strip()
+
+    async def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"op": op, **fields}).encode() + b"\n")
+        reply: dict[str, Any] = json.loads(await self._line())
+        return reply
+
+    async def generate(self, text: str, tokens: int, sampled: bool = False,
+                       cache: bool = True) -> dict[str, Any]:
+        return await self.call("generate", text=text, tokens=tokens, sampled=sampled,
+                               cache=cache)
+
+    async def stop(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        await asyncio.wait_for(self.process.wait(), TIMEOUT_S)
 
 
 # --- the peer: llama-cpp-python's high-level API ------------------------------------------
@@ -273,7 +307,7 @@ def run_peer(params: dict[str, Any]) -> dict[str, Any]:
 
 
 class Stream:
-    """One NDJSON connection, with the arrival time of every reply line."""
+    """One NDJSON connection, timed at the arrival of every reply line."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
@@ -283,8 +317,7 @@ class Stream:
         reader, writer = await asyncio.open_unix_connection(path, limit=1 << 22)
         return cls(reader, writer)
 
-    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Send one request; return first-token ms, decode tok/s and the done line."""
+    async def request(self, request: dict[str, Any]) -> dict[str, Any]:
         started = time.perf_counter()
         self.writer.write(json.dumps(request).encode() + b"\n")
         first = last = 0.0
@@ -296,97 +329,163 @@ class Stream:
                 first = first or now
                 last = now
             elif reply["type"] == "done":
+                # A lone token held back by the UTF-8/stop filter arrives with done.
+                first = first or now
+                last = last or now
                 break
             else:
                 raise RuntimeError(f"daemon answered {reply}")
-        tokens = reply["usage"]["completion_tokens"]
-        return {
-            "first_token_ms": (first - started) * 1e3,
-            "decode_tok_s": (tokens - 1) / (last - first) if tokens > 1 and last > first
-            else float("nan"),
-            "total_s": now - started,
-            "done": reply,
-        }
+        usage = reply["usage"]
+        figures = generation_figures(started, first, last, usage["completion_tokens"],
+                                     prompt_tokens=usage["prompt_tokens"],
+                                     cached_tokens=usage["cached_tokens"])
+        figures["done"] = reply
+        return figures
+
+    async def generate(self, text: str, tokens: int, sampled: bool = False,
+                       cache: bool = True) -> dict[str, Any]:
+        sampling = SAMPLED if sampled else {"temperature": 0.0}
+        return await self.request(
+            {"prompt": text, "max_tokens": tokens, "cache_prompt": cache, **sampling})
 
     async def close(self) -> None:
         self.writer.close()
         await self.writer.wait_closed()
 
 
-async def run_daemon(params: dict[str, Any], prompts: dict[str, str]) -> dict[str, Any]:
-    workdir = Path(tempfile.mkdtemp(prefix="sfbench-", dir="/tmp"))
-    socket_path, notify_path = str(workdir / "s"), str(workdir / "n")
-    config = workdir / "config.toml"
-    config.write_text(f'[model]\npath = "{params["model"]}"\nn_ctx = {params["n_ctx"]}\n'
-                      '[log]\nlevel = "warning"\n')
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(notify_path)
-    notify.setblocking(False)
-    loop = asyncio.get_running_loop()
-    started = time.perf_counter()
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "sfcore_daemon", "--config", str(config), "--socket", socket_path,
-        env={**os.environ, "NOTIFY_SOCKET": notify_path}, cwd=REPO,
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        while b"READY=1" not in await asyncio.wait_for(loop.sock_recv(notify, 4096), TIMEOUT_S):
-            pass
-        results: dict[str, Any] = {"ready_ms": (time.perf_counter() - started) * 1e3}
-        await measure_daemon(socket_path, params, prompts, results)
-        results["peak_rss_mb"] = peak_rss_mb(process.pid)
-    finally:
-        if process.returncode is None:
-            process.terminate()
-        _, stderr = await asyncio.wait_for(process.communicate(), TIMEOUT_S)
-        notify.close()
-        shutil.rmtree(workdir, ignore_errors=True)
-    if process.returncode != 0:
-        raise RuntimeError(f"the daemon exited with {process.returncode}: {stderr.decode()}")
-    return results
+class Daemon:
+    """A daemon subprocess on a temp socket; `ready_ms` from spawn to READY=1."""
+
+    def __init__(self, process: asyncio.subprocess.Process, workdir: Path,
+                 ready_ms: float) -> None:
+        self.process, self.workdir, self.ready_ms = process, workdir, ready_ms
+        self.socket_path = str(workdir / "s")
+
+    @classmethod
+    async def start(cls, params: dict[str, Any]) -> Daemon:
+        workdir = Path(tempfile.mkdtemp(prefix="sfbench-", dir="/tmp"))
+        config = workdir / "config.toml"
+        config.write_text(f'[model]\npath = "{params["model"]}"\nn_ctx = {params["n_ctx"]}\n'
+                          '[log]\nlevel = "warning"\n')
+        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        notify.bind(str(workdir / "n"))
+        notify.setblocking(False)
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "sfcore_daemon", "--config", str(config),
+            "--socket", str(workdir / "s"), cwd=REPO,
+            env={**os.environ, "NOTIFY_SOCKET": str(workdir / "n")},
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            while b"READY=1" not in await asyncio.wait_for(loop.sock_recv(notify, 4096),
+                                                           TIMEOUT_S):
+                pass
+        finally:
+            notify.close()
+        return cls(process, workdir, (time.perf_counter() - started) * 1e3)
+
+    async def stop(self) -> None:
+        self.process.terminate()
+        _, stderr = await asyncio.wait_for(self.process.communicate(), TIMEOUT_S)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.process.returncode != 0:
+            raise RuntimeError(f"the daemon exited with {self.process.returncode}: "
+                               f"{stderr.decode()}")
 
 
-async def measure_daemon(path: str, params: dict[str, Any], prompts: dict[str, str],
-                         results: dict[str, Any]) -> None:
-    tokens = params["tokens"]
-    stream = await Stream.open(path)
-    greedy = {"temperature": 0.0, "max_tokens": tokens}
-    run = await stream.generate({"prompt": DECODE_PROMPT, **greedy})
-    results["decode_tok_s"] = run["decode_tok_s"]
-    results["decode_tokens"] = run["done"]["usage"]["completion_tokens"]
-    run = await stream.generate({"prompt": DECODE_PROMPT, "max_tokens": tokens, **SAMPLED})
-    results["sampled_tok_s"] = run["decode_tok_s"]
-    results["sampled_tokens"] = run["done"]["usage"]["completion_tokens"]
-    run = await stream.generate(
-        {"prompt": prompts["prefill"], "max_tokens": 1, "cache_prompt": False})
-    prompt_tokens = run["done"]["usage"]["prompt_tokens"]
-    results["prefill_tok_s"] = prompt_tokens / (run["first_token_ms"] / 1e3)
-    results["prefill_tok_s_daemon_reported"] = run["done"]["timings"]["prompt_tok_s"]
-    run = await stream.generate({"prompt": SHORT_PROMPT, "max_tokens": 1, "cache_prompt": False})
-    results["first_token_short_ms"] = run["first_token_ms"]
+# --- one run: both sides up, each figure measured on one side right after the other ----------
+
+
+Side = Any  # a Ceiling or a Stream: both have generate(text, tokens, sampled, cache)
+
+
+Step = Callable[[Side], Coroutine[Any, Any, dict[str, Any]]]
+
+
+def figure_steps(tokens: int, prompts: dict[str, str]) -> list[Step]:
+    """The figures both sides have; each step leaves nothing behind that the next needs."""
     prompt_a, prompt_b = (prompts["prefix"] + question for question in QUESTIONS)
-    run = await stream.generate({"prompt": prompt_b, "max_tokens": 1, "cache_prompt": False})
-    results["first_token_prefix_cold_ms"] = run["first_token_ms"]
-    await stream.generate({"prompt": prompt_a, "max_tokens": 1})
-    run = await stream.generate({"prompt": prompt_b, "max_tokens": 1})
-    results["first_token_prefix_cached_ms"] = run["first_token_ms"]
-    results["prefix_cached_tokens"] = run["done"]["usage"]["cached_tokens"]
-    await stream.close()
 
-    # One client alone, then four at once, on the same four prompts (end to end:
-    # prompt evaluation included, as a client waiting for its answer sees it).
+    async def decode(side: Side) -> dict[str, Any]:
+        run = await side.generate(DECODE_PROMPT, tokens)
+        return {"decode_tok_s": run["decode_tok_s"], "decode_tokens": run["tokens"]}
+
+    async def sampled(side: Side) -> dict[str, Any]:
+        run = await side.generate(DECODE_PROMPT, tokens, sampled=True)
+        return {"sampled_tok_s": run["decode_tok_s"], "sampled_tokens": run["tokens"]}
+
+    async def prefill(side: Side) -> dict[str, Any]:
+        run = await side.generate(prompts["prefill"], 1, cache=False)
+        return {"prefill_tok_s": run["prompt_tokens"] / (run["first_token_ms"] / 1e3)}
+
+    async def short(side: Side) -> dict[str, Any]:
+        run = await side.generate(SHORT_PROMPT, 1, cache=False)
+        return {"first_token_short_ms": run["first_token_ms"]}
+
+    async def prefix(side: Side) -> dict[str, Any]:
+        cold = await side.generate(prompt_b, 1, cache=False)
+        await side.generate(prompt_a, 1)
+        cached = await side.generate(prompt_b, 1)
+        return {"first_token_prefix_cold_ms": cold["first_token_ms"],
+                "first_token_prefix_cached_ms": cached["first_token_ms"],
+                "prefix_cached_tokens": cached["cached_tokens"]}
+
+    return [decode, sampled, prefill, short, prefix]
+
+
+async def measure_concurrency(path: str, tokens: int) -> dict[str, float]:
+    """One client alone, then four at once, on the same prompts, end to end."""
+
     async def one(prompt: str) -> tuple[int, float]:
         client = await Stream.open(path)
-        run = await client.generate({"prompt": prompt, **greedy})
+        run = await client.generate(prompt, tokens)
         await client.close()
-        return run["done"]["usage"]["completion_tokens"], time.perf_counter()
+        return run["tokens"], time.perf_counter()
 
     started = time.perf_counter()
     n_single, finished = await one(CONCURRENT_PROMPTS[1])
-    results["single_client_tok_s"] = n_single / (finished - started)
+    single = n_single / (finished - started)
     started = time.perf_counter()
     runs = await asyncio.gather(*(one(prompt) for prompt in CONCURRENT_PROMPTS))
-    results["concurrent_4_tok_s"] = sum(n for n, _ in runs) / (
-        max(t for _, t in runs) - started)
+    aggregate = sum(n for n, _ in runs) / (max(t for _, t in runs) - started)
+    return {"single_client_tok_s": single, "concurrent_4_tok_s": aggregate}
+
+
+async def one_run(params: dict[str, Any], daemon_first: bool) -> tuple[dict[str, Any],
+                                                                        dict[str, Any]]:
+    """Both sides up at once and measured figure by figure, one right after the other,
+    so that a noisy moment on the machine hits both; who goes first alternates."""
+    ceiling = await Ceiling.start(params)
+    daemon = await Daemon.start(params)
+    stream = await Stream.open(daemon.socket_path)
+    try:
+        prompts = await ceiling.call("prompts")
+        warm_up = filler_text(PREFILL_TOKENS, seed=3)
+        sides: list[tuple[str, Side]] = [("ceiling", ceiling), ("daemon", stream)]
+        if daemon_first:
+            sides.reverse()
+        results: dict[str, dict[str, Any]] = {"ceiling": {}, "daemon": {}}
+        for _, side in sides:
+            await side.generate(warm_up, 1)
+        for step in figure_steps(params["tokens"], prompts):
+            for name, side in sides:
+                results[name].update(await step(side))
+        for name, figures in results.items():
+            log(f"  {name}: decode {figures['decode_tok_s']:.1f} tok/s, prefill "
+                f"{figures['prefill_tok_s']:.1f} tok/s, first token "
+                f"{figures['first_token_short_ms']:.1f} ms")
+        results["daemon"].update(await measure_concurrency(daemon.socket_path,
+                                                           params["tokens"]))
+        results["ceiling"].update(await ceiling.call("rss"))
+        results["daemon"]["peak_rss_mb"] = peak_rss_mb(daemon.process.pid)
+        results["ceiling"]["ready_ms"] = ceiling.ready_ms
+        results["daemon"]["ready_ms"] = daemon.ready_ms
+    finally:
+        await stream.close()
+        await daemon.stop()
+        await ceiling.stop()
+    return results["ceiling"], results["daemon"]
 
 
 # --- llama-bench ------------------------------------------------------------------------------
@@ -435,49 +534,58 @@ ROWS = [  # key, label, unit
 ]
 
 
-def targets(medians: dict[str, dict[str, float]], bound_mb: float,
-            llama_bench: dict[str, float] | None) -> list[tuple[str, str, bool]]:
-    daemon, ceiling = medians["daemon"], medians["ceiling"]
+def paired_ratio(top: list[dict[str, Any]], top_key: str, bottom: list[dict[str, Any]],
+                 bottom_key: str) -> float:
+    """Median over runs of top/bottom, each pair measured back to back in one run: on a
+    shared machine this is steadier than a ratio of two medians."""
+    ratios = [a[top_key] / b[bottom_key] for a, b in zip(top, bottom, strict=True)
+              if b[bottom_key] and not math.isnan(a[top_key] / b[bottom_key])]
+    return statistics.median(ratios) if ratios else float("nan")
 
-    def ratio(a: float, b: float) -> float:
-        return a / b if b else float("nan")
 
+def targets(samples: dict[str, list[dict[str, Any]]], medians: dict[str, dict[str, float]],
+            bound_mb: float, llama_bench: dict[str, float] | None
+            ) -> list[tuple[str, float, bool]]:
+    daemon, ceiling = samples["daemon"], samples["ceiling"]
     checks = [
-        ("decode >= 0.97 x ceiling", ratio(daemon["decode_tok_s"], ceiling["decode_tok_s"]),
-         0.97, True),
-        ("prefill >= 0.95 x ceiling", ratio(daemon["prefill_tok_s"], ceiling["prefill_tok_s"]),
-         0.95, True),
-        ("sampled >= 0.95 x greedy", ratio(daemon["sampled_tok_s"], daemon["decode_tok_s"]),
-         0.95, True),
-        ("first token, short cold <= 60 ms", daemon["first_token_short_ms"], 60.0, False),
-        ("cached prefix <= 1/10 of cold", ratio(daemon["first_token_prefix_cached_ms"],
-                                                daemon["first_token_prefix_cold_ms"]), 0.1, False),
-        ("ready <= 800 ms", daemon["ready_ms"], 800.0, False),
-        ("4 clients >= 0.95 x 1 client", ratio(daemon["concurrent_4_tok_s"],
-                                               daemon["single_client_tok_s"]), 0.95, True),
+        ("decode >= 0.97 x ceiling",
+         paired_ratio(daemon, "decode_tok_s", ceiling, "decode_tok_s"), 0.97, True),
+        ("prefill >= 0.95 x ceiling",
+         paired_ratio(daemon, "prefill_tok_s", ceiling, "prefill_tok_s"), 0.95, True),
+        ("sampled >= 0.95 x greedy",
+         paired_ratio(daemon, "sampled_tok_s", daemon, "decode_tok_s"), 0.95, True),
+        ("first token, short cold <= 60 ms", medians["daemon"]["first_token_short_ms"], 60.0,
+         False),
+        ("cached prefix <= 1/10 of cold", paired_ratio(
+            daemon, "first_token_prefix_cached_ms", daemon, "first_token_prefix_cold_ms"),
+         0.1, False),
+        ("ready <= 800 ms", medians["daemon"]["ready_ms"], 800.0, False),
+        ("4 clients >= 0.95 x 1 client",
+         paired_ratio(daemon, "concurrent_4_tok_s", daemon, "single_client_tok_s"), 0.95, True),
         (f"peak RSS <= {bound_mb:.0f} MB (model + KV + {RSS_HEADROOM_MB:.0f})",
-         daemon["peak_rss_mb"], bound_mb, False),
+         medians["daemon"]["peak_rss_mb"], bound_mb, False),
     ]
     if llama_bench and "decode_tok_s" in llama_bench:
         checks.append(("decode >= 0.95 x llama-bench tg",
-                       ratio(daemon["decode_tok_s"], llama_bench["decode_tok_s"]), 0.95, True))
-    return [(label, f"{value:.3f}" if value < 10 else f"{value:.1f}",
-             value >= limit if at_least else value <= limit)
+                       medians["daemon"]["decode_tok_s"] / llama_bench["decode_tok_s"], 0.95,
+                       True))
+    return [(label, value, value >= limit if at_least else value <= limit)
             for label, value, limit, at_least in checks]
 
 
-def print_table(stats: dict[str, dict[str, dict[str, float]]],
-                llama_bench: dict[str, float] | None, checks: list[tuple[str, str, bool]],
+def print_table(samples: dict[str, list[dict[str, Any]]],
+                stats: dict[str, dict[str, dict[str, float]]],
+                llama_bench: dict[str, float] | None, checks: list[tuple[str, float, bool]],
                 header: str) -> None:
     print(header)
     print()
-    print("| figure | unit | ceiling (C API, in-process) | sfcore daemon (socket) "
-          "| daemon/ceiling | llama-cpp-python Llama |")
+    print("| figure | unit | ceiling (C API, own process) | sfcore daemon (socket) "
+          "| daemon/ceiling (paired) | llama-cpp-python Llama |")
     print("|---|---|---|---|---|---|")
     for key, label, unit in ROWS:
         ceiling, daemon, peer = (stats[side].get(key) for side in ("ceiling", "daemon", "peer"))
-        ratio = (f"{daemon['median'] / ceiling['median']:.3f}"
-                 if ceiling and daemon and ceiling["median"] else "-")
+        ratio = (f"{paired_ratio(samples['daemon'], key, samples['ceiling'], key):.3f}"
+                 if ceiling and daemon else "-")
         print(f"| {label} | {unit} | {cell(ceiling)} | {cell(daemon)} | {ratio} | {cell(peer)} |")
     if llama_bench:
         for key, label in (("decode_tok_s", "llama-bench tg"), ("prefill_tok_s", "llama-bench pp")):
@@ -489,7 +597,8 @@ def print_table(stats: dict[str, dict[str, dict[str, float]]],
     print("| target | measured | met |")
     print("|---|---|---|")
     for label, value, met in checks:
-        print(f"| {label} | {value} | {'yes' if met else 'NO'} |")
+        shown = f"{value:.3f}" if value < 10 else f"{value:.1f}"
+        print(f"| {label} | {shown} | {'yes' if met else 'NO'} |")
 
 
 def params_note(key: str) -> str:
@@ -527,16 +636,12 @@ def main() -> int:
     samples: dict[str, list[dict[str, Any]]] = {"ceiling": [], "daemon": [], "peer": []}
     started = time.perf_counter()
     for index in range(args.runs):
-        log(f"[run {index + 1}/{args.runs}] ceiling (C API, in-process) ...")
-        ceiling = run_ceiling(params)
+        log(f"[run {index + 1}/{args.runs}] ceiling (C API, own process) and daemon (socket) ...")
+        ceiling, daemon = asyncio.run(one_run(params, daemon_first=index % 2 == 1))
         samples["ceiling"].append(ceiling)
-        log(f"  ready {ceiling['ready_ms']:.0f} ms, decode {ceiling['decode_tok_s']:.1f} tok/s, "
-            f"prefill {ceiling['prefill_tok_s']:.1f} tok/s")
-        log(f"[run {index + 1}/{args.runs}] daemon (socket) ...")
-        daemon = asyncio.run(run_daemon(params, ceiling["prompts"]))
         samples["daemon"].append(daemon)
-        log(f"  ready {daemon['ready_ms']:.0f} ms, decode {daemon['decode_tok_s']:.1f} tok/s, "
-            f"prefill {daemon['prefill_tok_s']:.1f} tok/s, 4 clients "
+        log(f"  ready: ceiling {ceiling['ready_ms']:.0f} ms, daemon {daemon['ready_ms']:.0f} ms; "
+            f"1 client {daemon['single_client_tok_s']:.1f} tok/s, 4 clients "
             f"{daemon['concurrent_4_tok_s']:.1f} tok/s")
         if not args.no_peer:
             log(f"[run {index + 1}/{args.runs}] llama-cpp-python Llama ...")
@@ -555,11 +660,9 @@ def main() -> int:
     bound_mb = os.path.getsize(model) / 1e6 + kv_mb + RSS_HEADROOM_MB
     medians = {side: {key: value["median"] for key, value in figures.items()}
                for side, figures in stats.items()}
-    checks = targets(medians, bound_mb, llama_bench)
-    print_table(stats, llama_bench, checks, header)
+    checks = targets(samples, medians, bound_mb, llama_bench)
+    print_table(samples, stats, llama_bench, checks, header)
     elapsed = time.perf_counter() - started
-    for run in samples["ceiling"]:
-        run.pop("prompts", None)
     Path(args.json).write_text(json.dumps({
         "params": params, "runs": args.runs, "samples": samples, "stats": stats,
         "llama_bench": llama_bench, "kv_mb": kv_mb, "rss_bound_mb": bound_mb,
