@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
-
-import psutil
 
 
 class CpuError(Exception):
@@ -17,9 +16,13 @@ def pin(cpus: Sequence[int]) -> list[int]:
 
     Returns the CPU set the process now runs on.
     """
-    process = psutil.Process()
     if not cpus:
-        return sorted(process.cpu_affinity() or [])
+        # Nothing to pin: the standard library reads the mask, and psutil (~15 ms
+        # of import) stays out of the way of a fast start.
+        return sorted(os.sched_getaffinity(0))
+    import psutil
+
+    process = psutil.Process()
     existing = _existing_cpus()
     missing = sorted(set(cpus) - existing)
     if missing:
@@ -60,7 +63,7 @@ def _existing_cpus() -> set[int]:
     try:
         text = Path("/sys/devices/system/cpu/present").read_text().strip()
     except OSError:
-        return set(range(psutil.cpu_count() or 1))
+        return set(range(os.cpu_count() or 1))
     return set(_parse_ranges(text))
 
 

