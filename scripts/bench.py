@@ -152,7 +152,8 @@ def ceiling_worker(params: dict[str, Any]) -> None:
     def sampler(sampled: bool) -> Any:
         chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
         add = C.llama_sampler_chain_add
-        if not sampled:
+        if not sampled:  # the daemon's greedy chain (repeat penalty off)
+            add(chain, C.llama_sampler_init_top_k(1))
             add(chain, C.llama_sampler_init_greedy())
             return chain
         add(chain, C.llama_sampler_init_top_k(SAMPLED["top_k"]))

@@ -394,6 +394,10 @@ class Engine:
             for token in prompt[-_PENALTY_LAST_N:]:
                 C.llama_sampler_accept(chain, token)
         if sampling.temperature <= 0:
+            if sampling.repeat_penalty == 1.0:
+                # The same argmax, faster: llama.cpp's greedy loop over 262k candidates
+                # took 299 us per token here, top_k(1) then greedy 209 us.
+                add(chain, C.llama_sampler_init_top_k(1))
             add(chain, C.llama_sampler_init_greedy())
             return chain
         if sampling.top_p < 1.0:
