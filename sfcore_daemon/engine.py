@@ -162,16 +162,7 @@ class Engine:
     def _load(self) -> None:
         model_path, model_config = self.model_path, self.config
         started = time.perf_counter()
-        C.llama_backend_init()
-        model_params = C.llama_model_default_params()
-        model_params.n_gpu_layers = model_config.n_gpu_layers
-        model_params.load_mode = load_mode(model_config.use_mmap, model_config.use_mlock)
-        with _router.capturing_errors() as errors:
-            model = C.llama_model_load_from_file(model_path.encode(), model_params)
-        if not model:
-            reason = errors[0] if errors else "not a GGUF model this llama.cpp can load"
-            raise ModelLoadError(f"cannot load model {model_path}: {reason}")
-        self._model = model
+        model = self._model = load_model(model_path, model_config)
         ctx = C.llama_init_from_model(model, context_params(
             model_config, self.n_threads, self.n_threads_batch))
         if not ctx:
@@ -418,6 +409,22 @@ class Engine:
         piece = buf.raw[:n]
         self._pieces[token] = piece
         return piece
+
+
+def load_model(model_path: str, model_config: ModelConfig) -> Any:
+    """llama_backend_init, then the model with the daemon's settings; ModelLoadError
+    (with llama.cpp's own reason, in one line) if it cannot be loaded."""
+    C.llama_backend_init()
+    params = C.llama_model_default_params()
+    params.n_gpu_layers = model_config.n_gpu_layers
+    params.load_mode = load_mode(model_config.use_mmap, model_config.use_mlock)
+    with _router.capturing_errors() as errors:
+        model = C.llama_model_load_from_file(model_path.encode(), params)
+    if not model:
+        C.llama_backend_free()
+        reason = errors[0] if errors else "not a GGUF model this llama.cpp can load"
+        raise ModelLoadError(f"cannot load model {model_path}: {reason}")
+    return model
 
 
 def context_params(model_config: ModelConfig, n_threads: int, n_threads_batch: int) -> Any:

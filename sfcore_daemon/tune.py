@@ -209,28 +209,15 @@ class Sweep:
     others_share: float = 0.0
 
 
-class _ErrorLines(logging.Handler):
-    """Keeps llama.cpp's error lines for one message of our own; drops everything else."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        # "llama_model_load: error loading model: ..." -> the part after the function name
-        self.lines.append(record.getMessage().split(": ", 1)[-1])
-
-
-def _silence_llama_logs() -> _ErrorLines:
+def _silence_llama_logs() -> None:
+    """llama.cpp's lines go nowhere; a load failure still reaches the user through
+    ModelLoadError, which carries llama.cpp's own reason."""
     from .engine import route_llama_logs
 
     route_llama_logs()
-    errors = _ErrorLines()
     llama_log = logging.getLogger("sfcore_daemon.llama_cpp")
-    llama_log.setLevel(logging.ERROR)
+    llama_log.setLevel(logging.CRITICAL + 1)
     llama_log.propagate = False
-    llama_log.addHandler(errors)
-    return errors
 
 
 class Bench:
@@ -242,22 +229,17 @@ class Bench:
     """
 
     def __init__(self, model_path: str, config: Config, pinned: Sequence[int]) -> None:
-        from .engine import load_mode
+        from .engine import ModelLoadError, load_model
         from .llama_c import C
 
         self.C = C
         self.config = config
         self.pinned = pinned
-        errors = _silence_llama_logs()
-        C.llama_backend_init()
-        params = C.llama_model_default_params()
-        params.n_gpu_layers = config.model.n_gpu_layers
-        params.load_mode = load_mode(config.model.use_mmap, config.model.use_mlock)
-        self.model = C.llama_model_load_from_file(model_path.encode(), params)
-        if not self.model:
-            C.llama_backend_free()
-            reason = errors.lines[0] if errors.lines else "not a GGUF model this llama.cpp can load"
-            raise TuneError(f"cannot load model {model_path}: {reason}")
+        _silence_llama_logs()
+        try:
+            self.model = load_model(model_path, config.model)
+        except ModelLoadError as exc:
+            raise TuneError(str(exc)) from None
         self.vocab = C.llama_model_get_vocab(self.model)
 
     def close(self) -> None:

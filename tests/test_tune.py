@@ -107,3 +107,14 @@ async def test_unknown_config_key_is_a_usage_error(tmp_path: Path) -> None:
     assert code == 2
     assert_one_error_line(output)
     assert "unknown key `runtime.n_thread`" in output
+
+
+async def test_a_file_that_is_not_a_model_gives_llama_cpps_reason(tmp_path: Path) -> None:
+    path = write_config(tmp_path)
+    corrupt = tmp_path / "not-a-model.gguf"
+    corrupt.write_bytes(b"hello, not a GGUF file\n")
+    code, output = await run_cli("tune", "--config", str(path), "--model", str(corrupt),
+                                 timeout=TUNE_TIMEOUT_S)
+    assert code == 1
+    assert_one_error_line(output)
+    assert f"cannot load model {corrupt}: invalid magic characters" in output
