@@ -1,0 +1,714 @@
+// Package sfcore is a client for the sfcore-ai daemon: NDJSON over a Unix socket,
+// standard library only.
+//
+//	client, err := sfcore.Dial(ctx, "") // $SFCORE_SOCKET, else /tmp/sfcore-ai.sock
+//	if err != nil { ... }
+//	defer client.Close()
+//	res, err := client.Generate(ctx, "Hello", &sfcore.Options{MaxTokens: sfcore.Int(32)})
+//	res, err = client.StreamGenerate(ctx, "Hello", nil, func(piece string) error {
+//		fmt.Print(piece)
+//		return nil
+//	})
+//
+// A Client is one connection and is safe for concurrent use: requests are pipelined on
+// the connection, and since the daemon answers them in request order, every reply line
+// goes to the oldest unfinished request (checked against its id). Cancelling the context
+// of a call sends `cancel` for its request, which frees the daemon's slot, and the call
+// returns ctx.Err().
+package sfcore
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+)
+
+// DefaultSocketPath is where the daemon listens unless configured otherwise.
+const DefaultSocketPath = "/tmp/sfcore-ai.sock"
+
+// Error is an `error` line from the daemon. Code is one of the protocol's error codes:
+// bad_json, invalid_request, context_overflow, queue_full, line_too_long,
+// too_many_connections, forbidden, shutting_down, internal.
+type Error struct {
+	Code    string
+	Message string
+	// ID is the raw JSON id the error line carried.
+	ID json.RawMessage
+}
+
+func (e *Error) Error() string { return "sfcore: " + e.Code + ": " + e.Message }
+
+// ConnError means the daemon could not be reached (Op "dial") or the connection failed
+// or was closed while requests were outstanding (Op "read", "write").
+type ConnError struct {
+	Path string
+	Op   string
+	Err  error
+}
+
+func (e *ConnError) Error() string {
+	if e.Op == "dial" {
+		return fmt.Sprintf("sfcore: cannot connect to the daemon at %s (%v); the daemon may "+
+			"not be running: start it (scripts/run.sh) or set SFCORE_SOCKET to its socket path",
+			e.Path, e.Err)
+	}
+	return fmt.Sprintf("sfcore: connection to %s: %s: %v", e.Path, e.Op, e.Err)
+}
+
+func (e *ConnError) Unwrap() error { return e.Err }
+
+// ErrClosed is the cause (in a ConnError) for calls on, or cut short by, Client.Close.
+var ErrClosed = errors.New("client closed")
+
+// ErrStreamClosed is what Stream.Err reports after Stream.Close ended it early.
+var ErrStreamClosed = errors.New("sfcore: stream closed before its reply ended")
+
+// Message is one chat message.
+type Message struct {
+	Role    string `json:"role"` // "system", "user" or "assistant"
+	Content string `json:"content"`
+}
+
+// Options are the protocol's generation fields. A nil field means the daemon's default;
+// use Int, Float and Bool to set one (Float(0) is greedy decoding, not "unset").
+type Options struct {
+	MaxTokens     *int     `json:"max_tokens,omitempty"`
+	Temperature   *float64 `json:"temperature,omitempty"`
+	TopK          *int     `json:"top_k,omitempty"`
+	TopP          *float64 `json:"top_p,omitempty"`
+	MinP          *float64 `json:"min_p,omitempty"`
+	RepeatPenalty *float64 `json:"repeat_penalty,omitempty"`
+	Seed          *int64   `json:"seed,omitempty"`
+	Stop          []string `json:"stop,omitempty"`
+	CachePrompt   *bool    `json:"cache_prompt,omitempty"`
+}
+
+// Int returns a pointer to n, for Options.
+func Int(n int) *int { return &n }
+
+// Int64 returns a pointer to n, for Options.Seed.
+func Int64(n int64) *int64 { return &n }
+
+// Float returns a pointer to f, for Options.
+func Float(f float64) *float64 { return &f }
+
+// Bool returns a pointer to b, for Options.
+func Bool(b bool) *bool { return &b }
+
+// Usage counts the tokens of a request.
+type Usage struct {
+	PromptTokens     int `json:"prompt_tokens"`
+	CachedTokens     int `json:"cached_tokens"`
+	CompletionTokens int `json:"completion_tokens"`
+}
+
+// Timings of a request, in milliseconds and tokens per second.
+type Timings struct {
+	QueuedMs     float64 `json:"queued_ms"`
+	PromptMs     float64 `json:"prompt_ms"`
+	PromptTokS   float64 `json:"prompt_tok_s"`
+	FirstTokenMs float64 `json:"first_token_ms"`
+	DecodeMs     float64 `json:"decode_ms"`
+	DecodeTokS   float64 `json:"decode_tok_s"`
+	TotalMs      float64 `json:"total_ms"`
+}
+
+// Result is a finished generation.
+type Result struct {
+	ID           int64
+	Text         string // the whole completion, streamed or not
+	FinishReason string // "stop", "stop_sequence", "length" or "cancelled"
+	StopSequence string // the stop string that matched, else ""
+	Usage        Usage
+	Timings      Timings
+}
+
+// Health is the `health` reply.
+type Health struct {
+	Status     string  `json:"status"` // "ok", "loading" or "draining"
+	Model      string  `json:"model"`
+	Busy       bool    `json:"busy"`
+	QueueDepth int     `json:"queue_depth"`
+	UptimeS    float64 `json:"uptime_s"`
+	// Raw is the whole reply line.
+	Raw json.RawMessage `json:"-"`
+}
+
+// Info is the `info` reply.
+type Info struct {
+	Model struct {
+		Path            string `json:"path"`
+		Name            string `json:"name"`
+		Architecture    string `json:"architecture"`
+		NParams         int64  `json:"n_params"`
+		NCtxTrain       int    `json:"n_ctx_train"`
+		NVocab          int    `json:"n_vocab"`
+		SizeBytes       int64  `json:"size_bytes"`
+		HasChatTemplate bool   `json:"has_chat_template"`
+	} `json:"model"`
+	Config struct {
+		NCtx         int     `json:"n_ctx"`
+		Threads      int     `json:"threads"`
+		ThreadsBatch int     `json:"threads_batch"`
+		Batch        int     `json:"batch"`
+		Ubatch       int     `json:"ubatch"`
+		CPUAffinity  []int   `json:"cpu_affinity"`
+		Mmap         bool    `json:"mmap"`
+		Mlock        bool    `json:"mlock"`
+		GPULayers    int     `json:"gpu_layers"`
+		FlashAttn    any     `json:"flash_attn"` // true, false or "auto"
+		Reproducible bool    `json:"reproducible"`
+		ChatTemplate *string `json:"chat_template"`
+	} `json:"config"`
+	SystemInfo string            `json:"system_info"`
+	Versions   map[string]string `json:"versions"` // sfcore, llama_cpp_python, llama_cpp
+	Raw        json.RawMessage   `json:"-"`
+}
+
+// Stats is the `stats` reply: counters since the daemon started.
+type Stats struct {
+	UptimeS  float64 `json:"uptime_s"`
+	Requests struct {
+		Total     int            `json:"total"`
+		ByOp      map[string]int `json:"by_op"`
+		ByOutcome map[string]int `json:"by_outcome"`
+	} `json:"requests"`
+	Tokens struct {
+		Prompt    int `json:"prompt"`
+		Cached    int `json:"cached"`
+		Generated int `json:"generated"`
+	} `json:"tokens"`
+	Errors      map[string]int `json:"errors"`
+	Connections struct {
+		Current  int `json:"current"`
+		Total    int `json:"total"`
+		Rejected int `json:"rejected"`
+	} `json:"connections"`
+	DecodeTokS float64         `json:"decode_tok_s"`
+	Raw        json.RawMessage `json:"-"`
+}
+
+// line is one reply line; the fields of every reply type share one struct.
+type line struct {
+	Type         string          `json:"type"`
+	ID           json.RawMessage `json:"id"`
+	Text         string          `json:"text"`
+	FinishReason string          `json:"finish_reason"`
+	StopSequence *string         `json:"stop_sequence"`
+	Usage        Usage           `json:"usage"`
+	Timings      Timings         `json:"timings"`
+	Code         string          `json:"code"`
+	Message      string          `json:"message"`
+	Tokens       []int           `json:"tokens"`
+	Found        bool            `json:"found"`
+	raw          []byte
+}
+
+// parseLine decodes one reply line (its trailing newline included or not). It returns
+// nil, nil for a blank line.
+func parseLine(b []byte) (*line, error) {
+	if len(bytes.TrimSpace(b)) == 0 {
+		return nil, nil
+	}
+	l := &line{raw: b}
+	if err := json.Unmarshal(b, l); err != nil {
+		return nil, fmt.Errorf("reply line is not a JSON object (%v): %.200q", err, b)
+	}
+	if l.Type == "" {
+		return nil, fmt.Errorf("reply line without a type: %.200q", b)
+	}
+	return l, nil
+}
+
+// call is one request waiting for its reply lines.
+type call struct {
+	id       int64
+	idJSON   []byte
+	lines    chan *line    // closed by the reader if the connection fails first
+	gone     chan struct{} // closed when the caller stops waiting
+	goneOnce sync.Once
+	finished bool // its final line was read (guarded by Client.mu)
+}
+
+func (cl *call) abandon() { cl.goneOnce.Do(func() { close(cl.gone) }) }
+
+// Client is one connection to the daemon.
+type Client struct {
+	conn   net.Conn
+	path   string
+	nextID int64 // atomic
+
+	wmu sync.Mutex // orders writes together with their place in pending
+
+	mu          sync.Mutex
+	pending     []*call // in request order
+	err         error   // once set, the connection is gone and every call fails with it
+	unsolicited *Error  // an error line that came with no request waiting
+
+	readerDone chan struct{}
+}
+
+// Dial connects to the daemon at path; an empty path means $SFCORE_SOCKET, else
+// DefaultSocketPath. A failure is a *ConnError naming the path.
+func Dial(ctx context.Context, path string) (*Client, error) {
+	if path == "" {
+		path = os.Getenv("SFCORE_SOCKET")
+	}
+	if path == "" {
+		path = DefaultSocketPath
+	}
+	var dialer net.Dialer
+	conn, err := dialer.DialContext(ctx, "unix", path)
+	if err != nil {
+		var opErr *net.OpError
+		if errors.As(err, &opErr) && opErr.Err != nil {
+			err = opErr.Err // "connect: no such file or directory", without the path again
+		}
+		return nil, &ConnError{Path: path, Op: "dial", Err: err}
+	}
+	return newClient(conn, path), nil
+}
+
+func newClient(conn net.Conn, path string) *Client {
+	c := &Client{conn: conn, path: path, readerDone: make(chan struct{})}
+	go c.readLoop()
+	return c
+}
+
+// Path is the socket path of the connection.
+func (c *Client) Path() string { return c.path }
+
+// Close closes the connection. Requests still running are stopped by the daemon (it
+// cancels the requests of a client that has gone); calls still waiting fail with a
+// *ConnError wrapping ErrClosed.
+func (c *Client) Close() error {
+	c.mu.Lock()
+	if c.err == nil {
+		c.err = &ConnError{Path: c.path, Op: "read", Err: ErrClosed}
+	}
+	c.mu.Unlock()
+	err := c.conn.Close()
+	<-c.readerDone
+	if errors.Is(err, net.ErrClosed) {
+		err = nil
+	}
+	return err
+}
+
+// --- generation ------------------------------------------------------------------------
+
+type genRequest struct {
+	Op       string    `json:"op"`
+	ID       int64     `json:"id"`
+	Prompt   *string   `json:"prompt,omitempty"`
+	Messages []Message `json:"messages,omitempty"`
+	Stream   bool      `json:"stream"`
+	*Options
+}
+
+// Generate completes prompt and returns the whole result (one `done` line, stream=false).
+func (c *Client) Generate(ctx context.Context, prompt string, opts *Options) (*Result, error) {
+	s, err := c.start(ctx, genRequest{Op: "generate", Prompt: &prompt, Options: opts})
+	return c.collect(s, err, nil)
+}
+
+// Chat generates the assistant's turn after messages, through the model's chat template.
+func (c *Client) Chat(ctx context.Context, messages []Message, opts *Options) (*Result, error) {
+	s, err := c.start(ctx, genRequest{Op: "chat", Messages: messages, Options: opts})
+	return c.collect(s, err, nil)
+}
+
+// StreamGenerate streams the completion of prompt: onPiece gets each piece of text as it
+// arrives. If onPiece returns an error, the request is cancelled and that error returned.
+// The Result's Text is the whole completion.
+func (c *Client) StreamGenerate(ctx context.Context, prompt string, opts *Options,
+	onPiece func(piece string) error) (*Result, error) {
+	s, err := c.start(ctx, genRequest{Op: "generate", Prompt: &prompt, Options: opts, Stream: true})
+	return c.collect(s, err, onPiece)
+}
+
+// StreamChat is StreamGenerate for chat messages.
+func (c *Client) StreamChat(ctx context.Context, messages []Message, opts *Options,
+	onPiece func(piece string) error) (*Result, error) {
+	s, err := c.start(ctx, genRequest{Op: "chat", Messages: messages, Options: opts, Stream: true})
+	return c.collect(s, err, onPiece)
+}
+
+// StartGenerate sends a streaming generate request and returns its Stream, to read with
+// Next (and to cancel by its ID from elsewhere). Close the Stream if you stop early.
+func (c *Client) StartGenerate(ctx context.Context, prompt string, opts *Options) (*Stream, error) {
+	return c.start(ctx, genRequest{Op: "generate", Prompt: &prompt, Options: opts, Stream: true})
+}
+
+// StartChat is StartGenerate for chat messages.
+func (c *Client) StartChat(ctx context.Context, messages []Message, opts *Options) (*Stream, error) {
+	return c.start(ctx, genRequest{Op: "chat", Messages: messages, Options: opts, Stream: true})
+}
+
+func (c *Client) start(ctx context.Context, req genRequest) (*Stream, error) {
+	cl := c.newCall()
+	req.ID = cl.id
+	if err := c.send(ctx, req, cl); err != nil {
+		return nil, err
+	}
+	return &Stream{c: c, cl: cl, ctx: ctx, streaming: req.Stream}, nil
+}
+
+func (c *Client) collect(s *Stream, err error, onPiece func(string) error) (*Result, error) {
+	if err != nil {
+		return nil, err
+	}
+	for s.Next() {
+		if onPiece != nil {
+			if err := onPiece(s.Text()); err != nil {
+				s.Close()
+				return nil, err
+			}
+		}
+	}
+	return s.Result(), s.Err()
+}
+
+// Stream is a generation being received, read like a bufio.Scanner:
+//
+//	for stream.Next() { fmt.Print(stream.Text()) }
+//	if err := stream.Err(); err != nil { ... }
+//	res := stream.Result()
+type Stream struct {
+	c         *Client
+	cl        *call
+	ctx       context.Context
+	streaming bool
+	piece     string
+	text      strings.Builder
+	res       *Result
+	err       error
+	done      bool
+}
+
+// ID is the request's id, for Client.Cancel.
+func (s *Stream) ID() int64 { return s.cl.id }
+
+// Next waits for the next piece of text; false at the end of the reply, on an error (see
+// Err) or when the context is cancelled (then `cancel` is sent and Err is ctx.Err()).
+func (s *Stream) Next() bool {
+	if s.done {
+		return false
+	}
+	select {
+	case l, ok := <-s.cl.lines:
+		if !ok {
+			s.end(s.c.failure())
+			return false
+		}
+		switch l.Type {
+		case "token":
+			s.piece = l.Text
+			if s.streaming {
+				s.text.WriteString(l.Text)
+			}
+			return true
+		case "done":
+			text := l.Text
+			if s.streaming {
+				text = s.text.String()
+			}
+			s.res = &Result{ID: s.cl.id, Text: text, FinishReason: l.FinishReason,
+				Usage: l.Usage, Timings: l.Timings}
+			if l.StopSequence != nil {
+				s.res.StopSequence = *l.StopSequence
+			}
+			s.end(nil)
+		case "error":
+			s.end(&Error{Code: l.Code, Message: l.Message, ID: l.ID})
+		default:
+			s.end(unexpected(l, "done"))
+		}
+		return false
+	case <-s.ctx.Done():
+		s.c.abandon(s.cl)
+		s.end(s.ctx.Err())
+		return false
+	}
+}
+
+func (s *Stream) end(err error) {
+	s.done = true
+	s.err = err
+	s.piece = ""
+}
+
+// Text is the piece of text Next has just received.
+func (s *Stream) Text() string { return s.piece }
+
+// Err is the error that ended the stream: an *Error for an error line, a *ConnError,
+// ctx.Err(), ErrStreamClosed, or nil.
+func (s *Stream) Err() error { return s.err }
+
+// Result is the finished generation, nil until Next has returned false without an error.
+func (s *Stream) Result() *Result { return s.res }
+
+// Close ends the stream early: if the request is still running it sends `cancel` for it
+// (not waiting for the answer). Closing a finished stream does nothing.
+func (s *Stream) Close() {
+	if s.done {
+		return
+	}
+	s.c.abandon(s.cl)
+	s.end(ErrStreamClosed)
+}
+
+// --- single-line requests --------------------------------------------------------------
+
+// Health asks for the daemon's health line.
+func (c *Client) Health(ctx context.Context) (*Health, error) {
+	var h Health
+	if err := c.object(ctx, map[string]any{"op": "health"}, "health", &h, &h.Raw); err != nil {
+		return nil, err
+	}
+	return &h, nil
+}
+
+// Info describes the model, the effective configuration and versions.
+func (c *Client) Info(ctx context.Context) (*Info, error) {
+	var info Info
+	if err := c.object(ctx, map[string]any{"op": "info"}, "info", &info, &info.Raw); err != nil {
+		return nil, err
+	}
+	return &info, nil
+}
+
+// Stats returns the daemon's counters.
+func (c *Client) Stats(ctx context.Context) (*Stats, error) {
+	var st Stats
+	if err := c.object(ctx, map[string]any{"op": "stats"}, "stats", &st, &st.Raw); err != nil {
+		return nil, err
+	}
+	return &st, nil
+}
+
+// Tokenize returns the token ids of text; addSpecial adds the BOS token as the model
+// expects (the daemon's default is true).
+func (c *Client) Tokenize(ctx context.Context, text string, addSpecial bool) ([]int, error) {
+	l, err := c.roundTrip(ctx, map[string]any{"op": "tokenize", "text": text,
+		"add_special": addSpecial}, "tokens")
+	if err != nil {
+		return nil, err
+	}
+	if l.Tokens == nil {
+		l.Tokens = []int{}
+	}
+	return l.Tokens, nil
+}
+
+// Detokenize returns the text of token ids.
+func (c *Client) Detokenize(ctx context.Context, tokens []int) (string, error) {
+	if tokens == nil {
+		tokens = []int{}
+	}
+	l, err := c.roundTrip(ctx, map[string]any{"op": "detokenize", "tokens": tokens}, "text")
+	if err != nil {
+		return "", err
+	}
+	return l.Text, nil
+}
+
+// Cancel ends an earlier request of this connection (queued or running) by its id; it
+// reports whether the request was still pending. The target's own reply ends with
+// finish reason "cancelled" (and arrives before Cancel returns).
+func (c *Client) Cancel(ctx context.Context, target int64) (bool, error) {
+	l, err := c.roundTrip(ctx, map[string]any{"op": "cancel", "target": target}, "cancelled")
+	if err != nil {
+		return false, err
+	}
+	return l.Found, nil
+}
+
+func (c *Client) object(ctx context.Context, req map[string]any, want string, into any,
+	raw *json.RawMessage) error {
+	l, err := c.roundTrip(ctx, req, want)
+	if err != nil {
+		return err
+	}
+	if err := json.Unmarshal(l.raw, into); err != nil {
+		return fmt.Errorf("sfcore: decoding the %s reply: %w", want, err)
+	}
+	*raw = json.RawMessage(bytes.TrimSpace(l.raw))
+	return nil
+}
+
+func (c *Client) roundTrip(ctx context.Context, req map[string]any, want string) (*line, error) {
+	cl := c.newCall()
+	req["id"] = cl.id
+	if err := c.send(ctx, req, cl); err != nil {
+		return nil, err
+	}
+	select {
+	case l, ok := <-cl.lines:
+		switch {
+		case !ok:
+			return nil, c.failure()
+		case l.Type == "error":
+			return nil, &Error{Code: l.Code, Message: l.Message, ID: l.ID}
+		case l.Type != want:
+			return nil, unexpected(l, want)
+		}
+		return l, nil
+	case <-ctx.Done():
+		c.abandon(cl)
+		return nil, ctx.Err()
+	}
+}
+
+func unexpected(l *line, want string) error {
+	return fmt.Errorf("sfcore: expected a %q reply, got %.200q", want, l.raw)
+}
+
+// --- connection ------------------------------------------------------------------------
+
+func (c *Client) newCall() *call {
+	id := atomic.AddInt64(&c.nextID, 1)
+	return &call{
+		id:     id,
+		idJSON: strconv.AppendInt(nil, id, 10),
+		lines:  make(chan *line, 64),
+		gone:   make(chan struct{}),
+	}
+}
+
+// send writes one request and queues its call; the call's place in the queue is the
+// request's place on the wire.
+func (c *Client) send(ctx context.Context, req any, cl *call) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	data, err := json.Marshal(req)
+	if err != nil {
+		return fmt.Errorf("sfcore: encoding the request: %w", err)
+	}
+	data = append(data, '\n')
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	c.mu.Lock()
+	if c.err != nil {
+		err := c.err
+		c.mu.Unlock()
+		return err
+	}
+	c.pending = append(c.pending, cl)
+	c.mu.Unlock()
+	deadline, _ := ctx.Deadline() // zero: none
+	_ = c.conn.SetWriteDeadline(deadline)
+	if _, err := c.conn.Write(data); err != nil {
+		c.conn.Close() // the reader then fails every pending call
+		return &ConnError{Path: c.path, Op: "write", Err: err}
+	}
+	return nil
+}
+
+// abandon: the caller stopped waiting for cl. If its request is still running, ask the
+// daemon to stop it; its remaining lines are dropped as they arrive.
+func (c *Client) abandon(cl *call) {
+	cl.abandon()
+	c.mu.Lock()
+	skip := cl.finished || c.err != nil
+	c.mu.Unlock()
+	if skip {
+		return
+	}
+	cancel := c.newCall()
+	cancel.abandon() // nobody waits for the `cancelled` line
+	_ = c.send(context.Background(), map[string]any{"op": "cancel", "id": cancel.id,
+		"target": cl.id}, cancel)
+}
+
+func (c *Client) failure() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.err
+}
+
+func (c *Client) readLoop() {
+	defer close(c.readerDone)
+	r := bufio.NewReaderSize(c.conn, 64<<10)
+	for {
+		b, err := r.ReadBytes('\n') // no line length limit: a non-streamed done can be long
+		if err != nil {
+			if errors.Is(err, io.EOF) {
+				if len(b) > 0 {
+					err = io.ErrUnexpectedEOF
+				} else {
+					err = errors.New("the daemon closed the connection")
+				}
+			}
+			c.fail(&ConnError{Path: c.path, Op: "read", Err: err})
+			return
+		}
+		l, err := parseLine(b)
+		if err != nil {
+			c.fail(&ConnError{Path: c.path, Op: "read", Err: err})
+			c.conn.Close()
+			return
+		}
+		if l != nil {
+			c.dispatch(l)
+		}
+	}
+}
+
+func (c *Client) dispatch(l *line) {
+	var target *call
+	c.mu.Lock()
+	if len(c.pending) > 0 {
+		head := c.pending[0]
+		// An error about the connection itself (too_many_connections, forbidden) carries
+		// an id of the daemon's own; it ends whatever request is waiting.
+		if bytes.Equal(l.ID, head.idJSON) || l.Type == "error" {
+			target = head
+			if l.Type != "token" {
+				c.pending[0] = nil
+				c.pending = c.pending[1:]
+				head.finished = true
+			}
+		}
+	} else if l.Type == "error" {
+		c.unsolicited = &Error{Code: l.Code, Message: l.Message, ID: l.ID}
+	}
+	c.mu.Unlock()
+	if target == nil {
+		return
+	}
+	select {
+	case target.lines <- l:
+	case <-target.gone:
+	}
+}
+
+// fail ends the connection: every waiting call sees its lines channel closed and gets
+// c.err (the first failure, or the daemon's error line if it sent one unasked).
+func (c *Client) fail(err error) {
+	c.mu.Lock()
+	if c.err == nil {
+		if c.unsolicited != nil {
+			c.err = c.unsolicited
+		} else {
+			c.err = err
+		}
+	}
+	pending := c.pending
+	c.pending = nil
+	c.mu.Unlock()
+	for _, cl := range pending {
+		close(cl.lines)
+	}
+}

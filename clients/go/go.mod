@@ -1,0 +1,3 @@
+module sfcore.local/sfcore
+
+go 1.19

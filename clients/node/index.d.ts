@@ -1,0 +1,192 @@
+// Types of sfcore-client (index.js).
+
+export declare const DEFAULT_SOCKET_PATH: "/tmp/sfcore-ai.sock";
+
+export type RequestId = string | number;
+
+/** An `error` line from the daemon (protocol codes: bad_json, invalid_request,
+ * context_overflow, queue_full, line_too_long, too_many_connections, forbidden,
+ * shutting_down, internal), or a client-side failure ("unreachable", "disconnected",
+ * "protocol"). */
+export declare class SfcoreError extends Error {
+  constructor(code: string, message: string, id?: RequestId);
+  readonly code: string;
+  /** The id the error line carried, if any. */
+  readonly id: RequestId | undefined;
+}
+
+/** The daemon could not be reached ("unreachable") or the connection ended before the
+ * replies did ("disconnected"). */
+export declare class SfcoreConnectionError extends SfcoreError {
+  constructor(code: string, path: string, message: string, cause?: unknown);
+  readonly path: string;
+}
+
+/** The protocol's generation fields; snake_case or camelCase. Undefined or null: the
+ * daemon's default. Any other field is sent as is (the daemon rejects unknown ones). */
+export interface GenerationOptions {
+  max_tokens?: number | null;
+  maxTokens?: number | null;
+  temperature?: number | null;
+  top_k?: number | null;
+  topK?: number | null;
+  top_p?: number | null;
+  topP?: number | null;
+  min_p?: number | null;
+  minP?: number | null;
+  repeat_penalty?: number | null;
+  repeatPenalty?: number | null;
+  seed?: number | null;
+  stop?: string | string[] | null;
+  cache_prompt?: boolean | null;
+  cachePrompt?: boolean | null;
+  /** The request's id (default: a number counting up on this connection). */
+  id?: RequestId;
+  /** Aborting sends `cancel` for the request; the call rejects (or the iteration throws)
+   * with the signal's reason. */
+  signal?: AbortSignal;
+  [field: string]: unknown;
+}
+
+export interface CallbackOptions extends GenerationOptions {
+  /** Stream the reply and call this with each piece of text as it arrives. */
+  onToken?: (piece: string) => void;
+}
+
+export interface ChatMessage {
+  role: "system" | "user" | "assistant";
+  content: string;
+}
+
+export interface Usage {
+  promptTokens: number;
+  cachedTokens: number;
+  completionTokens: number;
+}
+
+export interface Timings {
+  queuedMs: number;
+  promptMs: number;
+  promptTokS: number;
+  firstTokenMs: number;
+  decodeMs: number;
+  decodeTokS: number;
+  totalMs: number;
+}
+
+export interface Result {
+  /** The request's id. */
+  id: RequestId;
+  /** The whole completion (streamed or not). */
+  text: string;
+  finishReason: "stop" | "stop_sequence" | "length" | "cancelled";
+  /** The stop string that matched, else null. */
+  stopSequence: string | null;
+  usage: Usage;
+  timings: Timings;
+}
+
+/** A streamed generation: `for await (const piece of stream)`. Leaving the loop early
+ * sends `cancel` for the request. */
+export declare class Stream implements AsyncIterableIterator<string> {
+  /** The request's id (for `client.cancel`). */
+  readonly id: RequestId;
+  /** The Result once the `done` line has arrived, else null. */
+  readonly result: Result | null;
+  /** The text received so far. */
+  readonly text: string;
+  /** Whether the reply has ended (done or error). */
+  readonly finished: boolean;
+  /** The Result once the reply has ended; rejects with the request's error. */
+  readonly completed: Promise<Result>;
+  [Symbol.asyncIterator](): AsyncIterableIterator<string>;
+  next(): Promise<IteratorResult<string, undefined>>;
+  return(): Promise<IteratorResult<string, undefined>>;
+  throw(error?: unknown): Promise<IteratorResult<string, undefined>>;
+}
+
+export interface HealthReply {
+  type: "health";
+  id: RequestId;
+  status: "ok" | "loading" | "draining";
+  model: string;
+  busy: boolean;
+  queue_depth: number;
+  uptime_s: number;
+}
+
+export interface InfoReply {
+  type: "info";
+  id: RequestId;
+  model: {
+    path: string;
+    name: string;
+    architecture: string;
+    n_params: number;
+    n_ctx_train: number;
+    n_vocab: number;
+    size_bytes: number;
+    has_chat_template: boolean;
+  };
+  config: {
+    n_ctx: number;
+    threads: number;
+    threads_batch: number;
+    batch: number;
+    ubatch: number;
+    cpu_affinity: number[];
+    mmap: boolean;
+    mlock: boolean;
+    gpu_layers: number;
+    flash_attn: boolean | "auto";
+    reproducible: boolean;
+    chat_template: string | null;
+  };
+  system_info: string;
+  versions: { sfcore: string; llama_cpp_python: string; llama_cpp: string };
+}
+
+export interface StatsReply {
+  type: "stats";
+  id: RequestId;
+  uptime_s: number;
+  requests: {
+    total: number;
+    by_op: Record<string, number>;
+    by_outcome: Record<"stop" | "stop_sequence" | "length" | "cancelled" | "error", number>;
+  };
+  tokens: { prompt: number; cached: number; generated: number };
+  errors: Record<string, number>;
+  connections: { current: number; total: number; rejected: number };
+  decode_tok_s: number;
+}
+
+export interface ConnectOptions {
+  socketPath?: string;
+  /** Milliseconds to wait for the connection (default 10000; 0: no limit). */
+  timeout?: number;
+}
+
+/** One connection to the daemon. Requests may be issued concurrently; they are pipelined
+ * and answered in request order. */
+export declare class Client {
+  readonly path: string;
+  generate(prompt: string, options?: CallbackOptions): Promise<Result>;
+  chat(messages: ChatMessage[], options?: CallbackOptions): Promise<Result>;
+  streamGenerate(prompt: string, options?: GenerationOptions): Stream;
+  streamChat(messages: ChatMessage[], options?: GenerationOptions): Stream;
+  health(): Promise<HealthReply>;
+  info(): Promise<InfoReply>;
+  stats(): Promise<StatsReply>;
+  tokenize(text: string, options?: { addSpecial?: boolean; add_special?: boolean }): Promise<number[]>;
+  detokenize(tokens: number[]): Promise<string>;
+  /** Cancel an earlier request of this connection; resolves to whether it was pending. */
+  cancel(target: RequestId): Promise<boolean>;
+  /** Close the connection (at once if requests are running, which stops them). */
+  close(): Promise<void>;
+}
+
+/** Connect to the daemon: `socketPath`, else $SFCORE_SOCKET, else /tmp/sfcore-ai.sock.
+ * Rejects with SfcoreConnectionError (code "unreachable") naming the path. */
+export declare function connect(socketPath?: string, options?: ConnectOptions): Promise<Client>;
+export declare function connect(options: ConnectOptions): Promise<Client>;

@@ -1,0 +1,547 @@
+// Client for the sfcore-ai daemon: NDJSON over a Unix socket, Node.js standard library only.
+//
+//   import { connect } from "sfcore-client";
+//   const client = await connect();               // $SFCORE_SOCKET, else /tmp/sfcore-ai.sock
+//   const result = await client.generate("Hello", { max_tokens: 32, temperature: 0 });
+//   for await (const piece of client.streamGenerate("Hello")) process.stdout.write(piece);
+//   await client.close();
+//
+// One Client is one connection. Requests may be issued concurrently: they are pipelined on
+// the connection, and since the daemon answers them in request order, each reply line is
+// matched to the oldest unfinished request (and checked against its id).
+
+import net from "node:net";
+
+export const DEFAULT_SOCKET_PATH = "/tmp/sfcore-ai.sock";
+
+/** An `error` line from the daemon (`code` is one of the protocol's error codes), or a
+ * client-side failure with a code of the client's own ("unreachable", "disconnected",
+ * "protocol"). */
+export class SfcoreError extends Error {
+  constructor(code, message, id = undefined) {
+    super(message);
+    this.name = "SfcoreError";
+    this.code = code;
+    this.id = id;
+  }
+}
+
+/** The daemon could not be reached (code "unreachable"), or the connection ended while
+ * requests were waiting for their replies (code "disconnected"). `path` is the socket. */
+export class SfcoreConnectionError extends SfcoreError {
+  constructor(code, path, message, cause = undefined) {
+    super(code, message);
+    this.name = "SfcoreConnectionError";
+    this.path = path;
+    if (cause !== undefined) this.cause = cause;
+  }
+}
+
+const CONNECT_HINTS = {
+  ENOENT: "no such socket file",
+  ECONNREFUSED: "nothing is listening on it",
+  EACCES: "permission denied",
+  ENOTSOCK: "not a socket",
+};
+
+function unreachable(path, cause) {
+  const what = cause.code ? `${cause.code}, ${CONNECT_HINTS[cause.code] ?? cause.message}` : cause.message;
+  return new SfcoreConnectionError(
+    "unreachable", path,
+    `cannot connect to the sfcore-ai daemon at ${path} (${what}); the daemon may not be ` +
+      "running: start it (scripts/run.sh) or set SFCORE_SOCKET to its socket path",
+    cause);
+}
+
+/** Open a connection. `socketPath` defaults to $SFCORE_SOCKET, else /tmp/sfcore-ai.sock.
+ * `options.timeout`: milliseconds to wait for the connection (default 10000; 0: no limit). */
+export function connect(socketPath = undefined, options = {}) {
+  if (socketPath !== null && typeof socketPath === "object") {
+    options = socketPath;
+    socketPath = options.socketPath;
+  }
+  const path = socketPath || process.env.SFCORE_SOCKET || DEFAULT_SOCKET_PATH;
+  const timeout = options.timeout ?? 10000;
+  return new Promise((resolve, reject) => {
+    const socket = net.createConnection({ path });
+    let timer = null;
+    const onError = (error) => {
+      clearTimeout(timer);
+      reject(unreachable(path, error));
+    };
+    if (timeout > 0) {
+      timer = setTimeout(() => {
+        socket.removeListener("error", onError);
+        socket.destroy();
+        const error = new Error(`timed out after ${timeout} ms`);
+        error.code = "ETIMEDOUT";
+        reject(unreachable(path, error));
+      }, timeout);
+    }
+    socket.once("error", onError);
+    socket.once("connect", () => {
+      clearTimeout(timer);
+      socket.removeListener("error", onError);
+      resolve(new Client(socket, path));
+    });
+  });
+}
+
+function camelize(object) {
+  if (object === null || typeof object !== "object") return object;
+  const out = {};
+  for (const key of Object.keys(object)) {
+    out[key.replace(/_([a-z])/g, (_, c) => c.toUpperCase())] = object[key];
+  }
+  return out;
+}
+
+function toResult(done, text) {
+  return {
+    id: done.id,
+    text,
+    finishReason: done.finish_reason,
+    stopSequence: done.stop_sequence ?? null,
+    usage: camelize(done.usage),
+    timings: camelize(done.timings),
+  };
+}
+
+function toError(line) {
+  return new SfcoreError(String(line.code), String(line.message), line.id);
+}
+
+function unexpected(line, want) {
+  return new SfcoreError("protocol", `expected a '${want}' reply, got ${JSON.stringify(line)}`,
+    line.id);
+}
+
+// Options of ours, not sent: `signal` (an AbortSignal), `onToken` (callback form),
+// `stream` (each method decides). The rest are the protocol's fields, in snake_case or
+// camelCase (maxTokens -> max_tokens); undefined and null mean "the daemon's default".
+function splitOptions(options) {
+  const fields = {};
+  let signal;
+  let onToken;
+  for (const key of Object.keys(options ?? {})) {
+    const value = options[key];
+    if (value === undefined || value === null) continue;
+    if (key === "signal") signal = value;
+    else if (key === "onToken") onToken = value;
+    else if (key !== "stream") fields[key.replace(/[A-Z]/g, (c) => `_${c.toLowerCase()}`)] = value;
+  }
+  return { fields, signal, onToken };
+}
+
+/** The pieces of a streamed generation, as an async iterator. `result` holds the Result
+ * once the `done` line has arrived; `completed` is a promise of it. Leaving the iteration
+ * early (`break`, an exception) sends `cancel` for the request, freeing the daemon's slot. */
+export class Stream {
+  #abandon;
+  #queue = [];
+  #head = 0;
+  #waiter = null;
+  #error = null;
+  #errorThrown = false;
+  #finished = false;
+  #abandoned = false;
+  #completed = null;
+  #settle = null;
+
+  constructor(id, abandon) {
+    this.id = id;
+    this.result = null;
+    this.text = "";
+    this.#abandon = abandon;
+  }
+
+  get finished() {
+    return this.#finished || this.#error !== null;
+  }
+
+  /** A promise of the Result (rejected with the request's error). Pieces not yet iterated
+   * stay readable. */
+  get completed() {
+    if (this.#completed === null) {
+      if (this.result !== null) this.#completed = Promise.resolve(this.result);
+      else if (this.#error !== null) this.#completed = Promise.reject(this.#error);
+      else {
+        this.#completed = new Promise((resolve, reject) => {
+          this.#settle = { resolve, reject };
+        });
+      }
+    }
+    return this.#completed;
+  }
+
+  [Symbol.asyncIterator]() {
+    return this;
+  }
+
+  next() {
+    if (this.#head < this.#queue.length) {
+      const value = this.#queue[this.#head];
+      this.#queue[this.#head++] = undefined;
+      if (this.#head === this.#queue.length) {
+        this.#queue.length = 0;
+        this.#head = 0;
+      }
+      return Promise.resolve({ value, done: false });
+    }
+    if (this.#error !== null && !this.#errorThrown) {
+      this.#errorThrown = true;
+      return Promise.reject(this.#error);
+    }
+    if (this.#finished || this.#errorThrown || this.#abandoned) {
+      return Promise.resolve({ value: undefined, done: true });
+    }
+    return new Promise((resolve, reject) => {
+      this.#waiter = { resolve, reject };
+    });
+  }
+
+  /** Called by `break`: stop reading, cancel the request if it is still running. */
+  return() {
+    this.#stop();
+    return Promise.resolve({ value: undefined, done: true });
+  }
+
+  throw(error) {
+    this.#stop();
+    return Promise.reject(error);
+  }
+
+  #stop() {
+    this.#queue.length = 0;
+    this.#head = 0;
+    if (!this.#finished && this.#error === null && !this.#abandoned) {
+      this.#abandoned = true;
+      this.#abandon();
+    }
+  }
+
+  // --- fed by the Client -----------------------------------------------------------------
+
+  _token(text) {
+    this.text += text;
+    if (this.#abandoned) return;
+    if (this.#waiter !== null) {
+      const waiter = this.#waiter;
+      this.#waiter = null;
+      waiter.resolve({ value: text, done: false });
+    } else {
+      this.#queue.push(text);
+    }
+  }
+
+  _done(line) {
+    this.result = toResult(line, this.text);
+    this.#finished = true;
+    if (this.#waiter !== null) {
+      const waiter = this.#waiter;
+      this.#waiter = null;
+      waiter.resolve({ value: undefined, done: true });
+    }
+    if (this.#settle !== null) this.#settle.resolve(this.result);
+  }
+
+  _abort(reason) {
+    if (this.#finished || this.#error !== null) return;
+    this.#stop();
+    this._fail(reason);
+  }
+
+  _fail(error) {
+    if (this.#finished || this.#error !== null) return;
+    this.#error = error;
+    if (this.#waiter !== null) {
+      const waiter = this.#waiter;
+      this.#waiter = null;
+      this.#errorThrown = true;
+      waiter.reject(error);
+    }
+    if (this.#settle !== null) this.#settle.reject(error);
+  }
+}
+
+/** One connection to the daemon (see `connect`). */
+export class Client {
+  #socket;
+  #pending = []; // calls waiting for reply lines, in request order
+  #buffer = "";
+  #nextId = 1;
+  #closedError = null; // set once the connection is gone: every later request fails with it
+  #unsolicited = null; // an error line that came with no request waiting (e.g. too_many_connections)
+  #socketError = null;
+  #closing = null;
+
+  constructor(socket, path) {
+    this.path = path;
+    this.#socket = socket;
+    socket.setEncoding("utf8"); // a StringDecoder: characters split across reads stay whole
+    socket.on("data", (chunk) => this.#onData(chunk));
+    socket.on("error", (error) => {
+      this.#socketError = error;
+    });
+    socket.once("close", () => this.#onClose());
+  }
+
+  // --- generation ----------------------------------------------------------------------
+
+  /** Complete `prompt`; resolves to a Result. With `options.onToken(piece)` the reply is
+   * streamed and the callback gets each piece as it arrives. */
+  generate(prompt, options = {}) {
+    return this.#generation({ op: "generate", prompt }, options);
+  }
+
+  /** Generate the assistant's turn after `messages` ({role, content}); resolves to a Result. */
+  chat(messages, options = {}) {
+    return this.#generation({ op: "chat", messages }, options);
+  }
+
+  /** Stream a completion: an async iterator of text pieces (see Stream). */
+  streamGenerate(prompt, options = {}) {
+    return this.#stream({ op: "generate", prompt }, options);
+  }
+
+  streamChat(messages, options = {}) {
+    return this.#stream({ op: "chat", messages }, options);
+  }
+
+  // --- single-line requests ------------------------------------------------------------
+
+  /** The `health` line: {status, model, busy, queue_depth, uptime_s, ...}. */
+  async health() {
+    return this.#expect(await this.#request({ op: "health" }), "health");
+  }
+
+  /** The `info` line: {model, config, system_info, versions, ...}. */
+  async info() {
+    return this.#expect(await this.#request({ op: "info" }), "info");
+  }
+
+  /** The `stats` line: {uptime_s, requests, tokens, errors, connections, decode_tok_s, ...}. */
+  async stats() {
+    return this.#expect(await this.#request({ op: "stats" }), "stats");
+  }
+
+  /** Token ids of `text` (options.addSpecial / add_special: add BOS, default true). */
+  async tokenize(text, options = {}) {
+    const request = { op: "tokenize", text };
+    const addSpecial = options.addSpecial ?? options.add_special;
+    if (addSpecial !== undefined) request.add_special = addSpecial;
+    return this.#expect(await this.#request(request), "tokens").tokens;
+  }
+
+  /** The text of a list of token ids. */
+  async detokenize(tokens) {
+    return this.#expect(await this.#request({ op: "detokenize", tokens }), "text").text;
+  }
+
+  /** Cancel an earlier request of this connection by its id; resolves to whether it was
+   * still pending. Its own reply then ends with finishReason "cancelled". */
+  async cancel(target) {
+    return this.#expect(await this.#request({ op: "cancel", target }), "cancelled").found;
+  }
+
+  /** Close the connection; requests still waiting fail with a "disconnected" error. */
+  close() {
+    if (this.#closing === null) {
+      this.#closing = new Promise((resolve) => {
+        if (this.#socket.destroyed) resolve();
+        else this.#socket.once("close", () => resolve());
+      });
+      // With requests still running, closing at once is what stops them (the daemon
+      // cancels the requests of a vanished client); otherwise shut our side gracefully.
+      if (this.#pending.length > 0) this.#socket.destroy();
+      else this.#socket.end();
+      // The daemon closes its side once ours is shut; destroy if it takes too long.
+      const timer = setTimeout(() => this.#socket.destroy(), 1000);
+      timer.unref();
+    }
+    return this.#closing;
+  }
+
+  // --- internals -----------------------------------------------------------------------
+
+  #newId(fields) {
+    return fields.id ?? this.#nextId++;
+  }
+
+  #send(request, call) {
+    if (this.#closedError !== null) throw this.#closedError;
+    if (this.#closing !== null) {
+      throw new SfcoreConnectionError("disconnected", this.path, "the client was closed");
+    }
+    this.#pending.push(call);
+    this.#socket.write(`${JSON.stringify(request)}\n`);
+  }
+
+  #request(request) {
+    return new Promise((resolve, reject) => {
+      const id = this.#newId(request);
+      const call = {
+        id,
+        line: (line) => (line.type === "error" ? reject(toError(line)) : resolve(line)),
+        fail: reject,
+      };
+      this.#send({ ...request, id }, call);
+    });
+  }
+
+  #expect(line, type) {
+    if (line.type !== type) throw unexpected(line, type);
+    return line;
+  }
+
+  #generation(base, options) {
+    const { fields, signal, onToken } = splitOptions(options);
+    if (typeof onToken === "function") {
+      return (async () => {
+        const stream = this.#stream(base, { ...fields, signal });
+        for await (const piece of stream) onToken(piece);
+        return stream.result;
+      })();
+    }
+    return new Promise((resolve, reject) => {
+      signal?.throwIfAborted();
+      const id = this.#newId(fields);
+      let settled = false;
+      const settle = (fn, value) => {
+        if (settled) return;
+        settled = true;
+        signal?.removeEventListener("abort", onAbort);
+        fn(value);
+      };
+      const call = {
+        id,
+        ended: false,
+        line: (line) => {
+          if (line.type === "token") return; // not asked for; ignore
+          call.ended = true;
+          if (line.type === "done") settle(resolve, toResult(line, line.text));
+          else if (line.type === "error") settle(reject, toError(line));
+          else settle(reject, unexpected(line, "done"));
+        },
+        fail: (error) => {
+          call.ended = true;
+          settle(reject, error);
+        },
+      };
+      const onAbort = () => {
+        this.#abandon(call);
+        settle(reject, signal.reason);
+      };
+      this.#send({ ...base, ...fields, id, stream: false }, call);
+      signal?.addEventListener("abort", onAbort, { once: true });
+    });
+  }
+
+  #stream(base, options) {
+    const { fields, signal } = splitOptions(options);
+    const id = this.#newId(fields);
+    const call = { id, ended: false, line: null, fail: null };
+    const stream = new Stream(id, () => this.#abandon(call));
+    const onAbort = () => stream._abort(signal.reason);
+    const detach = () => signal?.removeEventListener("abort", onAbort);
+    call.line = (line) => {
+      if (line.type === "token") {
+        stream._token(line.text);
+        return;
+      }
+      call.ended = true;
+      detach();
+      if (line.type === "done") stream._done(line);
+      else if (line.type === "error") stream._fail(toError(line));
+      else stream._fail(unexpected(line, "done"));
+    };
+    call.fail = (error) => {
+      call.ended = true;
+      detach();
+      stream._fail(error);
+    };
+    if (signal?.aborted) {
+      call.ended = true;
+      stream._abort(signal.reason);
+      return stream;
+    }
+    try {
+      this.#send({ ...base, ...fields, id, stream: true }, call);
+    } catch (error) {
+      call.ended = true;
+      stream._fail(error);
+      return stream;
+    }
+    signal?.addEventListener("abort", onAbort, { once: true });
+    return stream;
+  }
+
+  // A caller lost interest in a running request: ask the daemon to stop it. Its remaining
+  // lines still arrive (ending with `done`, finish_reason "cancelled") and are dropped.
+  #abandon(call) {
+    if (call.ended || call.cancelSent || this.#closedError !== null || this.#closing !== null) {
+      return;
+    }
+    call.cancelSent = true;
+    this.#request({ op: "cancel", target: call.id }).catch(() => {});
+  }
+
+  #onData(chunk) {
+    const data = this.#buffer.length === 0 ? chunk : this.#buffer + chunk;
+    let start = 0;
+    let end;
+    while ((end = data.indexOf("\n", start)) !== -1) {
+      const line = data.slice(start, end);
+      start = end + 1;
+      this.#onLine(line);
+    }
+    this.#buffer = start === 0 ? data : data.slice(start);
+  }
+
+  #onLine(text) {
+    let line;
+    try {
+      line = JSON.parse(text);
+    } catch {
+      if (text.trim() === "") return;
+      this.#protocolError(`the daemon sent a line that is not JSON: ${text.slice(0, 200)}`);
+      return;
+    }
+    const call = this.#pending[0];
+    if (call === undefined || (line.id !== call.id && line.type !== "error")) {
+      // Errors about the connection itself (too_many_connections, forbidden) can come
+      // before any request and carry an id of the daemon's own.
+      if (line.type === "error") this.#unsolicited = toError(line);
+      else if (call === undefined) this.#protocolError(`unexpected reply: ${text.slice(0, 200)}`);
+      return;
+    }
+    if (line.type !== "token") this.#pending.shift();
+    call.line(line);
+  }
+
+  #protocolError(message) {
+    this.#closedError = new SfcoreError("protocol", message);
+    this.#socket.destroy();
+  }
+
+  #onClose() {
+    let error = this.#closedError ?? this.#unsolicited;
+    if (error === null) {
+      const why = this.#closing !== null ? "the client closed the connection"
+        : this.#socketError !== null ? `connection to the daemon failed: ${this.#socketError.message}`
+          : "the daemon closed the connection";
+      error = new SfcoreConnectionError("disconnected", this.path, `${this.path}: ${why}`,
+        this.#socketError ?? undefined);
+    }
+    this.#closedError = error;
+    const pending = this.#pending;
+    this.#pending = [];
+    for (const call of pending) call.fail(error);
+  }
+}
+
+if (typeof Symbol.asyncDispose === "symbol") {
+  Client.prototype[Symbol.asyncDispose] = function dispose() {
+    return this.close();
+  };
+}
