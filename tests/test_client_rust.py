@@ -1,0 +1,227 @@
+"""The Rust client in clients/rust (crate sfcore-client) against the real daemon.
+
+The crate depends on serde and serde_json as usual. crates.io is not reachable here, so the
+test builds it offline from Debian's packaged crate sources (librust-serde-*-dev, installed
+by scripts/os-deps.sh into /usr/share/cargo/registry) through cargo source replacement given
+as --config flags. It builds a copy of the crate under the cache dir, so the resolved
+Cargo.lock and the target dir stay out of the work tree and a second run is quick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import REPO, running_daemon
+
+pytestmark = pytest.mark.asyncio
+
+CRATE = REPO / "clients" / "rust"
+DEBIAN_CRATES = Path("/usr/share/cargo/registry")
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sfcore-ai" / "rust"
+BUILD_TIMEOUT_S = 240.0
+RUN_TIMEOUT_S = 120.0
+OFFLINE = (
+    "--offline",
+    "--config", 'source.crates-io.replace-with="debian"',
+    "--config", f'source.debian.directory="{DEBIAN_CRATES}"',
+)
+
+# Greedy and evaluated from an empty cache: the same bytes whoever asks.
+SEEDED = {"max_tokens": 32, "temperature": 0, "seed": 7, "cache_prompt": False}
+# Gemma 3 270M answers these with Japanese punctuation and kanji, and French accents.
+NON_ASCII_PROMPTS = ["日本の首都は", "Écris une phrase en français sur le café:"]
+
+
+def find_cargo() -> str | None:
+    found = shutil.which("cargo")
+    if found:
+        return found
+    fallback = Path.home() / ".cargo" / "bin" / "cargo"
+    return str(fallback) if fallback.exists() else None
+
+
+def sync_crate(dest: Path) -> None:
+    """Copy the crate's sources (not target/ or a Cargo.lock); copy2 keeps mtimes, so cargo
+    rebuilds only what changed."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for sub in ("src", "examples"):
+        shutil.rmtree(dest / sub, ignore_errors=True)
+        shutil.copytree(CRATE / sub, dest / sub)
+    shutil.copy2(CRATE / "Cargo.toml", dest / "Cargo.toml")
+    # Resolve afresh each time against whatever Debian has installed now.
+    (dest / "Cargo.lock").unlink(missing_ok=True)
+
+
+def cargo(cargo_bin: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, CARGO_TARGET_DIR=str(CACHE / "target"), CARGO_TERM_COLOR="never")
+    result = subprocess.run([cargo_bin, *args, *OFFLINE], cwd=cwd, env=env, capture_output=True,
+                            text=True, timeout=BUILD_TIMEOUT_S, check=False)
+    assert result.returncode == 0, f"cargo {' '.join(args)} failed:\n{result.stderr}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def build() -> Iterator[dict[str, Any]]:
+    """Builds the examples and runs the unit tests once per module; yields the example paths,
+    the resolved Cargo.lock and the build and test output."""
+    cargo_bin = find_cargo()
+    if cargo_bin is None:
+        pytest.skip("no cargo on this machine (install Rust to test the Rust client)")
+    assert (DEBIAN_CRATES / "serde_json").exists() or any(DEBIAN_CRATES.glob("serde_json-1.*")), (
+        f"Debian's serde crates are missing from {DEBIAN_CRATES}: run scripts/os-deps.sh")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    crate = CACHE / "crate"
+    with (CACHE / "lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another test run may be building the same copy
+        sync_crate(crate)
+        built = cargo(cargo_bin, "build", "--examples", cwd=crate)
+        tested = cargo(cargo_bin, "test", cwd=crate)
+        lockfile = (crate / "Cargo.lock").read_text()
+    examples = CACHE / "target" / "debug" / "examples"
+    yield {"generate": examples / "generate", "ops": examples / "ops", "lock": lockfile,
+           "build": built.stderr, "test": tested.stdout}
+
+
+def run(*command: str | Path,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(part) for part in command], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, check=False, env=env)
+
+
+async def run_async(*command: str | Path,
+                    env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return await asyncio.to_thread(run, *command, env=env)
+
+
+def raw_final(socket_path: str, request: dict[str, Any]) -> dict[str, Any]:
+    """TEMPORARY stand-in for the Python client: one request, its final line."""
+    import socket
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(60)
+        sock.connect(socket_path)
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        for line in sock.makefile(encoding="utf-8"):
+            reply: dict[str, Any] = json.loads(line)
+            if reply["type"] != "token":
+                return reply
+    raise AssertionError("no final line")
+
+
+def python_text(socket_path: str, prompt: str) -> str:
+    """The reference: the Python client's text for the same request."""
+    return str(raw_final(socket_path, {"prompt": prompt, "stream": False, **SEEDED})["text"])
+
+
+def python_ops(socket_path: str, chat_text: str, tokenize_text: str,
+               tokens: list[int]) -> dict[str, Any]:
+    chat = raw_final(socket_path, {"op": "chat", "stream": False, "max_tokens": 24,
+                                   "temperature": 0, "seed": 7, "cache_prompt": False,
+                                   "messages": [{"role": "user", "content": chat_text}]})
+    tokenized = raw_final(socket_path, {"op": "tokenize", "text": tokenize_text})
+    text = raw_final(socket_path, {"op": "detokenize", "tokens": tokens})
+    return {"chat": chat["text"], "tokenize": tokenized["tokens"], "detokenize": text["text"]}
+
+
+async def test_builds_offline_from_debian_crates_without_warnings(build: dict[str, Any]) -> None:
+    lock = build["lock"]
+    for name in ("serde", "serde_derive", "serde_json"):
+        assert f'name = "{name}"\nversion = "1.' in lock, lock
+        version = lock.split(f'name = "{name}"\nversion = "')[1].split('"')[0]
+        assert (DEBIAN_CRATES / f"{name}-{version}").is_dir(), (name, version)
+    warnings = [line for line in build["build"].splitlines() if line.startswith("warning")]
+    assert warnings == [], build["build"]
+    assert "test result: ok" in build["test"] and "0 failed" in build["test"], build["test"]
+    assert not (CRATE / "Cargo.lock").exists(), "the test build must not write into the crate"
+
+
+async def test_generate_example_prints_the_python_clients_text(build: dict[str, Any]) -> None:
+    async with running_daemon() as daemon:
+        for prompt in NON_ASCII_PROMPTS:
+            result = await run_async(
+                build["generate"], "--socket", daemon.socket_path, "--max-tokens", "32",
+                "--temperature", "0", "--seed", "7", "--no-cache-prompt", prompt)
+            assert result.returncode == 0, result.stderr
+            expected = await asyncio.wait_for(
+                asyncio.to_thread(python_text, daemon.socket_path, prompt), 120)
+            assert any(ord(char) > 127 for char in expected), expected
+            assert result.stdout == expected + "\n"
+            assert result.stderr.startswith("[length, "), result.stderr
+
+
+async def test_generate_example_exit_codes(build: dict[str, Any], tmp_path: Path) -> None:
+    missing = str(tmp_path / "nobody-listens.sock")
+    for args in (["--socket", missing, "Hi"], ["Hi"]):
+        # The second form finds the socket through $SFCORE_SOCKET.
+        result = await run_async(build["generate"], *args, env=dict(os.environ,
+                                                                      SFCORE_SOCKET=missing))
+        assert result.returncode == 3, result
+        assert missing in result.stderr and "daemon running" in result.stderr, result.stderr
+        assert result.stdout == ""
+    async with running_daemon() as daemon:
+        env = dict(os.environ, SFCORE_SOCKET=daemon.socket_path)
+        result = await run_async(build["generate"], "--max-tokens", "0", "Hi", env=env)
+        assert result.returncode == 1, result
+        assert "invalid_request" in result.stderr and "max_tokens" in result.stderr, result.stderr
+        assert result.stdout == ""
+        result = await run_async(build["generate"], "--max-tokens", "3", "Hi", env=env)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.endswith("\n") and result.stdout.strip() != ""
+    result = await run_async(build["generate"], "--max-tokens", "x", "Hi")
+    assert result.returncode == 2 and "usage" in result.stderr
+
+
+async def test_ops_example_chat_tokenize_cancel(build: dict[str, Any]) -> None:
+    chat_text = "What is the capital of France?"
+    tokenize_text = "Hello, wörld"
+    async with running_daemon() as daemon:
+        result = await run_async(build["ops"], daemon.socket_path, chat_text, tokenize_text)
+        assert result.returncode == 0, result.stderr
+        ops = json.loads(result.stdout)
+        tokens = ops["tokenize"]
+        assert isinstance(tokens, list) and all(isinstance(t, int) for t in tokens), ops
+        reference = await asyncio.wait_for(asyncio.to_thread(
+            python_ops, daemon.socket_path, chat_text, tokenize_text, tokens), 120)
+
+    chat = ops["chat"]
+    assert chat["text"] == reference["chat"] != "", ops
+    assert chat["finish_reason"] in ("stop", "length"), chat
+    assert chat["id"].startswith("rs-")
+    assert tokens == reference["tokenize"]
+    assert ops["detokenize"] == reference["detokenize"]
+    assert tokenize_text in ops["detokenize"]
+
+    # Stopping a stream three ways: each is cancelled in the daemon, on the same connection.
+    cancelled = ops["stream_cancel"]
+    assert cancelled["found"] is True, cancelled
+    assert cancelled["first_piece"], cancelled
+    assert cancelled["completion"]["finish_reason"] == "cancelled"
+    assert cancelled["completion"]["usage"]["completion_tokens"] < 200
+    assert cancelled["more_after_cancel"] is False
+    stopped = ops["callback_stop"]
+    assert stopped["pieces"] == 1, stopped
+    assert stopped["completion"]["finish_reason"] == "cancelled", stopped
+    dropped = ops["dropped_iterator"]
+    assert isinstance(dropped["first_piece"], str), dropped
+    assert dropped["health_after"]["status"] == "ok", dropped
+    assert dropped["health_after"]["busy"] is False, dropped
+
+    assert ops["cancel_finished"] is False
+    assert ops["cancel_unknown"] is False
+    assert ops["error"]["error"] == "invalid_request", ops["error"]
+    assert ops["health"]["status"] == "ok"
+    assert ops["info"]["model"]["name"] != ""
+    stats = ops["stats"]
+    assert stats["requests"]["by_outcome"]["cancelled"] == 3, stats
+    assert stats["requests"]["by_op"]["cancel"] == 5, stats
+    # Stopped streams were drained, not abandoned: the whole run used one connection.
+    assert stats["connections"]["total"] == 1, stats
