@@ -633,7 +633,7 @@ impl Conn {
                 message,
             })) => {
                 // A protocol error is in step only when it answers this request.
-                if reply_id.as_ref().map_or(true, |r| !r.is_str(id)) || closes_connection(&code) {
+                if !matches!(&reply_id, Some(r) if r.is_str(id)) || closes_connection(&code) {
                     self.broken = true;
                 }
                 Error::Protocol { code, message }
@@ -656,7 +656,7 @@ impl Conn {
 }
 
 /// What a streaming callback returns: `()` or `true` or `ControlFlow::Continue(())` to keep
-/// going, `false` or `ControlFlow::Break(..)` to cancel the generation.
+/// going, `false` or `ControlFlow::Break(())` to cancel the generation.
 pub trait StreamControl {
     fn keep_going(self) -> bool;
 }
@@ -673,7 +673,7 @@ impl StreamControl for bool {
     }
 }
 
-impl<B> StreamControl for ControlFlow<B> {
+impl StreamControl for ControlFlow<()> {
     fn keep_going(self) -> bool {
         matches!(self, ControlFlow::Continue(()))
     }
@@ -693,10 +693,7 @@ impl fmt::Debug for Client {
         f.debug_struct("Client")
             .field("path", &self.path)
             .field("timeout", &self.timeout)
-            .field(
-                "connected",
-                &self.conn.as_ref().map_or(false, |c| !c.broken),
-            )
+            .field("connected", &matches!(&self.conn, Some(c) if !c.broken))
             .finish()
     }
 }
@@ -748,7 +745,7 @@ impl Client {
     }
 
     fn conn(&mut self) -> Result<&mut Conn, Error> {
-        if self.conn.as_ref().map_or(true, |conn| conn.broken) {
+        if !matches!(&self.conn, Some(conn) if !conn.broken) {
             self.conn = None;
             let path = self.path.as_ref().ok_or(Error::Closed)?;
             let stream = UnixStream::connect(path).map_err(|source| Error::Connect {
@@ -764,7 +761,7 @@ impl Client {
 
     /// Closes a connection that is out of step now, so the daemon frees what it holds.
     fn reap(&mut self) {
-        if self.conn.as_ref().map_or(false, |conn| conn.broken) {
+        if matches!(&self.conn, Some(conn) if conn.broken) {
             self.conn = None;
         }
     }
