@@ -13,6 +13,7 @@ import asyncio
 import fcntl
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -77,7 +78,7 @@ def build() -> Iterator[dict[str, Any]]:
     cargo_bin = find_cargo()
     if cargo_bin is None:
         pytest.skip("no cargo on this machine (install Rust to test the Rust client)")
-    assert (DEBIAN_CRATES / "serde_json").exists() or any(DEBIAN_CRATES.glob("serde_json-1.*")), (
+    assert any(DEBIAN_CRATES.glob("serde_json-1.*")), (
         f"Debian's serde crates are missing from {DEBIAN_CRATES}: run scripts/os-deps.sh")
     CACHE.mkdir(parents=True, exist_ok=True)
     crate = CACHE / "crate"
@@ -155,7 +156,8 @@ async def test_generate_example_prints_the_python_clients_text(build: dict[str, 
                 asyncio.to_thread(python_text, daemon.socket_path, prompt), 120)
             assert any(ord(char) > 127 for char in expected), expected
             assert result.stdout == expected + "\n"
-            assert result.stderr.startswith("[length, "), result.stderr
+            assert re.match(r"\[(length|stop), \d+ prompt \+ \d+ generated tokens",
+                            result.stderr), result.stderr
 
 
 async def test_generate_example_exit_codes(build: dict[str, Any], tmp_path: Path) -> None:
