@@ -32,12 +32,20 @@ class ServerConfig(_Section, frozen=True):
     # Empty: $RUNTIME_DIRECTORY/sfcore-ai.sock under systemd, else /tmp/sfcore-ai.sock.
     socket_path: str = ""
     socket_mode: Annotated[str, msgspec.Meta(pattern=r"^0?[0-7]{3}$")] = "0600"
-    # Empty: anyone who can open the socket file may talk to the daemon.
+    # Both empty: anyone who can open the socket file may talk to the daemon.
+    # Otherwise a peer needs its uid in allowed_uids or one of its groups in allowed_gids.
     allowed_uids: tuple[NonNegInt, ...] = ()
+    allowed_gids: tuple[NonNegInt, ...] = ()
     max_queue: NonNegInt = 64
     max_connections: PositiveInt = 64
     max_line_bytes: Annotated[int, msgspec.Meta(ge=256)] = 1 << 20
     max_output_buffer_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 1 << 20
+    # Unanswered requests one connection may have; past this the daemon stops
+    # reading from it until one is answered (flow control, not an error).
+    max_pending_requests: PositiveInt = 32
+    # A connection with no request in flight that sends nothing for this long is
+    # closed; 0 never closes idle connections.
+    idle_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 300.0
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
 
     @property
@@ -66,6 +74,10 @@ class ModelConfig(_Section, frozen=True):
     n_gpu_layers: Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)] = 0
     flash_attn: bool | Literal["auto"] = "auto"
     reproducible: bool = False
+    # Used by `chat` when the model file has no tokenizer.chat_template: a llama.cpp
+    # built-in template name (e.g. "gemma", "chatml") or a Jinja template text.
+    # Empty: the built-in template matching the model's architecture, if any.
+    chat_template: str = ""
 
     def __post_init__(self) -> None:
         if self.n_ubatch > self.n_batch:

@@ -47,6 +47,18 @@ class ModelLoadError(Exception):
     """The model file could not be loaded; the message names the path."""
 
 
+class LoadAborted(ModelLoadError):
+    """The load was stopped on request (a stop signal during start-up)."""
+
+
+class EngineClosed(Exception):
+    """The model has been freed; nothing may use the vocabulary any more."""
+
+
+class TokenIdError(ValueError):
+    """A token id outside the vocabulary; the message names it and its index."""
+
+
 @dataclass(frozen=True, slots=True)
 class Sampling:
     temperature: float
@@ -142,6 +154,21 @@ class Engine:
         self._ctx: Any = None
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        # Bumped by the decode thread on every token, prompt batch, abort-callback
+        # tick and load-progress callback: the systemd watchdog reads it to tell a
+        # stuck decode thread from a busy one. A plain int store, nothing more.
+        self.progress = 0
+        self._abort_load = False
+        self._load_progress = C.llama_progress_callback(self._on_load_progress)
+        # Tokenizing off the decode thread (on the loop, or in a worker thread for a
+        # long prompt) reads the vocabulary: close() waits for those readers and
+        # refuses new ones before it frees the model.
+        self._vocab_users = 0
+        self._vocab_closed = False
+        self._vocab_idle = threading.Condition()
+        # Fault injection for the watchdog's tests: "decode_hang" makes the decode
+        # thread stop making progress when it starts the next generation.
+        self._failpoint = os.environ.get("SFCORE_FAILPOINT", "")
 
     def start(self) -> concurrent.futures.Future[None]:
         """Start loading on the decode thread; the returned future says when it is ready."""
@@ -152,6 +179,8 @@ class Engine:
     def _main(self) -> None:
         try:
             self._load()
+            if self._abort_load:
+                raise LoadAborted("the model load was stopped")
             self.warm_up()
         except BaseException as exc:
             self.ready.set_exception(exc)
@@ -162,7 +191,12 @@ class Engine:
     def _load(self) -> None:
         model_path, model_config = self.model_path, self.config
         started = time.perf_counter()
-        model = self._model = load_model(model_path, model_config)
+        try:
+            model = self._model = load_model(model_path, model_config, self._load_progress)
+        except ModelLoadError:
+            if self._abort_load:
+                raise LoadAborted("the model load was stopped") from None
+            raise
         ctx = C.llama_init_from_model(model, context_params(
             model_config, self.n_threads, self.n_threads_batch))
         if not ctx:
@@ -184,6 +218,10 @@ class Engine:
         )
         self.info = _read_model_info(model, self._vocab, model_path)
         self.system_info = C.llama_print_system_info().decode(errors="replace")
+        self.bos_text = self._special_text(C.llama_vocab_bos(self._vocab))
+        self.eos_text = self._special_text(C.llama_vocab_eos(self._vocab))
+        self._bos = C.llama_vocab_bos(self._vocab)
+        self._add_bos = bool(C.llama_vocab_get_add_bos(self._vocab))
 
         # Tokens whose rows are in the KV cache, position by position.
         self._cached: list[int] = []
@@ -201,32 +239,113 @@ class Engine:
 
     # --- used from the event loop -----------------------------------------------------
 
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        """Thread-safe: llama.cpp's tokenizer only reads the vocabulary."""
+    def tokenize(self, text: str, add_special: bool = True,
+                 parse_special: bool = True) -> list[int]:
+        """Thread-safe: llama.cpp's tokenizer only reads the vocabulary.
+
+        `parse_special`: text that spells a special token (`<start_of_turn>`)
+        becomes that token. Prompts of `generate` are parsed, as in llama-server;
+        the content of chat messages is not.
+        """
+        with self._using_vocab():
+            return self._tokenize(text, add_special, parse_special)
+
+    def tokenize_segments(self, segments: list[tuple[str, bool]]) -> list[int]:
+        """Tokens of a rendered chat prompt: markup with special tokens parsed, content
+        (is_content true) as plain text; BOS first when the model wants one."""
+        tokens: list[int] = []
+        with self._using_vocab():
+            for text, is_content in segments:
+                tokens.extend(self._tokenize(text, False, not is_content))
+        if self._add_bos and (not tokens or tokens[0] != self._bos):
+            tokens.insert(0, self._bos)
+        return tokens
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """Text of `tokens`; TokenIdError for an id outside the vocabulary.
+
+        The inverse of `tokenize` with its defaults: a leading BOS the tokenizer
+        added is dropped, and other special tokens are written out as their text.
+        """
+        n_vocab = self.info.n_vocab
+        for index, token in enumerate(tokens):
+            if not 0 <= token < n_vocab:
+                raise TokenIdError(
+                    f"token id {token} is outside the vocabulary (0..{n_vocab - 1})"
+                    f" - at `$.tokens[{index}]`")
+        array = (C.llama_token * max(len(tokens), 1))(*tokens)
+        with self._using_vocab():
+            capacity = 16 * len(tokens) + 16
+            for _ in range(2):
+                buf = ctypes.create_string_buffer(capacity)
+                n = C.llama_detokenize(self._vocab, array, len(tokens), buf, capacity,
+                                       True, True)
+                if n >= 0:
+                    return buf.raw[:n].decode("utf-8", errors="replace")
+                capacity = -n
+        raise RuntimeError("llama_detokenize kept asking for a larger buffer")
+
+    def _tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         data = text.encode("utf-8")
         capacity = len(data) + 8
         tokens = (C.llama_token * capacity)()
-        n = C.llama_tokenize(self._vocab, data, len(data), tokens, capacity, add_special, True)
+        vocab = self._vocab
+        n = C.llama_tokenize(vocab, data, len(data), tokens, capacity, add_special, parse_special)
         if n < 0:  # cannot happen with one slot per byte, but never trust a size guess
             capacity = -n
             tokens = (C.llama_token * capacity)()
-            n = C.llama_tokenize(self._vocab, data, len(data), tokens, capacity, add_special, True)
+            n = C.llama_tokenize(vocab, data, len(data), tokens, capacity, add_special,
+                                 parse_special)
         return tokens[:n]
+
+    @contextlib.contextmanager
+    def _using_vocab(self) -> Iterator[None]:
+        with self._vocab_idle:
+            if self._vocab_closed:
+                raise EngineClosed("the model has been unloaded")
+            self._vocab_users += 1
+        try:
+            yield
+        finally:
+            with self._vocab_idle:
+                self._vocab_users -= 1
+                if self._vocab_users == 0:
+                    self._vocab_idle.notify_all()
+
+    def _special_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        text = C.llama_vocab_get_text(self._vocab, token)
+        return text.decode("utf-8", errors="replace") if text else ""
+
+    def abort_load(self) -> None:
+        """Make a model load in progress fail soon (at llama.cpp's next progress call)."""
+        self._abort_load = True
+
+    def _on_load_progress(self, _progress: float, _data: Any) -> bool:
+        self.progress += 1
+        return not self._abort_load
 
     def submit(self, job: Job) -> None:
         self._inbox.put(job)
 
     def close(self, timeout: float = 10.0) -> bool:
-        """Stop the decode thread and free the model; False if the thread would not stop.
+        """Stop the decode thread and free the model; False if something would not stop
+        (then nothing is freed, and the OS reclaims it at exit).
 
-        Called while the model is still loading, this waits for the load to end.
+        Called while the model is still loading, this aborts the load.
         """
+        self._abort_load = True
         if self._thread is not None:
             self._inbox.put(None)
             self._thread.join(timeout)
             if self._thread.is_alive():
                 return False
             self._thread = None
+        with self._vocab_idle:
+            self._vocab_closed = True
+            if not self._vocab_idle.wait_for(lambda: self._vocab_users == 0, timeout):
+                return False
         if self._ctx:
             C.llama_free(self._ctx)
             self._ctx = None
@@ -258,6 +377,9 @@ class Engine:
 
     def _run(self, job: Job) -> None:
         ctx = self._ctx
+        if self._failpoint == "decode_hang":
+            while True:  # a stuck decode thread, for the watchdog's tests
+                time.sleep(3600)
         job.t_start = time.perf_counter_ns()
         prompt = job.prompt
         n_reused = self._reuse_prefix(prompt) if job.cache_prompt else 0
@@ -291,6 +413,7 @@ class Engine:
                 self._cached.extend(prompt[pos:end])
                 self._prompt_rows = end
                 pos = end
+                self.progress += 1
         finally:
             C.llama_set_abort_callback(ctx, self._no_abort_callback, None)
             self._abort_job = None
@@ -303,6 +426,7 @@ class Engine:
             C.llama_sampler_free(sampler)
 
     def _should_abort(self, _data: Any) -> bool:
+        self.progress += 1
         job = self._abort_job
         return job is not None and job.stop_requested
 
@@ -339,6 +463,7 @@ class Engine:
             if rc != 0:
                 raise RuntimeError(f"llama_decode failed while generating (code {rc})")
             cached.append(token)
+            self.progress += 1
             if job.stop_requested:
                 job.end_reason = "cancelled"
                 return
@@ -411,13 +536,19 @@ class Engine:
         return piece
 
 
-def load_model(model_path: str, model_config: ModelConfig) -> Any:
+def load_model(model_path: str, model_config: ModelConfig, progress: Any = None) -> Any:
     """llama_backend_init, then the model with the daemon's settings; ModelLoadError
-    (with llama.cpp's own reason, in one line) if it cannot be loaded."""
+    (with llama.cpp's own reason, in one line) if it cannot be loaded.
+
+    `progress`: a llama_progress_callback; when it returns False the load stops
+    (and fails like any other load; the caller knows why).
+    """
     C.llama_backend_init()
     params = C.llama_model_default_params()
     params.n_gpu_layers = model_config.n_gpu_layers
     params.load_mode = load_mode(model_config.use_mmap, model_config.use_mlock)
+    if progress is not None:
+        params.progress_callback = progress
     with _router.capturing_errors() as errors:
         model = C.llama_model_load_from_file(model_path.encode(), params)
     if not model:
@@ -482,6 +613,23 @@ def _read_model_info(model: Any, vocab: Any, path: str) -> ModelInfo:
         size_bytes=os.path.getsize(path),
         chat_template=template.decode("utf-8", errors="replace") if template else None,
     )
+
+
+def llama_cpp_version() -> str:
+    """The vendored llama.cpp's commit and ggml version, e.g. "0c1e570 (ggml 0.25.3)"."""
+    parts = []
+    for name in ("ggml_commit", "ggml_version"):
+        try:
+            function = getattr(C._lib, name)
+        except AttributeError:  # an older build without these
+            parts.append("unknown")
+            continue
+        function.restype = ctypes.c_char_p
+        function.argtypes = []
+        value = function()
+        parts.append(value.decode(errors="replace") if value else "unknown")
+    commit, ggml = parts
+    return f"{commit.removesuffix('-dirty')} (ggml {ggml})"
 
 
 # --- llama.cpp's own log lines ------------------------------------------------------------

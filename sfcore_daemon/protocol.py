@@ -27,7 +27,11 @@ FORBIDDEN: Final = "forbidden"
 SHUTTING_DOWN: Final = "shutting_down"
 INTERNAL: Final = "internal"
 
+ERROR_CODES: Final = (BAD_JSON, INVALID_REQUEST, CONTEXT_OVERFLOW, QUEUE_FULL, LINE_TOO_LONG,
+                      TOO_MANY_CONNECTIONS, FORBIDDEN, SHUTTING_DOWN, INTERNAL)
+
 FinishReason = Literal["stop", "stop_sequence", "length", "cancelled"]
+FINISH_REASONS: Final = get_args(FinishReason)
 
 StopText = Annotated[str, Meta(min_length=1)]
 # Bounds past the protocol's "int >= 0" / "float >= 0" keep values that llama.cpp
@@ -43,7 +47,7 @@ class _Request(Struct, tag_field="op", forbid_unknown_fields=True, kw_only=True)
 
 
 class _GenerationOptions(_Request):
-    """Fields shared by every op that runs the model (generate; chat later)."""
+    """Fields shared by every op that runs the model (generate, chat)."""
 
     stream: bool = True
     max_tokens: Annotated[int, Meta(ge=1, le=2**31 - 1)] | None = None
@@ -69,11 +73,44 @@ class GenerateRequest(_GenerationOptions, tag="generate", kw_only=True):
     prompt: Annotated[str, Meta(min_length=1)]
 
 
+class Message(Struct, forbid_unknown_fields=True, kw_only=True):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(_GenerationOptions, tag="chat", kw_only=True):
+    messages: Annotated[list[Message], Meta(min_length=1)]
+
+
+class TokenizeRequest(_Request, tag="tokenize", kw_only=True):
+    text: str
+    add_special: bool = True
+
+
+class DetokenizeRequest(_Request, tag="detokenize", kw_only=True):
+    # The upper bound (the vocabulary size) is only known once the model is loaded.
+    tokens: list[Annotated[int, Meta(ge=0, le=2**31 - 1)]]
+
+
 class HealthRequest(_Request, tag="health"):
     pass
 
 
-Request = GenerateRequest | HealthRequest
+class InfoRequest(_Request, tag="info"):
+    pass
+
+
+class StatsRequest(_Request, tag="stats"):
+    pass
+
+
+class CancelRequest(_Request, tag="cancel", kw_only=True):
+    target: RequestId
+
+
+Request = (GenerateRequest | ChatRequest | TokenizeRequest | DetokenizeRequest | HealthRequest
+           | InfoRequest | StatsRequest | CancelRequest)
+GenerationRequest = GenerateRequest | ChatRequest
 
 
 # --- replies --------------------------------------------------------------------------
@@ -124,7 +161,89 @@ class HealthReply(_Reply, tag="health", kw_only=True):
     uptime_s: float
 
 
-Reply = TokenReply | DoneReply | ErrorReply | HealthReply
+class TokensReply(_Reply, tag="tokens", kw_only=True):
+    tokens: list[int]
+
+
+class TextReply(_Reply, tag="text", kw_only=True):
+    text: str
+
+
+class CancelledReply(_Reply, tag="cancelled", kw_only=True):
+    target: RequestId
+    found: bool
+
+
+class ModelDescription(Struct, kw_only=True):
+    path: str
+    name: str
+    architecture: str
+    n_params: int
+    n_ctx_train: int
+    n_vocab: int
+    size_bytes: int
+    has_chat_template: bool
+
+
+class EffectiveConfig(Struct, kw_only=True):
+    n_ctx: int
+    threads: int
+    threads_batch: int
+    batch: int
+    ubatch: int
+    cpu_affinity: list[int]
+    mmap: bool
+    mlock: bool
+    gpu_layers: int
+    flash_attn: bool | str
+    reproducible: bool
+    # Which template `chat` renders: "model" (the GGUF's own), a llama.cpp built-in
+    # name, "jinja" (a configured template text), or None (chat is unavailable).
+    chat_template: str | None
+
+
+class Versions(Struct, kw_only=True):
+    sfcore: str
+    llama_cpp_python: str
+    llama_cpp: str
+
+
+class InfoReply(_Reply, tag="info", kw_only=True):
+    model: ModelDescription
+    config: EffectiveConfig
+    system_info: str
+    versions: Versions
+
+
+class RequestCounts(Struct, kw_only=True):
+    total: int
+    by_op: dict[str, int]
+    by_outcome: dict[str, int]
+
+
+class TokenCounts(Struct, kw_only=True):
+    prompt: int
+    cached: int
+    generated: int
+
+
+class ConnectionCounts(Struct, kw_only=True):
+    current: int
+    total: int
+    rejected: int
+
+
+class StatsReply(_Reply, tag="stats", kw_only=True):
+    uptime_s: float
+    requests: RequestCounts
+    tokens: TokenCounts
+    errors: dict[str, int]
+    connections: ConnectionCounts
+    decode_tok_s: float
+
+
+Reply = (TokenReply | DoneReply | ErrorReply | HealthReply | TokensReply | TextReply
+         | CancelledReply | InfoReply | StatsReply)
 
 
 # --- decoding -------------------------------------------------------------------------
@@ -136,7 +255,8 @@ _generate_decoder: Final = msgspec.json.Decoder(GenerateRequest)
 _any_decoder: Final = msgspec.json.Decoder()
 _MISSING_OP: Final = "Object missing required field `op`"
 _INVALID_TAG = re.compile(r"^Invalid value '(?P<op>.*)' - at `\$\.op`$")
-_KNOWN_OPS: Final = tuple(sorted(str(t.__struct_config__.tag) for t in get_args(Request)))
+KNOWN_OPS: Final = tuple(str(t.__struct_config__.tag) for t in get_args(Request))
+
 # msgspec rejects NaN/Infinity literals, lone surrogates and numbers out of range
 # itself; invalid UTF-8 surfaces as UnicodeDecodeError, deep nesting may recurse.
 _MALFORMED: Final = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
@@ -155,6 +275,10 @@ class RequestError(Exception):
         self.code = code
         self.message = message
         self.request_id = request_id
+
+
+def op_name(request: Request) -> str:
+    return str(type(request).__struct_config__.tag)
 
 
 def decode_request(line: bytes) -> Request:
@@ -196,7 +320,7 @@ def _classify_invalid(line: bytes, exc: msgspec.ValidationError) -> RequestError
         request_id = None
     message = str(exc)
     if match := _INVALID_TAG.match(message):
-        known = ", ".join(_KNOWN_OPS)
+        known = ", ".join(sorted(KNOWN_OPS))
         message = f"unknown op {match['op']!r} (known: {known}) - at `$.op`"
     return RequestError(INVALID_REQUEST, message, request_id)
 

@@ -18,6 +18,7 @@ from typing import Protocol, cast
 from . import protocol
 from .engine import Engine, Job, Sampling
 from .protocol import DoneReply, ErrorReply, FinishReason, RequestId, Timings, TokenReply, Usage
+from .stats import Stats
 from .textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,8 @@ class QueueFull(Exception):
 
 
 class Generation:
-    """One generate request, from the moment it is queued until its last line is written."""
+    """One generate or chat request, from the moment it is queued until its last line
+    is written. Its outcome is counted in `stats` exactly once, when it is decided."""
 
     def __init__(
         self,
@@ -51,6 +53,7 @@ class Generation:
         sink: ReplySink,
         arrived_ns: int,
         loop: asyncio.AbstractEventLoop,
+        stats: Stats,
     ) -> None:
         self.request_id = request_id
         self.stream = stream
@@ -67,6 +70,7 @@ class Generation:
         # True once nothing more may be written: done/error sent, or the client is gone.
         self.replied = False
         self._scheduler: Scheduler | None = None
+        self._stats = stats
 
     # --- called by the scheduler and the connection --------------------------------------
 
@@ -79,15 +83,23 @@ class Generation:
         self.job.stop_requested = True
         if not self.replied:
             self.replied = True
+            self._record("cancelled")
             self.sink.close()
 
     def fail(self, code: str, message: str) -> None:
         """Answer with an error instead of running (used for queued requests)."""
         if not self.replied:
             self.replied = True
+            self._record("error")
+            self._stats.errors[code] += 1
             self.sink.write(protocol.encode_line(
                 ErrorReply(id=self.request_id, code=code, message=message)))
             self.sink.close()
+
+    def cancel_queued(self) -> None:
+        """Answer a request that never ran: `done`, finish_reason "cancelled"."""
+        if not self.replied:
+            self._reply_done("cancelled")
 
     # --- called on the event loop by the decode thread's wake-ups -----------------------
 
@@ -121,33 +133,49 @@ class Generation:
         self._write(batch)
 
     def _finished(self) -> None:
-        self._drain()
-        job = self.job
-        if not self.replied:
-            if job.end_reason == "error":
-                log.error("generation %r failed", self.request_id, exc_info=job.error)
-                self.fail(protocol.INTERNAL,
-                          "the model failed while generating; see the daemon log")
-            else:
-                tail = self._text.finish()
-                if tail:
-                    if self.stream:
-                        self._write(protocol.encode_line(
-                            TokenReply(id=self.request_id, text=tail)))
-                    else:
-                        self._parts.append(tail)
-                # end_reason is "stop", "length" or "cancelled" here ("error" is above).
-                self._reply_done("stop_sequence" if self._text.stop_hit is not None
-                                 else cast(FinishReason, job.end_reason))
-        if self._scheduler is not None:
-            self._scheduler._released(self)
+        # The slot is released whatever happens here: a bug in writing the last
+        # lines must never leave the slot busy for ever.
+        try:
+            self._drain()
+            job = self.job
+            if not self.replied:
+                if job.end_reason == "error":
+                    log.error("generation %r failed", self.request_id, exc_info=job.error)
+                    self.fail(protocol.INTERNAL,
+                              "the model failed while generating; see the daemon log")
+                else:
+                    tail = self._text.finish()
+                    if tail:
+                        if self.stream:
+                            self._write(protocol.encode_line(
+                                TokenReply(id=self.request_id, text=tail)))
+                        else:
+                            self._parts.append(tail)
+                    # end_reason is "stop", "length" or "cancelled" here ("error" is above).
+                    self._reply_done("stop_sequence" if self._text.stop_hit is not None
+                                     else cast(FinishReason, job.end_reason))
+        except Exception:
+            log.exception("finishing generation %r failed", self.request_id)
+            self.fail(protocol.INTERNAL, "unexpected error in the daemon; see its log")
+        finally:
+            if self._scheduler is not None:
+                self._scheduler._released(self)
 
     def _write(self, data: bytes | bytearray) -> None:
         if data:
             self.sink.write(data)
 
+    def _record(self, outcome: str) -> None:
+        job = self.job
+        self._stats.generation_ended(outcome, len(job.prompt), job.n_cached,
+                                     self.completion_tokens, self._decode_ns())
+
+    def _decode_ns(self) -> int:
+        return self._last_token_ns - self.job.t_first if self.completion_tokens > 1 else 0
+
     def _reply_done(self, reason: FinishReason) -> None:
         self.replied = True
+        self._record(reason)
         self.sink.write(protocol.encode_line(DoneReply(
             id=self.request_id,
             text="" if self.stream else "".join(self._parts),
@@ -167,7 +195,7 @@ class Generation:
         started = job.t_start or now
         prompt_ns = job.t_prompt_done - job.t_start if job.t_prompt_done else 0
         evaluated = len(job.prompt) - job.n_cached
-        decode_ns = self._last_token_ns - job.t_first if self.completion_tokens > 1 else 0
+        decode_ns = self._decode_ns()
         return Timings(
             queued_ms=_ms(started - self.arrived_ns),
             prompt_ms=_ms(prompt_ns),
@@ -220,6 +248,16 @@ class Scheduler:
         if generation is not self.running:
             with contextlib.suppress(ValueError):  # already dispatched or answered
                 self.waiting.remove(generation)
+
+    def cancel(self, generation: Generation) -> None:
+        """The cancel op: a queued request is answered at once, a running one stops
+        within one token (or one prompt batch)."""
+        if generation is self.running:
+            generation.cancel()
+            return
+        with contextlib.suppress(ValueError):
+            self.waiting.remove(generation)
+        generation.cancel_queued()
 
     def reject_waiting(self, code: str, message: str) -> None:
         while self.waiting:

@@ -1,7 +1,8 @@
 """Turn the model's token pieces (raw bytes) into the text a client may see.
 
 Two things are held back, and only for as long as needed:
-- the bytes of a UTF-8 character split across tokens, until it is complete;
+- the bytes of a UTF-8 character split across tokens, until it is complete
+  (bytes that can never complete one, mid-stream or at the end, are dropped);
 - the tail of the text that could still grow into a stop sequence.
 Everything else is released at once, so streaming latency is one token.
 
@@ -18,9 +19,12 @@ class TextStream:
     __slots__ = ("_decoder", "_held", "_stops", "stop_hit")
 
     def __init__(self, stops: Sequence[str] = ()) -> None:
-        # errors="replace": a model can emit byte tokens that never form valid UTF-8;
-        # the client still gets valid UTF-8, with U+FFFD where the bytes were bad.
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # A model can emit byte tokens that never form valid UTF-8, and a generation
+        # can end (length, stop, cancel) inside a character split over tokens. The
+        # incremental decoder holds an incomplete sequence back until it completes;
+        # errors="ignore" drops what never can, so no U+FFFD the model did not write
+        # ever reaches a client, streamed or not.
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
         self._stops = tuple(stops)
         self._held = ""
         # The stop sequence that ended the text, once one has matched.

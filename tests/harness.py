@@ -35,7 +35,8 @@ BASE_CONFIG: dict[str, Any] = {
     "log": {"level": "info"},
 }
 
-FINAL_TYPES = frozenset({"done", "error", "health"})
+# The single or last line of a reply: everything but a streamed `token`.
+FINAL_TYPES = frozenset({"done", "error", "health", "info", "stats", "tokens", "text", "cancelled"})
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -174,10 +175,12 @@ async def running_daemon(
     socket_path: str | None = None,
     wait_ready: bool = True,
     expect_clean_exit: bool = True,
+    env: dict[str, str] | None = None,
 ) -> AsyncIterator[Daemon]:
     """Start a daemon on a short temp socket path, wait for READY=1, stop it afterwards.
 
     With wait_ready=False it yields as soon as the socket accepts (model still loading).
+    `env` adds to (or, with a value of "", removes from) the daemon's environment.
 
     On leaving, the daemon is sent SIGTERM and must exit 0 and remove its socket.
     """
@@ -190,12 +193,17 @@ async def running_daemon(
     config_path.write_text(tomli_w.dumps(merge(BASE_CONFIG, config or {})))
     socket_path = socket_path or str(directory / "d.sock")
     log_path = directory / "daemon.log"
-    env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONUNBUFFERED="1")
+    daemon_env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONUNBUFFERED="1")
+    for name, value in (env or {}).items():
+        if value:
+            daemon_env[name] = value
+        else:
+            daemon_env.pop(name, None)
     with log_path.open("wb") as log_file:
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "sfcore_daemon", "--config", str(config_path),
             "--socket", socket_path, *args,
-            stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=env,
+            stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=daemon_env,
             cwd=str(REPO),
         )
     daemon = Daemon(process, socket_path, log_path, directory, _notify_sock=notify_sock)

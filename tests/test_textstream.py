@@ -27,9 +27,25 @@ def test_every_emitted_piece_is_valid_text_even_byte_by_byte() -> None:
         piece.encode("utf-8")  # no lone surrogates, no partial characters
 
 
-def test_invalid_bytes_become_replacement_characters() -> None:
-    _, text, _ = run([b"a", b"\xff", b"b", b"\xe6\x9d"])  # a stray byte, then a cut-off character
-    assert text == "a\ufffdb\ufffd"
+def test_bytes_that_never_form_a_character_are_dropped() -> None:
+    # A stray byte mid-stream, then a character cut off by the end of generation.
+    emitted, text, _ = run([b"a", b"\xff", b"b", b"\xe6\x9d"])
+    assert text == "ab"
+    assert emitted == ["a", "", "b", ""]
+
+
+def test_generation_ending_inside_an_emoji_leaves_no_replacement_character() -> None:
+    emoji = "🤗".encode()
+    emitted, text, _ = run([b"ok ", emoji[:2]])
+    assert text == "ok "
+    assert "\ufffd" not in "".join(emitted)
+
+
+def test_stop_hit_while_a_character_is_incomplete_drops_its_bytes() -> None:
+    emoji = "😀".encode()
+    _, text, hit = run([b"x END", emoji[:3]], stops=("END",))
+    assert hit == "END"
+    assert text == "x "
 
 
 def test_stop_spanning_three_tokens_is_never_emitted() -> None:

@@ -1,0 +1,58 @@
+"""Counters since start, for the `stats` op. Kept on the event loop only.
+
+The decode thread never touches these: a generation's figures are added when its
+outcome is decided on the loop (its `done` or `error` line, or its client leaving).
+"""
+
+from __future__ import annotations
+
+import time
+
+from . import protocol
+from .protocol import ConnectionCounts, RequestCounts, RequestId, StatsReply, TokenCounts
+
+OUTCOMES = (*protocol.FINISH_REASONS, "error")
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.requests_total = 0
+        self.by_op = dict.fromkeys(protocol.KNOWN_OPS, 0)
+        self.by_outcome = dict.fromkeys(OUTCOMES, 0)
+        self.errors = dict.fromkeys(protocol.ERROR_CODES, 0)
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.generated_tokens = 0
+        self.connections_current = 0
+        self.connections_total = 0
+        self.connections_rejected = 0
+        # Tokens after each generation's first, and the time they took (for the mean rate).
+        self._decode_tokens = 0
+        self._decode_ns = 0
+
+    def generation_ended(self, outcome: str, prompt_tokens: int, cached_tokens: int,
+                         completion_tokens: int, decode_ns: int) -> None:
+        self.by_outcome[outcome] += 1
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
+        self.generated_tokens += completion_tokens
+        if completion_tokens > 1 and decode_ns > 0:
+            self._decode_tokens += completion_tokens - 1
+            self._decode_ns += decode_ns
+
+    def reply(self, request_id: RequestId) -> StatsReply:
+        rate = self._decode_tokens * 1e9 / self._decode_ns if self._decode_ns else 0.0
+        return StatsReply(
+            id=request_id,
+            uptime_s=round(time.monotonic() - self.started, 3),
+            requests=RequestCounts(total=self.requests_total, by_op=dict(self.by_op),
+                                   by_outcome=dict(self.by_outcome)),
+            tokens=TokenCounts(prompt=self.prompt_tokens, cached=self.cached_tokens,
+                               generated=self.generated_tokens),
+            errors=dict(self.errors),
+            connections=ConnectionCounts(current=self.connections_current,
+                                         total=self.connections_total,
+                                         rejected=self.connections_rejected),
+            decode_tok_s=round(rate, 2),
+        )
