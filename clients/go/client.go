@@ -198,7 +198,8 @@ type Stats struct {
 	Raw        json.RawMessage `json:"-"`
 }
 
-// line is one reply line; the fields of every reply type share one struct.
+// line is one reply line: the fields of token, done and error lines. The fields of the
+// other replies are decoded from raw by the call that asked for them.
 type line struct {
 	Type         string          `json:"type"`
 	ID           json.RawMessage `json:"id"`
@@ -209,9 +210,13 @@ type line struct {
 	Timings      Timings         `json:"timings"`
 	Code         string          `json:"code"`
 	Message      string          `json:"message"`
-	Tokens       []int           `json:"tokens"`
-	Found        bool            `json:"found"`
 	raw          []byte
+}
+
+// envelope is what every reply line has.
+type envelope struct {
+	Type string          `json:"type"`
+	ID   json.RawMessage `json:"id"`
 }
 
 // parseLine decodes one reply line (its trailing newline included or not). It returns
@@ -222,7 +227,13 @@ func parseLine(b []byte) (*line, error) {
 	}
 	l := &line{raw: b}
 	if err := json.Unmarshal(b, l); err != nil {
-		return nil, fmt.Errorf("reply line is not a JSON object (%v): %.200q", err, b)
+		// A reply of another type may use one of these names differently: keep its type
+		// and id, the rest stays in raw.
+		var env envelope
+		if json.Unmarshal(b, &env) != nil {
+			return nil, fmt.Errorf("reply line is not a JSON object (%v): %.200q", err, b)
+		}
+		l = &line{Type: env.Type, ID: env.ID, raw: b}
 	}
 	if l.Type == "" {
 		return nil, fmt.Errorf("reply line without a type: %.200q", b)
@@ -500,15 +511,18 @@ func (c *Client) Stats(ctx context.Context) (*Stats, error) {
 // Tokenize returns the token ids of text; addSpecial adds the BOS token as the model
 // expects (the daemon's default is true).
 func (c *Client) Tokenize(ctx context.Context, text string, addSpecial bool) ([]int, error) {
-	l, err := c.roundTrip(ctx, map[string]any{"op": "tokenize", "text": text,
-		"add_special": addSpecial}, "tokens")
+	var reply struct {
+		Tokens []int `json:"tokens"`
+	}
+	err := c.decode(ctx, map[string]any{"op": "tokenize", "text": text,
+		"add_special": addSpecial}, "tokens", &reply)
 	if err != nil {
 		return nil, err
 	}
-	if l.Tokens == nil {
-		l.Tokens = []int{}
+	if reply.Tokens == nil {
+		reply.Tokens = []int{}
 	}
-	return l.Tokens, nil
+	return reply.Tokens, nil
 }
 
 // Detokenize returns the text of token ids.
@@ -516,22 +530,22 @@ func (c *Client) Detokenize(ctx context.Context, tokens []int) (string, error) {
 	if tokens == nil {
 		tokens = []int{}
 	}
-	l, err := c.roundTrip(ctx, map[string]any{"op": "detokenize", "tokens": tokens}, "text")
-	if err != nil {
-		return "", err
+	var reply struct {
+		Text string `json:"text"`
 	}
-	return l.Text, nil
+	err := c.decode(ctx, map[string]any{"op": "detokenize", "tokens": tokens}, "text", &reply)
+	return reply.Text, err
 }
 
 // Cancel ends an earlier request of this connection (queued or running) by its id; it
 // reports whether the request was still pending. The target's own reply ends with
 // finish reason "cancelled" (and arrives before Cancel returns).
 func (c *Client) Cancel(ctx context.Context, target int64) (bool, error) {
-	l, err := c.roundTrip(ctx, map[string]any{"op": "cancel", "target": target}, "cancelled")
-	if err != nil {
-		return false, err
+	var reply struct {
+		Found bool `json:"found"`
 	}
-	return l.Found, nil
+	err := c.decode(ctx, map[string]any{"op": "cancel", "target": target}, "cancelled", &reply)
+	return reply.Found, err
 }
 
 func (c *Client) object(ctx context.Context, req map[string]any, want string, into any,
@@ -545,6 +559,12 @@ func (c *Client) object(ctx context.Context, req map[string]any, want string, in
 	}
 	*raw = json.RawMessage(bytes.TrimSpace(l.raw))
 	return nil
+}
+
+// decode sends req and decodes its reply line (of type want) into into.
+func (c *Client) decode(ctx context.Context, req map[string]any, want string, into any) error {
+	var raw json.RawMessage
+	return c.object(ctx, req, want, into, &raw)
 }
 
 func (c *Client) roundTrip(ctx context.Context, req map[string]any, want string) (*line, error) {

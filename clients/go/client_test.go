@@ -1,0 +1,286 @@
+package sfcore
+
+// Unit tests of the line parsing and the request/reply plumbing against a fake daemon
+// on a real Unix socket (no model needed), and a benchmark of the per-token path.
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestParseLine(t *testing.T) {
+	tok, err := parseLine([]byte(`{"type":"token","id":7,"text":"\u65e5\u672c \"q\"\n"}` + "\n"))
+	if err != nil || tok.Type != "token" || string(tok.ID) != "7" || tok.Text != "日本 \"q\"\n" {
+		t.Fatalf("token line: %+v %v", tok, err)
+	}
+	done, err := parseLine([]byte(`{"type":"done","id":"x","text":"","finish_reason":"stop_sequence",` +
+		`"stop_sequence":"END","usage":{"prompt_tokens":4,"cached_tokens":1,"completion_tokens":9},` +
+		`"timings":{"queued_ms":0.5,"prompt_ms":1,"prompt_tok_s":2,"first_token_ms":3,` +
+		`"decode_ms":4,"decode_tok_s":5,"total_ms":6}}`))
+	if err != nil || done.FinishReason != "stop_sequence" || *done.StopSequence != "END" ||
+		done.Usage != (Usage{4, 1, 9}) || done.Timings != (Timings{0.5, 1, 2, 3, 4, 5, 6}) {
+		t.Fatalf("done line: %+v %v", done, err)
+	}
+	e, err := parseLine([]byte(`{"type":"error","id":"sfc-3","code":"bad_json","message":"m"}`))
+	if err != nil || e.Code != "bad_json" || e.Message != "m" || string(e.ID) != `"sfc-3"` {
+		t.Fatalf("error line: %+v %v", e, err)
+	}
+	// Other replies may use the same names differently (stats: "tokens" is an object).
+	st, err := parseLine([]byte(`{"type":"stats","id":3,"tokens":{"prompt":1},"text":{}}`))
+	if err != nil || st.Type != "stats" || string(st.ID) != "3" {
+		t.Fatalf("stats line: %+v %v", st, err)
+	}
+	if l, err := parseLine([]byte(" \r\n")); l != nil || err != nil {
+		t.Fatalf("blank line: %+v %v", l, err)
+	}
+	for _, bad := range []string{"not json\n", "[1,2]\n", `{"id":1}`} {
+		if _, err := parseLine([]byte(bad)); err == nil {
+			t.Errorf("%q: no error", bad)
+		}
+	}
+}
+
+// fakeDaemon serves one connection: serve gets each request line and writes replies.
+func fakeDaemon(t testing.TB, serve func(req map[string]any, w *bufio.Writer) bool) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "sfgo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(dir, "d.sock")
+	ln, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ln.Close()
+		os.RemoveAll(dir)
+	})
+	go func() {
+		conn, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer conn.Close()
+		r := bufio.NewReader(conn)
+		w := bufio.NewWriterSize(conn, 1<<16)
+		for {
+			b, err := r.ReadBytes('\n')
+			if err != nil {
+				return
+			}
+			var req map[string]any
+			if err := json.Unmarshal(b, &req); err != nil {
+				return
+			}
+			more := serve(req, w)
+			if w.Flush() != nil || !more {
+				return
+			}
+		}
+	}()
+	return path
+}
+
+func reply(w *bufio.Writer, v map[string]any) {
+	b, _ := json.Marshal(v)
+	w.Write(b)
+	w.WriteByte('\n')
+}
+
+func dial(t testing.TB, path string) *Client {
+	t.Helper()
+	c, err := Dial(context.Background(), path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+func TestLongNonStreamedDone(t *testing.T) {
+	long := strings.Repeat("日本語のテキスト ", 40000) // ~1 MiB, far past bufio.Scanner's 64 KiB
+	path := fakeDaemon(t, func(req map[string]any, w *bufio.Writer) bool {
+		reply(w, map[string]any{"type": "done", "id": req["id"], "text": long,
+			"finish_reason": "length", "stop_sequence": nil,
+			"usage": map[string]int{"completion_tokens": 3}, "timings": map[string]float64{}})
+		return true
+	})
+	res, err := dial(t, path).Generate(context.Background(), "p", &Options{MaxTokens: Int(3)})
+	if err != nil || res.Text != long || res.FinishReason != "length" ||
+		res.Usage.CompletionTokens != 3 || res.StopSequence != "" {
+		t.Fatalf("%v %v", err, res != nil && res.Text == long)
+	}
+}
+
+func TestStreamErrorAndPipelinedReplies(t *testing.T) {
+	path := fakeDaemon(t, func(req map[string]any, w *bufio.Writer) bool {
+		switch req["op"] {
+		case "generate":
+			if req["stream"] != true || req["temperature"] != 0.0 || req["seed"] != 7.0 {
+				reply(w, map[string]any{"type": "error", "id": req["id"], "code": "invalid_request",
+					"message": fmt.Sprint(req)})
+				return true
+			}
+			for _, p := range []string{"a", "é", "日"} {
+				reply(w, map[string]any{"type": "token", "id": req["id"], "text": p})
+			}
+			reply(w, map[string]any{"type": "done", "id": req["id"], "text": "",
+				"finish_reason": "stop", "stop_sequence": nil})
+		case "tokenize":
+			reply(w, map[string]any{"type": "tokens", "id": req["id"], "tokens": []int{2, 9259}})
+		default:
+			reply(w, map[string]any{"type": "error", "id": req["id"], "code": "invalid_request",
+				"message": "unknown op"})
+		}
+		return true
+	})
+	c := dial(t, path)
+	ctx := context.Background()
+	var pieces []string
+	res, err := c.StreamGenerate(ctx, "p", &Options{Temperature: Float(0), Seed: Int64(7)},
+		func(p string) error { pieces = append(pieces, p); return nil })
+	if err != nil || res.Text != "aé日" || strings.Join(pieces, "|") != "a|é|日" ||
+		res.FinishReason != "stop" {
+		t.Fatalf("%v %+v %v", err, res, pieces)
+	}
+	// Concurrent calls share the connection; each gets its own reply.
+	errs := make(chan error, 2)
+	go func() {
+		toks, err := c.Tokenize(ctx, "Hi", true)
+		if err == nil && fmt.Sprint(toks) != "[2 9259]" {
+			err = fmt.Errorf("tokens %v", toks)
+		}
+		errs <- err
+	}()
+	go func() {
+		_, err := c.Info(ctx)
+		var e *Error
+		if !errors.As(err, &e) || e.Code != "invalid_request" || e.Message != "unknown op" {
+			err = fmt.Errorf("want invalid_request, got %v", err)
+		} else {
+			err = nil
+		}
+		errs <- err
+	}()
+	for i := 0; i < 2; i++ {
+		if err := <-errs; err != nil {
+			t.Error(err)
+		}
+	}
+}
+
+func TestContextCancelSendsCancel(t *testing.T) {
+	cancelled := make(chan any, 1)
+	path := fakeDaemon(t, func(req map[string]any, w *bufio.Writer) bool {
+		switch req["op"] {
+		case "generate":
+			reply(w, map[string]any{"type": "token", "id": req["id"], "text": "x"})
+		case "cancel":
+			cancelled <- req["target"]
+			reply(w, map[string]any{"type": "done", "id": req["target"], "text": "",
+				"finish_reason": "cancelled"})
+			reply(w, map[string]any{"type": "cancelled", "id": req["id"], "target": req["target"],
+				"found": true})
+		case "health":
+			reply(w, map[string]any{"type": "health", "id": req["id"], "status": "ok"})
+		}
+		return true
+	})
+	c := dial(t, path)
+	ctx, cancel := context.WithCancel(context.Background())
+	s, err := c.StartGenerate(ctx, "p", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !s.Next() || s.Text() != "x" {
+		t.Fatalf("first piece: %v", s.Err())
+	}
+	cancel()
+	if s.Next() || !errors.Is(s.Err(), context.Canceled) {
+		t.Fatalf("after cancel: %v", s.Err())
+	}
+	select {
+	case target := <-cancelled:
+		if target != float64(s.ID()) {
+			t.Fatalf("cancel target %v, stream %d", target, s.ID())
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no cancel request")
+	}
+	// The abandoned reply and the cancel's answer are skipped; the connection still works.
+	h, err := c.Health(context.Background())
+	if err != nil || h.Status != "ok" {
+		t.Fatalf("health after cancel: %+v %v", h, err)
+	}
+}
+
+func TestConnectionErrors(t *testing.T) {
+	_, err := Dial(context.Background(), "/nonexistent/sfcore.sock")
+	var ce *ConnError
+	if !errors.As(err, &ce) || ce.Op != "dial" || !strings.Contains(err.Error(), "/nonexistent/sfcore.sock") ||
+		!strings.Contains(err.Error(), "may not be running") {
+		t.Fatalf("dial error: %v", err)
+	}
+	t.Setenv("SFCORE_SOCKET", "/nonexistent/env.sock")
+	if _, err := Dial(context.Background(), ""); err == nil || !strings.Contains(err.Error(), "/nonexistent/env.sock") {
+		t.Fatalf("SFCORE_SOCKET not used: %v", err)
+	}
+	// The daemon refuses the connection with an error line of its own id, then closes.
+	path := fakeDaemon(t, func(req map[string]any, w *bufio.Writer) bool {
+		reply(w, map[string]any{"type": "error", "id": "sfc-1", "code": "too_many_connections",
+			"message": "limit"})
+		return false
+	})
+	c := dial(t, path)
+	_, err = c.Generate(context.Background(), "p", nil)
+	var e *Error
+	if !errors.As(err, &e) || e.Code != "too_many_connections" {
+		t.Fatalf("want too_many_connections, got %v", err)
+	}
+	_, err = c.Health(context.Background())
+	if err == nil {
+		t.Fatal("request on a closed connection succeeded")
+	}
+}
+
+// BenchmarkTokenLines measures the per-token cost of the real read path: bufio.Reader
+// line reading, JSON decoding, dispatch to the call and the StreamGenerate callback, on
+// token lines served from memory by a fake daemon over a Unix socket.
+func BenchmarkTokenLines(b *testing.B) {
+	pieces := []string{" the", " 日本", "の", " café", ",", "\n", " \"quoted\"", " model", "’s", " 2019"}
+	type token struct { // the daemon's key order
+		Type string `json:"type"`
+		ID   int    `json:"id"`
+		Text string `json:"text"`
+	}
+	var tokens []byte
+	for i := 0; i < b.N; i++ {
+		line, _ := json.Marshal(token{"token", 1, pieces[i%len(pieces)]})
+		tokens = append(append(tokens, line...), '\n')
+	}
+	done := `{"type":"done","id":1,"text":"","finish_reason":"length","stop_sequence":null,` +
+		`"usage":{"prompt_tokens":4,"cached_tokens":0,"completion_tokens":1},"timings":{}}` + "\n"
+	path := fakeDaemon(b, func(req map[string]any, w *bufio.Writer) bool {
+		w.Write(tokens)
+		w.WriteString(done)
+		return true
+	})
+	c := dial(b, path)
+	n := 0
+	b.ResetTimer()
+	_, err := c.StreamGenerate(context.Background(), "p", nil, func(string) error { n++; return nil })
+	b.StopTimer()
+	if err != nil || n != b.N {
+		b.Fatalf("%v: %d pieces of %d", err, n, b.N)
+	}
+}

@@ -1,0 +1,330 @@
+"""The Go client in clients/go (library, unit tests and example program) against the real daemon.
+
+Go runs offline and self-contained: GOPROXY=off, -mod=readonly, GOTOOLCHAIN=local, and a
+GOCACHE/GOPATH of the test run's own (the module has no dependencies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import REPO, running_daemon
+
+sys.path.insert(0, str(REPO / "clients" / "python"))
+import sfcore_client
+
+MODULE = REPO / "clients" / "go"
+BUILD_TIMEOUT_S = 300.0
+RUN_TIMEOUT_S = 120.0
+
+# Gemma 3 270M continues this in Japanese (3-byte UTF-8 characters, some split across
+# tokens); greedy, from an empty cache, so every client gets the same bytes.
+PROMPT = "日本の首都は"
+OPTIONS: dict[str, Any] = {"max_tokens": 32, "temperature": 0, "seed": 7, "cache_prompt": False}
+EXAMPLE_FLAGS = ["-max-tokens", "32", "-temperature", "0", "-seed", "7", "-no-cache-prompt"]
+
+
+class Go:
+    def __init__(self, root: Path) -> None:
+        go = shutil.which("go")
+        assert go is not None, "Go is not installed (scripts/os-deps.sh installs golang-go)"
+        self.go = go
+        self.root = root
+        self.env = dict(
+            os.environ, GOCACHE=str(root / "cache"), GOPATH=str(root / "gopath"),
+            GOPROXY="off", GOFLAGS="-mod=readonly", GOTOOLCHAIN="local", GOTELEMETRY="off",
+            GOWORK="off")
+
+    def run(self, *args: str, cwd: Path = MODULE) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([self.go, *args], cwd=cwd, env=self.env, capture_output=True,
+                              text=True, timeout=BUILD_TIMEOUT_S, check=False)
+
+    def build(self, package: str, output: Path, cwd: Path = MODULE) -> str:
+        result = self.run("build", "-o", str(output), package, cwd=cwd)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return str(output)
+
+
+@pytest.fixture(scope="module")
+def go(tmp_path_factory: pytest.TempPathFactory) -> Go:
+    return Go(tmp_path_factory.mktemp("go"))
+
+
+@pytest.fixture(scope="module")
+def example(go: Go) -> str:
+    return go.build("./cmd/sfcore-example", go.root / "sfcore-example")
+
+
+async def run(*command: str, env: dict[str, str] | None = None,
+              timeout: float = RUN_TIMEOUT_S) -> tuple[int, str, str]:
+    """Run a program to completion (bounded); returns (exit code, stdout, stderr)."""
+    process = await asyncio.create_subprocess_exec(
+        *command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env=env, cwd=str(REPO))
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), timeout)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+def python_client_text(path: str, prompt: str, **options: Any) -> str:
+    """The Python client's text for the request (the reference the other clients match)."""
+    with sfcore_client.Client(path, timeout=60) as client:
+        result = client.generate(prompt, **options)
+        if hasattr(result, "text"):
+            return str(result.text)
+    # The Python client of before the protocol's new ops: a raw request instead.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(60)
+        sock.connect(path)
+        sock.sendall(json.dumps({"prompt": prompt, "stream": False, **options}).encode() + b"\n")
+        reply = json.loads(sock.makefile("rb").readline())
+    assert reply["type"] == "done", reply
+    return str(reply["text"])
+
+
+async def reference(path: str, prompt: str, **options: Any) -> str:
+    return await asyncio.wait_for(
+        asyncio.to_thread(python_client_text, path, prompt, **options), RUN_TIMEOUT_S)
+
+
+def test_go_module_is_formatted_vetted_and_unit_tested(go: Go) -> None:
+    gofmt = Path(go.run("env", "GOROOT").stdout.strip()) / "bin" / "gofmt"
+    formatted = subprocess.run([str(gofmt), "-l", "."], cwd=MODULE, capture_output=True,
+                               text=True, timeout=BUILD_TIMEOUT_S, check=False)
+    assert (formatted.returncode, formatted.stdout) == (0, ""), formatted.stderr
+    vet = go.run("vet", "./...")
+    assert vet.returncode == 0, vet.stdout + vet.stderr
+    unit = go.run("test", "-count=1", "./...")
+    assert unit.returncode == 0, unit.stdout + unit.stderr
+
+
+@pytest.mark.asyncio
+async def test_example_streams_the_python_clients_text(example: str) -> None:
+    async with running_daemon() as daemon:
+        expected = await reference(daemon.socket_path, PROMPT, **OPTIONS)
+        code, out, err = await run(example, "-socket", daemon.socket_path, *EXAMPLE_FLAGS,
+                                   PROMPT)
+        # The default path comes from $SFCORE_SOCKET.
+        env = dict(os.environ, SFCORE_SOCKET=daemon.socket_path)
+        env_code, env_out, env_err = await run(example, *EXAMPLE_FLAGS, PROMPT, env=env)
+    assert any(ord(char) > 127 for char in expected), expected
+    assert (code, err) == (0, "")
+    assert out == expected + "\n"
+    assert (env_code, env_out, env_err) == (0, expected + "\n", "")
+
+
+@pytest.mark.asyncio
+async def test_example_exits_1_on_an_error_line(example: str) -> None:
+    async with running_daemon() as daemon:
+        code, out, err = await run(example, "-socket", daemon.socket_path, "-max-tokens", "0",
+                                   PROMPT)
+    assert code == 1, (out, err)
+    assert out == ""
+    assert "invalid_request" in err and "max_tokens" in err, err
+
+
+@pytest.mark.asyncio
+async def test_example_exits_3_when_the_daemon_is_unreachable(example: str,
+                                                              tmp_path: Path) -> None:
+    missing = str(tmp_path / "missing.sock")
+    code, out, err = await run(example, "-socket", missing, "Hi")
+    assert code == 3, (out, err)
+    assert out == ""
+    assert missing in err and "may not be running" in err, err
+    # A socket file nobody listens on (a daemon that died without removing it).
+    stale = str(tmp_path / "stale.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(stale)
+        code, out, err = await run(example, "-socket", stale, "Hi")
+    assert code == 3, (out, err)
+    assert stale in err and "connection refused" in err, err
+
+
+LIBRARY_GO_MOD = """module sfcorelibtest
+
+go 1.19
+
+require sfcore.local/sfcore v0.0.0
+
+replace sfcore.local/sfcore => %(module)s
+"""
+
+LIBRARY_PROGRAM = """package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"os"
+	"strings"
+	"sync"
+
+	"sfcore.local/sfcore"
+)
+
+func must(err error) {
+	if err != nil {
+		panic(err)
+	}
+}
+
+func main() {
+	ctx := context.Background()
+	out := map[string]any{}
+	c, err := sfcore.Dial(ctx, os.Args[1])
+	must(err)
+
+	// Concurrent calls share the connection (pipelined, answered in request order).
+	var wg sync.WaitGroup
+	var tokens, plain []int
+	var tokErr, plainErr error
+	wg.Add(2)
+	go func() { defer wg.Done(); tokens, tokErr = c.Tokenize(ctx, "Hello world", true) }()
+	go func() { defer wg.Done(); plain, plainErr = c.Tokenize(ctx, "Hello world", false) }()
+	wg.Wait()
+	must(tokErr)
+	must(plainErr)
+	out["tokens"], out["plainTokens"] = tokens, plain
+	out["detokenized"], err = c.Detokenize(ctx, plain)
+	must(err)
+	health, err := c.Health(ctx)
+	must(err)
+	out["health"] = health.Status
+	info, err := c.Info(ctx)
+	must(err)
+	out["architecture"], out["nCtx"] = info.Model.Architecture, info.Config.NCtx
+
+	greedy := &sfcore.Options{MaxTokens: sfcore.Int(24), Temperature: sfcore.Float(0),
+		CachePrompt: sfcore.Bool(false)}
+	messages := []sfcore.Message{{Role: "user", Content: "Say hello in French."}}
+	out["chat"], err = c.Chat(ctx, messages, greedy)
+	must(err)
+	var pieces []string
+	out["streamedChatResult"], err = c.StreamChat(ctx, messages, greedy, func(p string) error {
+		pieces = append(pieces, p)
+		return nil
+	})
+	must(err)
+	out["streamedChat"] = strings.Join(pieces, "")
+
+	_, err = c.Generate(ctx, "x", &sfcore.Options{MaxTokens: sfcore.Int(0)})
+	var daemonErr *sfcore.Error
+	if errors.As(err, &daemonErr) {
+		out["error"] = map[string]string{"code": daemonErr.Code, "message": daemonErr.Message}
+	}
+
+	// Cancel of a running stream: its reply ends "cancelled", before Cancel returns.
+	long := &sfcore.Options{MaxTokens: sfcore.Int(400), Temperature: sfcore.Float(0)}
+	prompt := "Count from one to one thousand:"
+	stream, err := c.StartGenerate(ctx, prompt, long)
+	must(err)
+	out["firstPiece"] = stream.Next()
+	out["cancelFound"], err = c.Cancel(ctx, stream.ID())
+	must(err)
+	for stream.Next() {
+	}
+	must(stream.Err())
+	out["cancelled"] = stream.Result()
+	out["cancelUnknown"], err = c.Cancel(ctx, 999999)
+	must(err)
+
+	// Cancelling the context of a streaming call sends cancel and returns ctx.Err().
+	cctx, cancel := context.WithCancel(ctx)
+	_, err = c.StreamGenerate(cctx, prompt, long, func(string) error { cancel(); return nil })
+	out["contextCancelled"] = errors.Is(err, context.Canceled)
+	// An error from the callback stops the stream the same way.
+	enough := errors.New("enough")
+	_, err = c.StreamGenerate(ctx, prompt, long, func(string) error { return enough })
+	out["callbackError"] = errors.Is(err, enough)
+	_, err = c.Health(ctx) // answered after both abandoned requests ended
+	must(err)
+	stats, err := c.Stats(ctx)
+	must(err)
+	out["stats"] = json.RawMessage(stats.Raw)
+
+	must(c.Close())
+	_, err = c.Health(ctx)
+	var connErr *sfcore.ConnError
+	out["afterClose"] = errors.As(err, &connErr) && errors.Is(err, sfcore.ErrClosed)
+	_, err = sfcore.Dial(ctx, os.Args[1]+".missing")
+	out["unreachable"] = map[string]any{"connError": errors.As(err, &connErr),
+		"message": err.Error()}
+	must(json.NewEncoder(os.Stdout).Encode(out))
+}
+"""
+
+CHAT_MESSAGES = [{"role": "user", "content": "Say hello in French."}]
+
+
+def python_client_chat_text(path: str, messages: list[dict[str, str]], **options: Any) -> str:
+    with sfcore_client.Client(path, timeout=60) as client:
+        if hasattr(client, "chat"):
+            return str(client.chat(messages, **options).text)
+    # The Python client of before the protocol's new ops: a raw request instead.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(60)
+        sock.connect(path)
+        request = {"op": "chat", "messages": messages, "stream": False, **options}
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        reply = json.loads(sock.makefile("rb").readline())
+    assert reply["type"] == "done", reply
+    return str(reply["text"])
+
+
+@pytest.mark.asyncio
+async def test_library_ops_cancel_and_errors(go: Go, tmp_path: Path) -> None:
+    program = tmp_path / "libtest"
+    program.mkdir()
+    (program / "go.mod").write_text(LIBRARY_GO_MOD % {"module": MODULE})
+    (program / "main.go").write_text(LIBRARY_PROGRAM)
+    binary = go.build(".", tmp_path / "libtest-bin", cwd=program)
+    async with running_daemon() as daemon:
+        code, out, err = await run(binary, daemon.socket_path)
+        assert code == 0, err
+        chat_reference = await asyncio.wait_for(asyncio.to_thread(
+            python_client_chat_text, daemon.socket_path, CHAT_MESSAGES,
+            max_tokens=24, temperature=0, cache_prompt=False), RUN_TIMEOUT_S)
+    result = json.loads(out)
+
+    assert result["health"] == "ok"
+    assert result["tokens"][1:] == result["plainTokens"] and len(result["tokens"]) >= 3
+    assert result["detokenized"] == "Hello world"
+    assert (result["architecture"], result["nCtx"]) == ("gemma3", 4096)
+
+    chat = result["chat"]
+    assert chat["Text"] != "" and chat["Text"] == chat_reference
+    assert chat["FinishReason"] in ("stop", "length")
+    assert chat["Usage"]["completion_tokens"] > 0 and chat["Timings"]["total_ms"] > 0
+    assert chat["StopSequence"] == "" and chat["ID"] > 0
+    assert result["streamedChat"] == chat["Text"] == result["streamedChatResult"]["Text"]
+
+    assert result["error"]["code"] == "invalid_request"
+    assert "max_tokens" in result["error"]["message"]
+
+    assert result["firstPiece"] is True and result["cancelFound"] is True
+    assert result["cancelled"]["FinishReason"] == "cancelled"
+    assert 0 < result["cancelled"]["Usage"]["completion_tokens"] < 400
+    assert result["cancelUnknown"] is False
+    assert result["contextCancelled"] is True and result["callbackError"] is True
+    requests = result["stats"]["requests"]
+    assert requests["by_outcome"]["cancelled"] == 3
+    assert requests["by_op"]["cancel"] == 4
+
+    assert result["afterClose"] is True
+    assert result["unreachable"]["connError"] is True
+    assert daemon.socket_path + ".missing" in result["unreachable"]["message"]

@@ -1,0 +1,253 @@
+"""The Node.js client in clients/node (library and example program) against the real daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import REPO, running_daemon
+
+sys.path.insert(0, str(REPO / "clients" / "python"))
+import sfcore_client
+
+pytestmark = pytest.mark.asyncio
+
+CLIENT = REPO / "clients" / "node"
+EXAMPLE = CLIENT / "example.js"
+RUN_TIMEOUT_S = 120.0
+
+# Gemma 3 270M continues this in Japanese (3-byte UTF-8 characters, some split across
+# tokens); greedy, from an empty cache, so every client gets the same bytes.
+PROMPT = "日本の首都は"
+OPTIONS: dict[str, Any] = {"max_tokens": 32, "temperature": 0, "seed": 7, "cache_prompt": False}
+EXAMPLE_FLAGS = ["--max-tokens", "32", "--temperature", "0", "--seed", "7", "--no-cache-prompt"]
+
+
+def node() -> str:
+    path = shutil.which("node")
+    assert path is not None, "Node.js (node) is not installed"
+    return path
+
+
+async def run(*command: str, env: dict[str, str] | None = None,
+              timeout: float = RUN_TIMEOUT_S) -> tuple[int, str, str]:
+    """Run a program to completion (bounded); returns (exit code, stdout, stderr)."""
+    process = await asyncio.create_subprocess_exec(
+        *command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env=env, cwd=str(REPO))
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), timeout)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+def python_client_text(path: str, prompt: str, **options: Any) -> str:
+    """The Python client's text for the request (the reference the other clients match)."""
+    with sfcore_client.Client(path, timeout=60) as client:
+        result = client.generate(prompt, **options)
+        if hasattr(result, "text"):
+            return str(result.text)
+    # The Python client of before the protocol's new ops: a raw request instead.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(60)
+        sock.connect(path)
+        sock.sendall(json.dumps({"prompt": prompt, "stream": False, **options}).encode() + b"\n")
+        reply = json.loads(sock.makefile("rb").readline())
+    assert reply["type"] == "done", reply
+    return str(reply["text"])
+
+
+async def reference(path: str, prompt: str, **options: Any) -> str:
+    return await asyncio.wait_for(
+        asyncio.to_thread(python_client_text, path, prompt, **options), RUN_TIMEOUT_S)
+
+
+async def test_example_streams_the_python_clients_text() -> None:
+    async with running_daemon() as daemon:
+        expected = await reference(daemon.socket_path, PROMPT, **OPTIONS)
+        code, out, err = await run(node(), str(EXAMPLE), "--socket", daemon.socket_path,
+                                   *EXAMPLE_FLAGS, PROMPT)
+        # The default path comes from $SFCORE_SOCKET.
+        env = dict(os.environ, SFCORE_SOCKET=daemon.socket_path)
+        env_code, env_out, env_err = await run(node(), str(EXAMPLE), *EXAMPLE_FLAGS, PROMPT,
+                                               env=env)
+    assert any(ord(char) > 127 for char in expected), expected
+    assert (code, err) == (0, "")
+    assert out == expected + "\n"
+    assert (env_code, env_out, env_err) == (0, expected + "\n", "")
+
+
+async def test_example_exits_1_on_an_error_line() -> None:
+    async with running_daemon() as daemon:
+        code, out, err = await run(node(), str(EXAMPLE), "--socket", daemon.socket_path,
+                                   "--max-tokens", "0", PROMPT)
+    assert code == 1, (out, err)
+    assert out == ""
+    assert "invalid_request" in err and "max_tokens" in err, err
+
+
+async def test_example_exits_3_when_the_daemon_is_unreachable(tmp_path: Path) -> None:
+    missing = str(tmp_path / "missing.sock")
+    code, out, err = await run(node(), str(EXAMPLE), "--socket", missing, "Hi")
+    assert code == 3, (out, err)
+    assert out == ""
+    assert missing in err and "may not be running" in err, err
+    # A socket file nobody listens on (a daemon that died without removing it).
+    stale = str(tmp_path / "stale.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(stale)
+        code, out, err = await run(node(), str(EXAMPLE), "--socket", stale, "Hi")
+    assert code == 3, (out, err)
+    assert stale in err and "ECONNREFUSED" in err, err
+
+
+LIBRARY_SCRIPT = """
+import { connect, SfcoreConnectionError, SfcoreError } from %(index)s;
+
+const out = {};
+const client = await connect(process.argv[2]);
+const greedy = { max_tokens: 24, temperature: 0, cache_prompt: false };
+const messages = [{ role: "user", content: "Say hello in French." }];
+
+// Pipelined on the one connection, answered in request order.
+[out.health, out.tokens, out.plainTokens] = await Promise.all([
+  client.health(), client.tokenize("Hello world"),
+  client.tokenize("Hello world", { addSpecial: false })]);
+out.detokenized = await client.detokenize(out.plainTokens);
+out.info = await client.info();
+
+out.chat = await client.chat(messages, greedy);
+let streamed = "";
+const chatStream = client.streamChat(messages, { ...greedy, maxTokens: 24 });
+for await (const piece of chatStream) streamed += piece;
+out.streamedChat = streamed;
+out.streamedChatResult = chatStream.result;
+let pieces = 0;
+out.callbackChat = await client.chat(messages, { ...greedy, onToken: () => { pieces += 1; } });
+out.callbackPieces = pieces;
+
+try {
+  await client.generate("x", { max_tokens: 0 });
+} catch (error) {
+  out.error = { sfcore: error instanceof SfcoreError, code: error.code, message: error.message };
+}
+
+// cancel() of a running stream: its reply ends with "cancelled", before cancel resolves.
+const long = { max_tokens: 400, temperature: 0 };
+const running = client.streamGenerate("Count from one to one thousand:", long);
+await running.next();
+out.cancelFound = await client.cancel(running.id);
+out.cancelledBeforeAnswer = running.finished;
+for await (const piece of running) void piece;
+out.cancelled = running.result;
+out.cancelUnknown = await client.cancel("no-such-request");
+
+// Leaving the iteration early sends cancel: the slot is free at once.
+const left = client.streamGenerate("Count from one to one thousand:", long);
+for await (const piece of left) { void piece; break; }
+out.healthAfterBreak = (await client.health()).status; // answered after left's done
+out.left = left.result;
+out.stats = await client.stats();
+
+// Aborting a call through its signal.
+const abort = new AbortController();
+try {
+  await client.generate("Count from one to one thousand:", {
+    ...long, signal: abort.signal, onToken: () => abort.abort() });
+} catch (error) {
+  out.aborted = error.name;
+}
+out.healthAfterAbort = (await client.health()).status;
+
+await client.close();
+try {
+  await client.health();
+} catch (error) {
+  out.afterClose = { connection: error instanceof SfcoreConnectionError, code: error.code };
+}
+try {
+  await connect(process.argv[2] + ".missing");
+} catch (error) {
+  out.unreachable = { connection: error instanceof SfcoreConnectionError, code: error.code,
+    message: error.message };
+}
+console.log(JSON.stringify(out));
+"""
+
+
+def python_client_chat_text(path: str, messages: list[dict[str, str]], **options: Any) -> str:
+    with sfcore_client.Client(path, timeout=60) as client:
+        if hasattr(client, "chat"):
+            return str(client.chat(messages, **options).text)
+    # The Python client of before the protocol's new ops: a raw request instead.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(60)
+        sock.connect(path)
+        request = {"op": "chat", "messages": messages, "stream": False, **options}
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        reply = json.loads(sock.makefile("rb").readline())
+    assert reply["type"] == "done", reply
+    return str(reply["text"])
+
+
+async def test_library_ops_cancel_and_errors(tmp_path: Path) -> None:
+    script = tmp_path / "library.mjs"
+    index = (CLIENT / "index.js").as_uri()
+    script.write_text(LIBRARY_SCRIPT % {"index": json.dumps(index)})
+    async with running_daemon() as daemon:
+        code, out, err = await run(node(), str(script), daemon.socket_path)
+        assert code == 0, err
+        chat_reference = await asyncio.wait_for(asyncio.to_thread(
+            python_client_chat_text, daemon.socket_path,
+            [{"role": "user", "content": "Say hello in French."}],
+            max_tokens=24, temperature=0, cache_prompt=False), RUN_TIMEOUT_S)
+    result = json.loads(out)
+
+    assert result["health"]["type"] == "health" and result["health"]["status"] == "ok"
+    assert result["tokens"][1:] == result["plainTokens"] and len(result["tokens"]) >= 3
+    assert all(isinstance(token, int) for token in result["tokens"])
+    assert result["detokenized"] == "Hello world"
+    assert result["info"]["model"]["architecture"] == "gemma3"
+    assert result["info"]["config"]["n_ctx"] == 4096
+
+    chat = result["chat"]
+    assert chat["text"] != "" and chat["text"] == chat_reference
+    assert chat["finishReason"] in ("stop", "length")
+    assert chat["usage"]["completionTokens"] > 0 and chat["timings"]["totalMs"] > 0
+    assert isinstance(chat["id"], int) and chat["stopSequence"] is None
+    assert result["streamedChat"] == chat["text"] == result["streamedChatResult"]["text"]
+    assert result["callbackChat"]["text"] == chat["text"]
+    assert 1 < result["callbackPieces"] <= chat["usage"]["completionTokens"]
+
+    assert result["error"]["sfcore"] is True
+    assert result["error"]["code"] == "invalid_request"
+    assert "max_tokens" in result["error"]["message"]
+
+    assert result["cancelFound"] is True and result["cancelledBeforeAnswer"] is True
+    assert result["cancelled"]["finishReason"] == "cancelled"
+    assert 0 < result["cancelled"]["usage"]["completionTokens"] < 400
+    assert result["cancelUnknown"] is False
+    assert result["healthAfterBreak"] == "ok"
+    assert result["left"]["finishReason"] == "cancelled"
+    assert result["left"]["usage"]["completionTokens"] < 400
+    assert result["stats"]["requests"]["by_outcome"]["cancelled"] == 2
+    assert result["stats"]["requests"]["by_op"]["cancel"] == 3
+
+    assert result["aborted"] == "AbortError"
+    assert result["healthAfterAbort"] == "ok"
+    assert result["afterClose"] == {"connection": True, "code": "disconnected"}
+    assert result["unreachable"]["connection"] is True
+    assert result["unreachable"]["code"] == "unreachable"
+    assert daemon.socket_path + ".missing" in result["unreachable"]["message"]
