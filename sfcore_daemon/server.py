@@ -528,10 +528,13 @@ class Server:
             return False
         loaded.result()  # a load error ends the daemon here
         info = engine.info
-        self.chat_template = resolve_template(
-            model_template=info.chat_template, configured=model_config.chat_template,
-            architecture=info.architecture, bos_token=engine.bos_text,
-            eos_token=engine.eos_text)
+        try:
+            self.chat_template = resolve_template(
+                model_template=info.chat_template, configured=model_config.chat_template,
+                architecture=info.architecture, bos_token=engine.bos_text,
+                eos_token=engine.eos_text)
+        except ChatTemplateError as exc:
+            raise StartupError(f"model.chat_template: {exc}") from None
         self.engine = engine
         self.scheduler = Scheduler(engine, self.config.server.max_queue)
         log.info("model %s (%s, %s parameters, %.1f MB) from %s loaded in %.0f ms",
