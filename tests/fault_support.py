@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -29,6 +30,8 @@ import tomli_w
 from tests.harness import REPO, Daemon, done_of, running_daemon
 
 T = TypeVar("T")
+
+_PROGRESS_RECORD = re.compile(r"^\d\d:\d\d:\d\d\.\d{3} (DEBUG|INFO) ")
 
 # Every reply type that ends a request (PROTOCOL.md: `done`, `error`, or an op's own reply).
 FINAL_TYPES = frozenset({"done", "error", "health", "tokens", "text", "info", "stats",
@@ -206,7 +209,10 @@ class Exited:
         return self.stdout + self.stderr
 
     def stderr_lines(self) -> list[str]:
-        return [line for line in self.stderr.splitlines() if line.strip()]
+        """Non-blank stderr lines, except the daemon's INFO/DEBUG progress log records
+        (such as "listening on ...; loading the model"), which are not complaints."""
+        return [line for line in self.stderr.splitlines()
+                if line.strip() and not _PROGRESS_RECORD.match(line)]
 
     def describe(self) -> str:
         return (f"exit {self.code} after {self.seconds:.2f} s; notifications "
@@ -320,7 +326,7 @@ async def run_to_exit(args: Iterable[str], *, config: dict[str, Any] | None = No
 
 def assert_one_clear_line(result: Exited, *must_contain: str) -> str:
     """A start-up failure: non-zero exit, no READY=1, no traceback, and exactly one
-    line on stderr (the reason), which names what is wrong."""
+    line on stderr (the reason, naming what is wrong) besides INFO progress records."""
     assert result.code != 0, result.describe()
     assert "Traceback" not in result.output, result.describe()
     assert not any(m.startswith("READY=1") for m in result.notifications), result.describe()
