@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,9 @@ from typing import Any
 import pytest
 
 from tests.harness import REPO, running_daemon
+
+sys.path.insert(0, str(REPO / "clients" / "python"))
+from sfcore_client import Client
 
 pytestmark = pytest.mark.asyncio
 
@@ -104,33 +108,19 @@ async def run_async(*command: str | Path,
     return await asyncio.to_thread(run, *command, env=env)
 
 
-def raw_final(socket_path: str, request: dict[str, Any]) -> dict[str, Any]:
-    """TEMPORARY stand-in for the Python client: one request, its final line."""
-    import socket
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.settimeout(60)
-        sock.connect(socket_path)
-        sock.sendall(json.dumps(request).encode() + b"\n")
-        for line in sock.makefile(encoding="utf-8"):
-            reply: dict[str, Any] = json.loads(line)
-            if reply["type"] != "token":
-                return reply
-    raise AssertionError("no final line")
-
-
 def python_text(socket_path: str, prompt: str) -> str:
     """The reference: the Python client's text for the same request."""
-    return str(raw_final(socket_path, {"prompt": prompt, "stream": False, **SEEDED})["text"])
+    with Client(socket_path, timeout=60) as client:
+        return client.generate(prompt, **SEEDED).text
 
 
 def python_ops(socket_path: str, chat_text: str, tokenize_text: str,
                tokens: list[int]) -> dict[str, Any]:
-    chat = raw_final(socket_path, {"op": "chat", "stream": False, "max_tokens": 24,
-                                   "temperature": 0, "seed": 7, "cache_prompt": False,
-                                   "messages": [{"role": "user", "content": chat_text}]})
-    tokenized = raw_final(socket_path, {"op": "tokenize", "text": tokenize_text})
-    text = raw_final(socket_path, {"op": "detokenize", "tokens": tokens})
-    return {"chat": chat["text"], "tokenize": tokenized["tokens"], "detokenize": text["text"]}
+    with Client(socket_path, timeout=60) as client:
+        chat = client.chat([{"role": "user", "content": chat_text}], max_tokens=24,
+                           temperature=0, seed=7, cache_prompt=False)
+        return {"chat": chat.text, "tokenize": client.tokenize(tokenize_text, add_special=True),
+                "detokenize": client.detokenize(tokens)}
 
 
 async def test_builds_offline_from_debian_crates_without_warnings(build: dict[str, Any]) -> None:
