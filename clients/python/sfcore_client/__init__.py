@@ -1,0 +1,22 @@
+"""Client for the sfcore-ai daemon: NDJSON over a Unix socket, standard library only.
+
+    from sfcore_client import Client
+    with Client() as client:                      # $SFCORE_SOCKET or /tmp/sfcore-ai.sock
+        for piece in client.stream_chat([{"role": "user", "content": "Hi"}]):
+            print(piece, end="", flush=True)
+"""
+
+from ._common import (
+    DEFAULT_SOCKET,
+    Result,
+    SfcoreConnectionError,
+    SfcoreError,
+    Timings,
+    Usage,
+)
+from .aio import AsyncClient, AsyncStream
+from .client import Client, Stream
+
+__version__ = "0.1.0"
+__all__ = ["DEFAULT_SOCKET", "AsyncClient", "AsyncStream", "Client", "Result",
+           "SfcoreConnectionError", "SfcoreError", "Stream", "Timings", "Usage"]
