@@ -21,3 +21,8 @@ def test_ruff() -> None:
 def test_mypy() -> None:
     result = run("mypy")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mypy_on_the_python_client() -> None:
+    result = run("mypy", "--strict", "clients/python/sfcore_client")
+    assert result.returncode == 0, result.stdout + result.stderr
