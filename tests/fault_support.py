@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -343,7 +343,8 @@ def assert_one_clear_line(result: Exited, *must_contain: str) -> str:
 
 class BackgroundDaemon:
     """`running_daemon` on a private event loop in a thread, so that a synchronous test
-    (hypothesis) can talk to one daemon with blocking sockets for its whole run."""
+    (hypothesis) can talk to one daemon with blocking sockets for its whole run:
+    `with BackgroundDaemon(config) as background: background.daemon.socket_path`."""
 
     def __init__(self, config: dict[str, Any] | None = None, start_timeout: float = 150.0):
         self._config = config
@@ -351,21 +352,27 @@ class BackgroundDaemon:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._context: Any = None
-        self.daemon: Daemon | None = None
+        self._daemon: Daemon | None = None
+
+    @property
+    def daemon(self) -> Daemon:
+        assert self._daemon is not None
+        return self._daemon
 
     def run(self, coroutine: Awaitable[T], timeout: float | None = None) -> T:
+        """Run a coroutine on the daemon's loop (e.g. `assert_serves(daemon)`)."""
         future = asyncio.run_coroutine_threadsafe(_as_coroutine(coroutine), self._loop)
         return future.result(self._timeout if timeout is None else timeout)
 
-    def __enter__(self) -> Daemon:
+    def __enter__(self) -> BackgroundDaemon:
         self._thread.start()
         self._context = running_daemon(self._config)
         try:
-            self.daemon = self.run(self._context.__aenter__())
+            self._daemon = self.run(self._context.__aenter__())
         except BaseException:
             self._close_loop()
             raise
-        return self.daemon
+        return self
 
     def __exit__(self, *exc_info: Any) -> None:
         try:
@@ -382,9 +389,3 @@ class BackgroundDaemon:
 
 async def _as_coroutine(awaitable: Awaitable[T]) -> T:
     return await awaitable
-
-
-@contextlib.contextmanager
-def background_daemon(config: dict[str, Any] | None = None) -> Iterator[Daemon]:
-    with BackgroundDaemon(config) as daemon:
-        yield daemon
