@@ -499,10 +499,7 @@ class Server:
         return 0
 
     def _start_watchdog(self) -> None:
-        try:  # XXX-WIRING: temporary until watchdog.py lands
-            from .watchdog import Watchdog
-        except ImportError:
-            return
+        from .watchdog import Watchdog
 
         engine = self._engine
         watchdog = Watchdog.from_env(
