@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,6 @@ from tests.harness import REPO, running_daemon
 
 sys.path.insert(0, str(REPO / "clients" / "python"))
 import sfcore_client
-
-pytestmark = pytest.mark.asyncio
 
 CLIENT = REPO / "clients" / "node"
 EXAMPLE = CLIENT / "example.js"
@@ -74,6 +73,15 @@ async def reference(path: str, prompt: str, **options: Any) -> str:
         asyncio.to_thread(python_client_text, path, prompt, **options), RUN_TIMEOUT_S)
 
 
+def test_node_unit_tests() -> None:
+    """clients/node/test: the client against a fake daemon (no model)."""
+    result = subprocess.run([node(), "--test", str(CLIENT / "test")], cwd=REPO,
+                            capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "# fail 0" in result.stdout and "# pass 0" not in result.stdout, result.stdout
+
+
+@pytest.mark.asyncio
 async def test_example_streams_the_python_clients_text() -> None:
     async with running_daemon() as daemon:
         expected = await reference(daemon.socket_path, PROMPT, **OPTIONS)
@@ -89,6 +97,7 @@ async def test_example_streams_the_python_clients_text() -> None:
     assert (env_code, env_out, env_err) == (0, expected + "\n", "")
 
 
+@pytest.mark.asyncio
 async def test_example_exits_1_on_an_error_line() -> None:
     async with running_daemon() as daemon:
         code, out, err = await run(node(), str(EXAMPLE), "--socket", daemon.socket_path,
@@ -98,6 +107,7 @@ async def test_example_exits_1_on_an_error_line() -> None:
     assert "invalid_request" in err and "max_tokens" in err, err
 
 
+@pytest.mark.asyncio
 async def test_example_exits_3_when_the_daemon_is_unreachable(tmp_path: Path) -> None:
     missing = str(tmp_path / "missing.sock")
     code, out, err = await run(node(), str(EXAMPLE), "--socket", missing, "Hi")
@@ -202,6 +212,7 @@ def python_client_chat_text(path: str, messages: list[dict[str, str]], **options
     return str(reply["text"])
 
 
+@pytest.mark.asyncio
 async def test_library_ops_cancel_and_errors(tmp_path: Path) -> None:
     script = tmp_path / "library.mjs"
     index = (CLIENT / "index.js").as_uri()

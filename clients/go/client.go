@@ -67,6 +67,10 @@ func (e *ConnError) Error() string {
 
 func (e *ConnError) Unwrap() error { return e.Err }
 
+// After an error line with one of these codes the daemon closes the connection.
+var closingCodes = map[string]bool{"line_too_long": true, "too_many_connections": true,
+	"forbidden": true, "shutting_down": true}
+
 // ErrClosed is the cause (in a ConnError) for calls on, or cut short by, Client.Close.
 var ErrClosed = errors.New("client closed")
 
@@ -248,25 +252,28 @@ type call struct {
 	lines    chan *line    // closed by the reader if the connection fails first
 	gone     chan struct{} // closed when the caller stops waiting
 	goneOnce sync.Once
-	finished bool // its final line was read (guarded by Client.mu)
+	finished bool  // its final line was read (guarded by Client.mu)
+	err      error // why lines was closed (set before closing it)
 }
 
 func (cl *call) abandon() { cl.goneOnce.Do(func() { close(cl.gone) }) }
 
-// Client is one connection to the daemon.
+// Client is a connection to the daemon. If the connection ends (the daemon closes
+// connections idle for its idle_timeout_s, or restarts), the calls waiting on it fail
+// with a *ConnError and the next call dials again.
 type Client struct {
-	conn   net.Conn
 	path   string
 	nextID int64 // atomic
 
-	wmu sync.Mutex // orders writes together with their place in pending
+	wmu sync.Mutex // orders writes together with their place in pending; held to redial
 
 	mu          sync.Mutex
-	pending     []*call // in request order
-	err         error   // once set, the connection is gone and every call fails with it
-	unsolicited *Error  // an error line that came with no request waiting
-
-	readerDone chan struct{}
+	conn        net.Conn
+	readerDone  chan struct{} // closed when conn's reader has failed every call and exited
+	pending     []*call       // in request order
+	err         error         // why conn ended (nil while it is up)
+	unsolicited *Error        // an error line on conn that came with no request waiting
+	closed      bool          // Close was called
 }
 
 // Dial connects to the daemon at path; an empty path means $SFCORE_SOCKET, else
@@ -278,6 +285,16 @@ func Dial(ctx context.Context, path string) (*Client, error) {
 	if path == "" {
 		path = DefaultSocketPath
 	}
+	conn, err := dial(ctx, path)
+	if err != nil {
+		return nil, err
+	}
+	c := &Client{path: path}
+	c.attach(conn)
+	return c, nil
+}
+
+func dial(ctx context.Context, path string) (net.Conn, error) {
 	var dialer net.Dialer
 	conn, err := dialer.DialContext(ctx, "unix", path)
 	if err != nil {
@@ -287,13 +304,36 @@ func Dial(ctx context.Context, path string) (*Client, error) {
 		}
 		return nil, &ConnError{Path: path, Op: "dial", Err: err}
 	}
-	return newClient(conn, path), nil
+	return conn, nil
 }
 
-func newClient(conn net.Conn, path string) *Client {
-	c := &Client{conn: conn, path: path, readerDone: make(chan struct{})}
-	go c.readLoop()
-	return c
+// attach makes conn the connection and starts its reader (c.mu held or no other user).
+func (c *Client) attach(conn net.Conn) {
+	c.conn = conn
+	c.readerDone = make(chan struct{})
+	c.err = nil
+	c.unsolicited = nil
+	go c.readLoop(conn, c.readerDone)
+}
+
+// redial replaces a connection that has ended (c.wmu held).
+func (c *Client) redial(ctx context.Context) error {
+	c.mu.Lock()
+	done := c.readerDone
+	c.mu.Unlock()
+	<-done // the old reader has failed its calls
+	conn, err := dial(ctx, c.path)
+	if err != nil {
+		return err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		conn.Close()
+		return &ConnError{Path: c.path, Op: "write", Err: ErrClosed}
+	}
+	c.attach(conn)
+	return nil
 }
 
 // Path is the socket path of the connection.
@@ -304,12 +344,18 @@ func (c *Client) Path() string { return c.path }
 // *ConnError wrapping ErrClosed.
 func (c *Client) Close() error {
 	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return nil
+	}
+	c.closed = true
 	if c.err == nil {
 		c.err = &ConnError{Path: c.path, Op: "read", Err: ErrClosed}
 	}
+	conn, done := c.conn, c.readerDone
 	c.mu.Unlock()
-	err := c.conn.Close()
-	<-c.readerDone
+	err := conn.Close()
+	<-done
 	if errors.Is(err, net.ErrClosed) {
 		err = nil
 	}
@@ -419,7 +465,7 @@ func (s *Stream) Next() bool {
 	select {
 	case l, ok := <-s.cl.lines:
 		if !ok {
-			s.end(s.c.failure())
+			s.end(s.cl.err)
 			return false
 		}
 		switch l.Type {
@@ -577,7 +623,7 @@ func (c *Client) roundTrip(ctx context.Context, req map[string]any, want string)
 	case l, ok := <-cl.lines:
 		switch {
 		case !ok:
-			return nil, c.failure()
+			return nil, cl.err
 		case l.Type == "error":
 			return nil, &Error{Code: l.Code, Message: l.Message, ID: l.ID}
 		case l.Type != want:
@@ -620,17 +666,24 @@ func (c *Client) send(ctx context.Context, req any, cl *call) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
 	c.mu.Lock()
-	if c.err != nil {
-		err := c.err
+	if c.err != nil && !c.closed {
 		c.mu.Unlock()
-		return err
+		if err := c.redial(ctx); err != nil {
+			return err
+		}
+		c.mu.Lock()
+	}
+	if c.closed {
+		c.mu.Unlock()
+		return &ConnError{Path: c.path, Op: "write", Err: ErrClosed}
 	}
 	c.pending = append(c.pending, cl)
+	conn := c.conn
 	c.mu.Unlock()
 	deadline, _ := ctx.Deadline() // zero: none
-	_ = c.conn.SetWriteDeadline(deadline)
-	if _, err := c.conn.Write(data); err != nil {
-		c.conn.Close() // the reader then fails every pending call
+	_ = conn.SetWriteDeadline(deadline)
+	if _, err := conn.Write(data); err != nil {
+		conn.Close() // the reader then fails every pending call
 		return &ConnError{Path: c.path, Op: "write", Err: err}
 	}
 	return nil
@@ -652,15 +705,9 @@ func (c *Client) abandon(cl *call) {
 		"target": cl.id}, cancel)
 }
 
-func (c *Client) failure() error {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.err
-}
-
-func (c *Client) readLoop() {
-	defer close(c.readerDone)
-	r := bufio.NewReaderSize(c.conn, 64<<10)
+func (c *Client) readLoop(conn net.Conn, done chan struct{}) {
+	defer close(done)
+	r := bufio.NewReaderSize(conn, 64<<10)
 	for {
 		b, err := r.ReadBytes('\n') // no line length limit: a non-streamed done can be long
 		if err != nil {
@@ -677,17 +724,21 @@ func (c *Client) readLoop() {
 		l, err := parseLine(b)
 		if err != nil {
 			c.fail(&ConnError{Path: c.path, Op: "read", Err: err})
-			c.conn.Close()
+			conn.Close()
 			return
 		}
-		if l != nil {
-			c.dispatch(l)
+		if l != nil && !c.dispatch(l) {
+			conn.Close()
+			return
 		}
 	}
 }
 
-func (c *Client) dispatch(l *line) {
+// dispatch hands l to its call; false if the daemon is closing the connection after it.
+func (c *Client) dispatch(l *line) bool {
+	closing := l.Type == "error" && closingCodes[l.Code]
 	var target *call
+	var rest []*call
 	c.mu.Lock()
 	if len(c.pending) > 0 {
 		head := c.pending[0]
@@ -704,18 +755,29 @@ func (c *Client) dispatch(l *line) {
 	} else if l.Type == "error" {
 		c.unsolicited = &Error{Code: l.Code, Message: l.Message, ID: l.ID}
 	}
+	if closing && c.err == nil {
+		// Known now, not at EOF: the next call must not be written to this connection.
+		c.err = &Error{Code: l.Code, Message: l.Message, ID: l.ID}
+		rest = c.pending
+		c.pending = nil
+	}
+	failure := c.err
 	c.mu.Unlock()
-	if target == nil {
-		return
+	if target != nil {
+		select {
+		case target.lines <- l:
+		case <-target.gone:
+		}
 	}
-	select {
-	case target.lines <- l:
-	case <-target.gone:
+	for _, cl := range rest {
+		cl.err = failure
+		close(cl.lines)
 	}
+	return !closing
 }
 
-// fail ends the connection: every waiting call sees its lines channel closed and gets
-// c.err (the first failure, or the daemon's error line if it sent one unasked).
+// fail ends the connection: every waiting call gets c.err (the first failure, or the
+// daemon's error line if it sent one unasked) and its lines channel closed.
 func (c *Client) fail(err error) {
 	c.mu.Lock()
 	if c.err == nil {
@@ -725,10 +787,12 @@ func (c *Client) fail(err error) {
 			c.err = err
 		}
 	}
+	failure := c.err
 	pending := c.pending
 	c.pending = nil
 	c.mu.Unlock()
 	for _, cl := range pending {
+		cl.err = failure
 		close(cl.lines)
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -49,7 +50,8 @@ func TestParseLine(t *testing.T) {
 	}
 }
 
-// fakeDaemon serves one connection: serve gets each request line and writes replies.
+// fakeDaemon serves every connection: serve gets each request line and writes replies;
+// returning false closes the connection.
 func fakeDaemon(t testing.TB, serve func(req map[string]any, w *bufio.Writer) bool) string {
 	t.Helper()
 	dir, err := os.MkdirTemp("", "sfgo")
@@ -66,26 +68,30 @@ func fakeDaemon(t testing.TB, serve func(req map[string]any, w *bufio.Writer) bo
 		os.RemoveAll(dir)
 	})
 	go func() {
-		conn, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		defer conn.Close()
-		r := bufio.NewReader(conn)
-		w := bufio.NewWriterSize(conn, 1<<16)
 		for {
-			b, err := r.ReadBytes('\n')
+			conn, err := ln.Accept()
 			if err != nil {
 				return
 			}
-			var req map[string]any
-			if err := json.Unmarshal(b, &req); err != nil {
-				return
-			}
-			more := serve(req, w)
-			if w.Flush() != nil || !more {
-				return
-			}
+			go func() {
+				defer conn.Close()
+				r := bufio.NewReader(conn)
+				w := bufio.NewWriterSize(conn, 1<<16)
+				for {
+					b, err := r.ReadBytes('\n')
+					if err != nil {
+						return
+					}
+					var req map[string]any
+					if err := json.Unmarshal(b, &req); err != nil {
+						return
+					}
+					more := serve(req, w)
+					if w.Flush() != nil || !more {
+						return
+					}
+				}
+			}()
 		}
 	}()
 	return path
@@ -97,7 +103,7 @@ func reply(w *bufio.Writer, v map[string]any) {
 	w.WriteByte('\n')
 }
 
-func dial(t testing.TB, path string) *Client {
+func mustDial(t testing.TB, path string) *Client {
 	t.Helper()
 	c, err := Dial(context.Background(), path)
 	if err != nil {
@@ -115,7 +121,7 @@ func TestLongNonStreamedDone(t *testing.T) {
 			"usage": map[string]int{"completion_tokens": 3}, "timings": map[string]float64{}})
 		return true
 	})
-	res, err := dial(t, path).Generate(context.Background(), "p", &Options{MaxTokens: Int(3)})
+	res, err := mustDial(t, path).Generate(context.Background(), "p", &Options{MaxTokens: Int(3)})
 	if err != nil || res.Text != long || res.FinishReason != "length" ||
 		res.Usage.CompletionTokens != 3 || res.StopSequence != "" {
 		t.Fatalf("%v %v", err, res != nil && res.Text == long)
@@ -144,7 +150,7 @@ func TestStreamErrorAndPipelinedReplies(t *testing.T) {
 		}
 		return true
 	})
-	c := dial(t, path)
+	c := mustDial(t, path)
 	ctx := context.Background()
 	var pieces []string
 	res, err := c.StreamGenerate(ctx, "p", &Options{Temperature: Float(0), Seed: Int64(7)},
@@ -196,7 +202,7 @@ func TestContextCancelSendsCancel(t *testing.T) {
 		}
 		return true
 	})
-	c := dial(t, path)
+	c := mustDial(t, path)
 	ctx, cancel := context.WithCancel(context.Background())
 	s, err := c.StartGenerate(ctx, "p", nil)
 	if err != nil {
@@ -228,28 +234,37 @@ func TestConnectionErrors(t *testing.T) {
 	_, err := Dial(context.Background(), "/nonexistent/sfcore.sock")
 	var ce *ConnError
 	if !errors.As(err, &ce) || ce.Op != "dial" || !strings.Contains(err.Error(), "/nonexistent/sfcore.sock") ||
-		!strings.Contains(err.Error(), "may not be running") {
+		!strings.Contains(err.Error(), "may not be running") || !errors.Is(err, syscall.ENOENT) {
 		t.Fatalf("dial error: %v", err)
 	}
 	t.Setenv("SFCORE_SOCKET", "/nonexistent/env.sock")
 	if _, err := Dial(context.Background(), ""); err == nil || !strings.Contains(err.Error(), "/nonexistent/env.sock") {
 		t.Fatalf("SFCORE_SOCKET not used: %v", err)
 	}
-	// The daemon refuses the connection with an error line of its own id, then closes.
+	// The daemon refuses a request with an error line of its own id and closes the
+	// connection (as for too_many_connections); the next call connects again.
 	path := fakeDaemon(t, func(req map[string]any, w *bufio.Writer) bool {
+		if req["op"] == "health" {
+			reply(w, map[string]any{"type": "health", "id": req["id"], "status": "ok"})
+			return true
+		}
 		reply(w, map[string]any{"type": "error", "id": "sfc-1", "code": "too_many_connections",
 			"message": "limit"})
 		return false
 	})
-	c := dial(t, path)
+	c := mustDial(t, path)
 	_, err = c.Generate(context.Background(), "p", nil)
 	var e *Error
 	if !errors.As(err, &e) || e.Code != "too_many_connections" {
 		t.Fatalf("want too_many_connections, got %v", err)
 	}
-	_, err = c.Health(context.Background())
-	if err == nil {
-		t.Fatal("request on a closed connection succeeded")
+	if h, err := c.Health(context.Background()); err != nil || h.Status != "ok" {
+		t.Fatalf("no reconnection: %+v %v", h, err)
+	}
+	// After Close, calls fail at once.
+	c.Close()
+	if _, err := c.Health(context.Background()); !errors.Is(err, ErrClosed) {
+		t.Fatalf("after Close: %v", err)
 	}
 }
 
@@ -275,7 +290,7 @@ func BenchmarkTokenLines(b *testing.B) {
 		w.WriteString(done)
 		return true
 	})
-	c := dial(b, path)
+	c := mustDial(b, path)
 	n := 0
 	b.ResetTimer()
 	_, err := c.StreamGenerate(context.Background(), "p", nil, func(string) error { n++; return nil })

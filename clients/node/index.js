@@ -37,6 +37,10 @@ export class SfcoreConnectionError extends SfcoreError {
   }
 }
 
+// After an error line with one of these codes the daemon closes the connection.
+const CLOSING_CODES = new Set(["line_too_long", "too_many_connections", "forbidden",
+  "shutting_down"]);
+
 const CONNECT_HINTS = {
   ENOENT: "no such socket file",
   ECONNREFUSED: "nothing is listening on it",
@@ -62,6 +66,10 @@ export function connect(socketPath = undefined, options = {}) {
   }
   const path = socketPath || process.env.SFCORE_SOCKET || DEFAULT_SOCKET_PATH;
   const timeout = options.timeout ?? 10000;
+  return openSocket(path, timeout).then((socket) => new Client(socket, path, timeout));
+}
+
+function openSocket(path, timeout) {
   return new Promise((resolve, reject) => {
     const socket = net.createConnection({ path });
     let timer = null;
@@ -82,7 +90,7 @@ export function connect(socketPath = undefined, options = {}) {
     socket.once("connect", () => {
       clearTimeout(timer);
       socket.removeListener("error", onError);
-      resolve(new Client(socket, path));
+      resolve(socket);
     });
   });
 }
@@ -264,26 +272,26 @@ export class Stream {
   }
 }
 
-/** One connection to the daemon (see `connect`). */
+/** A connection to the daemon (see `connect`). If the connection ends (the daemon closes
+ * connections idle for `idle_timeout_s`, or restarts), the requests waiting on it fail with
+ * a "disconnected" error and the next request connects again. */
 export class Client {
-  #socket;
+  #timeout;
+  #socket = null; // null while disconnected
+  #connecting = null; // while reconnecting: requests wait in #outbox
+  #outbox = [];
   #pending = []; // calls waiting for reply lines, in request order
-  #buffer = "";
   #nextId = 1;
-  #closedError = null; // set once the connection is gone: every later request fails with it
+  #closing = null; // set by close()
+  // State of the current socket:
+  #buffer = "";
   #unsolicited = null; // an error line that came with no request waiting (e.g. too_many_connections)
   #socketError = null;
-  #closing = null;
 
-  constructor(socket, path) {
+  constructor(socket, path, timeout = 10000) {
     this.path = path;
-    this.#socket = socket;
-    socket.setEncoding("utf8"); // a StringDecoder: characters split across reads stay whole
-    socket.on("data", (chunk) => this.#onData(chunk));
-    socket.on("error", (error) => {
-      this.#socketError = error;
-    });
-    socket.once("close", () => this.#onClose());
+    this.#timeout = timeout;
+    this.#attach(socket);
   }
 
   // --- generation ----------------------------------------------------------------------
@@ -346,19 +354,25 @@ export class Client {
 
   /** Close the connection; requests still waiting fail with a "disconnected" error. */
   close() {
-    if (this.#closing === null) {
-      this.#closing = new Promise((resolve) => {
-        if (this.#socket.destroyed) resolve();
-        else this.#socket.once("close", () => resolve());
-      });
-      // With requests still running, closing at once is what stops them (the daemon
-      // cancels the requests of a vanished client); otherwise shut our side gracefully.
-      if (this.#pending.length > 0) this.#socket.destroy();
-      else this.#socket.end();
-      // The daemon closes its side once ours is shut; destroy if it takes too long.
-      const timer = setTimeout(() => this.#socket.destroy(), 1000);
-      timer.unref();
+    if (this.#closing !== null) return this.#closing;
+    const socket = this.#socket;
+    if (socket === null) {
+      this.#closing = Promise.resolve();
+      this.#outbox = [];
+      this.#failPending(new SfcoreConnectionError("disconnected", this.path,
+        `${this.path}: the client closed the connection`));
+      return this.#closing;
     }
+    this.#closing = new Promise((resolve) => {
+      if (socket.destroyed) resolve();
+      else socket.once("close", () => resolve());
+    });
+    // With requests still running, closing at once is what stops them (the daemon
+    // cancels the requests of a vanished client); otherwise shut our side gracefully.
+    if (this.#pending.length > 0) socket.destroy();
+    else socket.end();
+    // The daemon closes its side once ours is shut; destroy if it takes too long.
+    setTimeout(() => socket.destroy(), 1000).unref();
     return this.#closing;
   }
 
@@ -369,12 +383,59 @@ export class Client {
   }
 
   #send(request, call) {
-    if (this.#closedError !== null) throw this.#closedError;
     if (this.#closing !== null) {
-      throw new SfcoreConnectionError("disconnected", this.path, "the client was closed");
+      throw new SfcoreConnectionError("disconnected", this.path,
+        `${this.path}: the client was closed`);
     }
+    const line = `${JSON.stringify(request)}\n`;
     this.#pending.push(call);
-    this.#socket.write(`${JSON.stringify(request)}\n`);
+    if (this.#socket !== null) {
+      this.#socket.write(line);
+      return;
+    }
+    this.#outbox.push(line);
+    if (this.#connecting === null) this.#reconnect();
+  }
+
+  #reconnect() {
+    this.#connecting = openSocket(this.path, this.#timeout).then(
+      (socket) => {
+        this.#connecting = null;
+        if (this.#closing !== null) {
+          socket.destroy();
+          return;
+        }
+        this.#attach(socket);
+        const lines = this.#outbox;
+        this.#outbox = [];
+        socket.write(lines.join(""));
+      },
+      (error) => {
+        this.#connecting = null;
+        this.#outbox = [];
+        this.#failPending(error);
+      });
+  }
+
+  #attach(socket) {
+    this.#socket = socket;
+    this.#buffer = "";
+    this.#unsolicited = null;
+    this.#socketError = null;
+    socket.setEncoding("utf8"); // a StringDecoder: characters split across reads stay whole
+    socket.on("data", (chunk) => this.#onData(socket, chunk));
+    socket.on("error", (error) => {
+      this.#socketError = error;
+    });
+    // The daemon never half-closes: its end of the stream is the end of the connection.
+    socket.once("end", () => this.#onClose(socket));
+    socket.once("close", () => this.#onClose(socket));
+  }
+
+  #failPending(error) {
+    const pending = this.#pending;
+    this.#pending = [];
+    for (const call of pending) call.fail(error);
   }
 
   #request(request) {
@@ -479,14 +540,15 @@ export class Client {
   // A caller lost interest in a running request: ask the daemon to stop it. Its remaining
   // lines still arrive (ending with `done`, finish_reason "cancelled") and are dropped.
   #abandon(call) {
-    if (call.ended || call.cancelSent || this.#closedError !== null || this.#closing !== null) {
+    if (call.ended || call.cancelSent || this.#closing !== null) {
       return;
     }
     call.cancelSent = true;
     this.#request({ op: "cancel", target: call.id }).catch(() => {});
   }
 
-  #onData(chunk) {
+  #onData(socket, chunk) {
+    if (socket !== this.#socket) return;
     const data = this.#buffer.length === 0 ? chunk : this.#buffer + chunk;
     let start = 0;
     let end;
@@ -494,6 +556,7 @@ export class Client {
       const line = data.slice(start, end);
       start = end + 1;
       this.#onLine(line);
+      if (socket !== this.#socket) return; // the connection was dropped
     }
     this.#buffer = start === 0 ? data : data.slice(start);
   }
@@ -511,21 +574,40 @@ export class Client {
     if (call === undefined || (line.id !== call.id && line.type !== "error")) {
       // Errors about the connection itself (too_many_connections, forbidden) can come
       // before any request and carry an id of the daemon's own.
-      if (line.type === "error") this.#unsolicited = toError(line);
-      else if (call === undefined) this.#protocolError(`unexpected reply: ${text.slice(0, 200)}`);
+      if (line.type === "error") {
+        this.#unsolicited = toError(line);
+        if (CLOSING_CODES.has(line.code)) this.#drop(this.#unsolicited);
+      } else if (call === undefined) {
+        this.#protocolError(`unexpected reply: ${text.slice(0, 200)}`);
+      }
       return;
     }
     if (line.type !== "token") this.#pending.shift();
     call.line(line);
+    if (line.type === "error" && CLOSING_CODES.has(line.code)) {
+      // Known now, not at EOF: the next request must not be written to this connection.
+      this.#drop(toError(line));
+    }
   }
 
   #protocolError(message) {
-    this.#closedError = new SfcoreError("protocol", message);
-    this.#socket.destroy();
+    this.#drop(new SfcoreError("protocol", message));
   }
 
-  #onClose() {
-    let error = this.#closedError ?? this.#unsolicited;
+  // Give up the connection: the requests waiting on it fail with `error`; the next
+  // request connects again.
+  #drop(error) {
+    const socket = this.#socket;
+    this.#socket = null;
+    socket.destroy();
+    this.#failPending(error);
+  }
+
+  #onClose(socket) {
+    if (socket !== this.#socket) return;
+    this.#socket = null;
+    socket.destroy();
+    let error = this.#unsolicited;
     if (error === null) {
       const why = this.#closing !== null ? "the client closed the connection"
         : this.#socketError !== null ? `connection to the daemon failed: ${this.#socketError.message}`
@@ -533,10 +615,7 @@ export class Client {
       error = new SfcoreConnectionError("disconnected", this.path, `${this.path}: ${why}`,
         this.#socketError ?? undefined);
     }
-    this.#closedError = error;
-    const pending = this.#pending;
-    this.#pending = [];
-    for (const call of pending) call.fail(error);
+    this.#failPending(error);
   }
 }
 

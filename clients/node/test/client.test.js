@@ -1,0 +1,175 @@
+// Unit tests of the client against a fake daemon on a real Unix socket (no model needed).
+//   node --test clients/node/test/
+
+import assert from "node:assert/strict";
+import fs from "node:fs";
+import net from "node:net";
+import os from "node:os";
+import path from "node:path";
+import { after, test } from "node:test";
+import { connect, SfcoreConnectionError, SfcoreError } from "../index.js";
+
+const dir = fs.mkdtempSync(path.join(os.tmpdir(), "sfnt"));
+after(() => fs.rmSync(dir, { recursive: true, force: true }));
+let servers = 0;
+
+// A fake daemon: serve(request, socket, state) answers each request line (writing raw
+// bytes as it likes); `state` is shared by every connection.
+async function fakeDaemon(serve) {
+  let closes = 0;
+  const waiters = [];
+  const check = () => {
+    for (const waiter of waiters) if (closes >= waiter.n) waiter.resolve();
+  };
+  const state = {
+    connections: 0,
+    requests: [],
+    // Resolves once n connections have closed on the daemon's side.
+    closed: (n) => new Promise((resolve) => {
+      waiters.push({ n, resolve });
+      check();
+    }),
+  };
+  const socketPath = path.join(dir, `d${servers++}.sock`);
+  const server = net.createServer((socket) => {
+    state.connections += 1;
+    let buffered = "";
+    socket.setEncoding("utf8");
+    socket.on("data", (chunk) => {
+      buffered += chunk;
+      let end;
+      while ((end = buffered.indexOf("\n")) !== -1) {
+        const request = JSON.parse(buffered.slice(0, end));
+        buffered = buffered.slice(end + 1);
+        state.requests.push(request);
+        serve(request, socket, state);
+      }
+    });
+    socket.on("error", () => {});
+    socket.on("close", () => {
+      closes += 1;
+      check();
+    });
+  });
+  await new Promise((resolve) => server.listen(socketPath, resolve));
+  after(() => server.close());
+  return { socketPath, state };
+}
+
+const line = (object) => `${JSON.stringify(object)}\n`;
+const done = (id, extra = {}) => line({ type: "done", id, text: "", finish_reason: "stop",
+  stop_sequence: null, usage: { prompt_tokens: 2, cached_tokens: 0, completion_tokens: 3 },
+  timings: { total_ms: 1.5 }, ...extra });
+
+test("pieces split mid-character across reads stay whole; the Result is camelCase", async () => {
+  const { socketPath } = await fakeDaemon((request, socket) => {
+    const bytes = Buffer.from(line({ type: "token", id: request.id, text: "日本" }) +
+      line({ type: "token", id: request.id, text: "é" }) + done(request.id));
+    const cut = bytes.indexOf(Buffer.from("本")) + 1; // inside the 3-byte character
+    socket.write(bytes.subarray(0, cut));
+    setTimeout(() => socket.write(bytes.subarray(cut)), 20);
+  });
+  const client = await connect(socketPath);
+  const pieces = [];
+  const stream = client.streamGenerate("p", { maxTokens: 3, temperature: 0 });
+  for await (const piece of stream) pieces.push(piece);
+  assert.deepEqual(pieces, ["日本", "é"]);
+  assert.equal(stream.result.text, "日本é");
+  assert.equal(stream.result.finishReason, "stop");
+  assert.deepEqual(stream.result.usage, { promptTokens: 2, cachedTokens: 0, completionTokens: 3 });
+  assert.equal(stream.result.timings.totalMs, 1.5);
+  assert.equal(await stream.completed, stream.result);
+  await client.close();
+});
+
+test("requests carry the protocol's fields; a long non-streamed done is read whole", async () => {
+  const long = "日本語のテキスト ".repeat(40000);
+  const { socketPath, state } = await fakeDaemon((request, socket) => {
+    socket.write(done(request.id, { text: long, finish_reason: "stop_sequence",
+      stop_sequence: "END" }));
+  });
+  const client = await connect(socketPath);
+  const result = await client.generate("p", { maxTokens: 5, top_k: 0, seed: undefined,
+    stop: ["END"], cachePrompt: false });
+  assert.equal(result.text, long);
+  assert.equal(result.stopSequence, "END");
+  assert.deepEqual(state.requests[0], { op: "generate", prompt: "p", max_tokens: 5, top_k: 0,
+    stop: ["END"], cache_prompt: false, id: 1, stream: false });
+  await client.close();
+});
+
+test("concurrent requests are pipelined and matched in order", async () => {
+  const { socketPath } = await fakeDaemon((request, socket) => {
+    if (request.op === "tokenize") socket.write(line({ type: "tokens", id: request.id, tokens: [2, 7] }));
+    else if (request.op === "health") socket.write(line({ type: "health", id: request.id, status: "ok" }));
+    else socket.write(line({ type: "error", id: request.id, code: "invalid_request", message: "m" }));
+  });
+  const client = await connect(socketPath);
+  const [tokens, health, failure] = await Promise.allSettled([
+    client.tokenize("x"), client.health(), client.detokenize([1])]);
+  assert.deepEqual(tokens.value, [2, 7]);
+  assert.equal(health.value.status, "ok");
+  assert.ok(failure.reason instanceof SfcoreError);
+  assert.equal(failure.reason.code, "invalid_request");
+  await client.close();
+});
+
+test("leaving an iteration early sends cancel for the request", async () => {
+  const { socketPath, state } = await fakeDaemon((request, socket) => {
+    if (request.op === "generate") {
+      socket.write(line({ type: "token", id: request.id, text: "a" }));
+    } else if (request.op === "cancel") {
+      socket.write(done(request.target, { finish_reason: "cancelled" }));
+      socket.write(line({ type: "cancelled", id: request.id, target: request.target, found: true }));
+    } else {
+      socket.write(line({ type: "health", id: request.id, status: "ok" }));
+    }
+  });
+  const client = await connect(socketPath);
+  const stream = client.streamGenerate("p");
+  for await (const piece of stream) {
+    assert.equal(piece, "a");
+    break;
+  }
+  assert.equal((await client.health()).status, "ok");
+  assert.deepEqual(state.requests.map((r) => r.op), ["generate", "cancel", "health"]);
+  assert.equal(state.requests[1].target, stream.id);
+  assert.equal(stream.result.finishReason, "cancelled");
+  await client.close();
+});
+
+test("a closing error fails the request; the next request connects again", async () => {
+  const { socketPath, state } = await fakeDaemon((request, socket) => {
+    if (request.op === "health") {
+      socket.write(line({ type: "health", id: request.id, status: "ok" }));
+      socket.end(); // as the idle timeout does, with nothing pending
+      return;
+    }
+    socket.end(line({ type: "error", id: "sfc-1", code: "too_many_connections", message: "limit" }));
+  });
+  const client = await connect(socketPath);
+  await assert.rejects(client.generate("p"), { name: "SfcoreError", code: "too_many_connections" });
+  assert.equal((await client.health()).status, "ok");
+  await state.closed(2); // the daemon has closed the second connection (idle)
+  assert.equal((await client.health()).status, "ok");
+  assert.equal(state.connections, 3);
+  await client.close();
+  await assert.rejects(client.health(), { name: "SfcoreConnectionError", code: "disconnected" });
+});
+
+test("an unreachable daemon: the error names the path; $SFCORE_SOCKET is the default", async () => {
+  const missing = path.join(dir, "missing.sock");
+  await assert.rejects(connect(missing), (error) => {
+    assert.ok(error instanceof SfcoreConnectionError);
+    assert.equal(error.code, "unreachable");
+    assert.equal(error.path, missing);
+    assert.match(error.message, /missing\.sock.*ENOENT.*may not be running/);
+    return true;
+  });
+  process.env.SFCORE_SOCKET = missing;
+  try {
+    await assert.rejects(connect(), { path: missing });
+  } finally {
+    delete process.env.SFCORE_SOCKET;
+  }
+});
