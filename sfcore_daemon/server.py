@@ -401,7 +401,14 @@ class Connection:
                 case DetokenizeRequest():
                     await server.detokenize(self, request)
                 case InfoRequest():
-                    self.reply(protocol.encode_line(await server.info(request_id)))
+                    slot = self.open_slot()
+                    try:
+                        info = await server.info(request_id)
+                    except EngineClosed as exc:
+                        self.reply_error(request_id, protocol.SHUTTING_DOWN, str(exc), slot)
+                    else:
+                        slot.write(protocol.encode_line(info))
+                        slot.close()
                 case StatsRequest():
                     self.reply(protocol.encode_line(server.stats.reply(request_id)))
                 case _:
@@ -463,6 +470,9 @@ class Server:
         self._connection_tasks: set[asyncio.Task[None]] = set()
         self.draining = False
         self.ready = asyncio.Event()
+        # Set when the load has ended either way: requests waiting for the model
+        # then run, or are answered `shutting_down` if the load was given up.
+        self._load_ended = asyncio.Event()
         self._stop = asyncio.Event()
         self._stop_count = 0
         self._listener: asyncio.AbstractServer | None = None
@@ -520,6 +530,8 @@ class Server:
         if not loaded.done():
             log.info("stop requested while the model loads; aborting the load")
             engine.abort_load()
+            self.draining = True
+            self._load_ended.set()
             with contextlib.suppress(LoadAborted):
                 await loaded
             return False
@@ -544,6 +556,7 @@ class Server:
                  self.chat_template.label if self.chat_template else None)
         log.info("llama.cpp system info: %s", engine.system_info.strip())
         self.ready.set()
+        self._load_ended.set()
         systemd.notify(f"READY=1\nSTATUS=serving {info.name} on {self.socket_path}")
         return True
 
@@ -694,9 +707,11 @@ class Server:
         return CancelledReply(id=request.id, target=request.target, found=found)
 
     async def _loaded_engine(self) -> Engine:
-        if not self.ready.is_set():
-            await self.ready.wait()
-        assert self.engine is not None
+        """The engine once loaded; EngineClosed if the load was given up for a stop."""
+        if not self._load_ended.is_set():
+            await self._load_ended.wait()
+        if self.engine is None:
+            raise EngineClosed("the daemon stopped before the model was loaded")
         return self.engine
 
     async def info(self, request_id: RequestId) -> InfoReply:
@@ -723,8 +738,8 @@ class Server:
     async def tokenize(self, connection: Connection, request: TokenizeRequest) -> None:
         request_id = request.id
         slot = connection.open_slot()
-        engine = await self._loaded_engine()
         try:
+            engine = await self._loaded_engine()
             tokens = await _off_loop_if_long(
                 len(request.text), engine.tokenize, request.text, request.add_special)
         except EngineClosed:
@@ -738,8 +753,8 @@ class Server:
     async def detokenize(self, connection: Connection, request: DetokenizeRequest) -> None:
         request_id = request.id
         slot = connection.open_slot()
-        engine = await self._loaded_engine()
         try:
+            engine = await self._loaded_engine()
             text = await _off_loop_if_long(4 * len(request.tokens), engine.detokenize,
                                            request.tokens)
         except TokenIdError as exc:
@@ -780,10 +795,8 @@ class Server:
             self.stats.by_outcome["error"] += 1
             connection.reply_error(request_id, code, message, slot)
 
-        engine = await self._loaded_engine()
-        scheduler = self.scheduler
-        assert scheduler is not None
         try:
+            engine = await self._loaded_engine()
             prompt = await self._prompt(engine, request)
         except ChatTemplateError as exc:
             refuse(protocol.INVALID_REQUEST, str(exc))
@@ -802,6 +815,8 @@ class Server:
         if self.draining:
             refuse(protocol.SHUTTING_DOWN, "the daemon is shutting down")
             return
+        scheduler = self.scheduler
+        assert scheduler is not None
         defaults = self.config.generation
         generation = Generation(
             request_id=request_id,
