@@ -84,17 +84,7 @@ async def run(*command: str, env: dict[str, str] | None = None,
 def python_client_text(path: str, prompt: str, **options: Any) -> str:
     """The Python client's text for the request (the reference the other clients match)."""
     with sfcore_client.Client(path, timeout=60) as client:
-        result = client.generate(prompt, **options)
-        if hasattr(result, "text"):
-            return str(result.text)
-    # The Python client of before the protocol's new ops: a raw request instead.
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(60)
-        sock.connect(path)
-        sock.sendall(json.dumps({"prompt": prompt, "stream": False, **options}).encode() + b"\n")
-        reply = json.loads(sock.makefile("rb").readline())
-    assert reply["type"] == "done", reply
-    return str(reply["text"])
+        return client.generate(prompt, **options).text
 
 
 async def reference(path: str, prompt: str, **options: Any) -> str:
@@ -273,17 +263,7 @@ CHAT_MESSAGES = [{"role": "user", "content": "Say hello in French."}]
 
 def python_client_chat_text(path: str, messages: list[dict[str, str]], **options: Any) -> str:
     with sfcore_client.Client(path, timeout=60) as client:
-        if hasattr(client, "chat"):
-            return str(client.chat(messages, **options).text)
-    # The Python client of before the protocol's new ops: a raw request instead.
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(60)
-        sock.connect(path)
-        request = {"op": "chat", "messages": messages, "stream": False, **options}
-        sock.sendall(json.dumps(request).encode() + b"\n")
-        reply = json.loads(sock.makefile("rb").readline())
-    assert reply["type"] == "done", reply
-    return str(reply["text"])
+        return client.chat(messages, **options).text
 
 
 @pytest.mark.asyncio

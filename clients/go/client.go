@@ -252,7 +252,7 @@ type call struct {
 	lines    chan *line    // closed by the reader if the connection fails first
 	gone     chan struct{} // closed when the caller stops waiting
 	goneOnce sync.Once
-	finished bool  // its final line was read (guarded by Client.mu)
+	finished bool  // its final line was read, or its connection failed (guarded by Client.mu)
 	err      error // why lines was closed (set before closing it)
 }
 
@@ -760,6 +760,9 @@ func (c *Client) dispatch(l *line) bool {
 		c.err = &Error{Code: l.Code, Message: l.Message, ID: l.ID}
 		rest = c.pending
 		c.pending = nil
+		for _, cl := range rest {
+			cl.finished = true
+		}
 	}
 	failure := c.err
 	c.mu.Unlock()
@@ -790,6 +793,9 @@ func (c *Client) fail(err error) {
 	failure := c.err
 	pending := c.pending
 	c.pending = nil
+	for _, cl := range pending {
+		cl.finished = true
+	}
 	c.mu.Unlock()
 	for _, cl := range pending {
 		cl.err = failure

@@ -268,6 +268,29 @@ func TestConnectionErrors(t *testing.T) {
 	}
 }
 
+func TestReconnectAfterTheDaemonClosed(t *testing.T) {
+	// Every connection answers one request, then the daemon closes it (as after its idle
+	// timeout): each next call dials again.
+	path := fakeDaemon(t, func(req map[string]any, w *bufio.Writer) bool {
+		reply(w, map[string]any{"type": "health", "id": req["id"], "status": "ok"})
+		return false
+	})
+	c := mustDial(t, path)
+	for i := 0; i < 3; i++ {
+		c.mu.Lock()
+		readerDone := c.readerDone
+		c.mu.Unlock()
+		if h, err := c.Health(context.Background()); err != nil || h.Status != "ok" {
+			t.Fatalf("call %d: %+v %v", i, h, err)
+		}
+		select {
+		case <-readerDone: // the client has seen the daemon close the connection
+		case <-time.After(10 * time.Second):
+			t.Fatal("the daemon's close went unnoticed")
+		}
+	}
+}
+
 // BenchmarkTokenLines measures the per-token cost of the real read path: bufio.Reader
 // line reading, JSON decoding, dispatch to the call and the StreamGenerate callback, on
 // token lines served from memory by a fake daemon over a Unix socket.

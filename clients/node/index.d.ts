@@ -167,8 +167,10 @@ export interface ConnectOptions {
   timeout?: number;
 }
 
-/** One connection to the daemon. Requests may be issued concurrently; they are pipelined
- * and answered in request order. */
+/** A connection to the daemon. Requests may be issued concurrently; they are pipelined
+ * and answered in request order. If the connection ends, the requests waiting on it fail
+ * with SfcoreConnectionError (or the daemon's closing error line) and the next request
+ * connects again. */
 export declare class Client {
   readonly path: string;
   generate(prompt: string, options?: CallbackOptions): Promise<Result>;
