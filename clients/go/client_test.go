@@ -322,3 +322,14 @@ func BenchmarkTokenLines(b *testing.B) {
 		b.Fatalf("%v: %d pieces of %d", err, n, b.N)
 	}
 }
+
+// BenchmarkParseLine is the decoding part alone: one token line through parseLine.
+func BenchmarkParseLine(b *testing.B) {
+	line := []byte(`{"type":"token","id":1,"text":" 日本"}` + "\n")
+	for i := 0; i < b.N; i++ {
+		l, err := parseLine(line)
+		if err != nil || l.Text != " 日本" {
+			b.Fatal(l, err)
+		}
+	}
+}
