@@ -11,12 +11,14 @@ from ._common import (
     Result,
     SfcoreConnectionError,
     SfcoreError,
+    SfcoreTimeoutError,
     Timings,
     Usage,
 )
 from .aio import AsyncClient, AsyncStream
 from .client import Client, Stream
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["DEFAULT_SOCKET", "AsyncClient", "AsyncStream", "Client", "Result",
-           "SfcoreConnectionError", "SfcoreError", "Stream", "Timings", "Usage"]
+           "SfcoreConnectionError", "SfcoreError", "SfcoreTimeoutError", "Stream", "Timings",
+           "Usage"]

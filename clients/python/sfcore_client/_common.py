@@ -1,35 +1,58 @@
-"""What the blocking and the asyncio client share: results, errors, request building."""
+"""What the blocking and the asyncio client share: results, errors, requests, reply routing.
+
+Replies on a connection come in the order the requests were sent, so each connection keeps
+a FIFO of the calls in flight; every reply line belongs to the call at its head. `route`
+files one parsed line there: a `token` goes to the call's pieces, a final line ends the
+call and pops it. No I/O happens here.
+"""
 
 from __future__ import annotations
 
+import gc
 import itertools
-import json
 import os
+import sys
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_SOCKET = "/tmp/sfcore-ai.sock"
-# The single or last line of a reply: everything but a streamed `token`.
-FINAL_TYPES = frozenset({"done", "error", "health", "info", "stats", "tokens", "text",
-                         "cancelled"})
-GENERATION_OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "min_p",
-                      "repeat_penalty", "seed", "stop", "cache_prompt")
+DEFAULT_TIMEOUT = 60.0
+GENERATION_OPTIONS = frozenset({"max_tokens", "temperature", "top_k", "top_p", "min_p",
+                                "repeat_penalty", "seed", "stop", "cache_prompt"})
+# Error codes after which the daemon closes the connection (PROTOCOL.md).
+CLOSING_CODES = frozenset({"line_too_long", "too_many_connections", "forbidden",
+                           "shutting_down"})
+# How long leaving a stream early may wait for its `done` and the `cancelled` reply
+# before the connection is closed instead (which also stops the generation).
+CANCEL_DRAIN_S = 3.0
 
 
 class SfcoreError(Exception):
-    """An `error` line from the daemon (`code`, `message`), or a failure to reach it."""
+    """An `error` line from the daemon (`code`, `message`), or a failure to talk to it."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, reply: Mapping[str, Any] | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        #: The daemon's error line as a dict (None when the client raised it itself).
+        self.reply = reply
 
 
 class SfcoreConnectionError(SfcoreError, ConnectionError):
-    """The daemon could not be reached, or the connection broke."""
+    """The daemon could not be reached, or the connection broke (code "unreachable")."""
+
+    def __init__(self, message: str, code: str = "unreachable") -> None:
+        SfcoreError.__init__(self, code, message)
+
+
+class SfcoreTimeoutError(SfcoreConnectionError, TimeoutError):
+    """No reply line within the client's timeout (code "timeout"); the connection is closed."""
 
     def __init__(self, message: str) -> None:
-        SfcoreError.__init__(self, "unreachable", message)
+        SfcoreConnectionError.__init__(self, message, "timeout")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +64,8 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class Timings:
+    """Milliseconds, and tokens per second, as the daemon measured them."""
+
     queued_ms: float
     prompt_ms: float
     prompt_tok_s: float
@@ -52,7 +77,7 @@ class Timings:
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    """A finished generation: the whole text and the daemon's `done` figures."""
+    """A finished generation: the whole text and the figures of the daemon's `done` line."""
 
     id: str | int
     text: str
@@ -62,7 +87,7 @@ class Result:
     timings: Timings
 
 
-def socket_path(path: str | os.PathLike[str] | None) -> str:
+def resolve_socket_path(path: str | os.PathLike[str] | None) -> str:
     """The argument, else $SFCORE_SOCKET, else the protocol's default."""
     if path is not None:
         return os.fspath(path)
@@ -70,46 +95,133 @@ def socket_path(path: str | os.PathLike[str] | None) -> str:
 
 
 def unreachable(path: str, exc: OSError) -> SfcoreConnectionError:
-    reason = exc.strerror or str(exc)
+    reason = exc.strerror or str(exc) or type(exc).__name__
     return SfcoreConnectionError(
-        f"cannot connect to {path}: {reason} (is the sfcore-ai daemon running?)")
+        f"cannot connect to {path}: {reason} (the sfcore-ai daemon may not be running)")
+
+
+# [the thread running a cyclic garbage collection right now, or 0]. A finalizer that
+# runs inside one must not do I/O: it may have interrupted its own client mid-read.
+_collecting = [0]
+
+
+def _gc_phase(phase: str, info: dict[str, int]) -> None:
+    _collecting[0] = threading.get_ident() if phase == "start" else 0
+
+
+gc.callbacks.append(_gc_phase)
+
+
+def in_finalizer_context() -> bool:
+    """True inside a cyclic garbage collection of this thread, or at interpreter exit."""
+    return _collecting[0] == threading.get_ident() or sys.is_finalizing()
 
 
 _ids = itertools.count(1)
 
 
 def new_id() -> int:
+    """A request id unique within this process (the daemon echoes it on every reply line)."""
     return next(_ids)
 
 
-def generation_request(op: str, body: dict[str, Any], stream: bool,
+def generation_request(op: str, field: str, value: Any, stream: bool,
                        options: dict[str, Any]) -> dict[str, Any]:
-    unknown = set(options) - set(GENERATION_OPTIONS)
-    if unknown:
-        raise TypeError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
-    request = {"op": op, "id": new_id(), **body, "stream": stream}
-    request.update((key, value) for key, value in options.items() if value is not None)
+    """A generate/chat request; options that are None are left out (the daemon's default)."""
+    if not options.keys() <= GENERATION_OPTIONS:
+        unknown = ", ".join(sorted(options.keys() - GENERATION_OPTIONS))
+        raise TypeError(f"unknown generation option(s): {unknown}")
+    request = {"op": op, "id": new_id(), field: value, "stream": stream}
+    for key, option in options.items():
+        if option is not None:
+            request[key] = option
     return request
 
 
-def encode(request: dict[str, Any]) -> bytes:
-    return json.dumps(request, ensure_ascii=False).encode() + b"\n"
+def chat_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
+    return [dict(message) for message in messages]
 
 
-def decode(line: bytes) -> dict[str, Any]:
-    try:
-        reply: dict[str, Any] = json.loads(line)
-    except ValueError:
-        raise SfcoreConnectionError(
-            f"the daemon sent a line that is not JSON: {line[:80]!r}") from None
-    if reply.get("type") == "error":
-        raise SfcoreError(str(reply.get("code")), str(reply.get("message")))
-    return reply
-
-
-def result_of(done: dict[str, Any], text: str) -> Result:
+def result_of(done: Mapping[str, Any], text: str) -> Result:
     return Result(
         id=done["id"], text=text, finish_reason=done["finish_reason"],
         stop_sequence=done.get("stop_sequence"), usage=Usage(**done["usage"]),
         timings=Timings(**done["timings"]),
     )
+
+
+class Call:
+    """One request in flight on a connection.
+
+    `pieces` receives what the caller has not taken yet: token texts (or, for `raw`
+    calls, whole reply dicts). `parts` keeps every token text for the final Result.
+    """
+
+    __slots__ = ("id", "raw", "pieces", "parts", "final", "error", "done", "abandoned",
+                 "conn")
+
+    def __init__(self, request_id: Any, raw: bool = False) -> None:
+        self.id = request_id
+        self.raw = raw
+        self.pieces: deque[Any] = deque()
+        self.parts: list[str] = []
+        self.final: dict[str, Any] | None = None
+        self.error: SfcoreError | None = None
+        self.done = False
+        self.abandoned = False  # nobody takes its pieces any more
+        self.conn: Any = None  # the connection it was sent on
+
+    def fail(self, error: SfcoreError) -> None:
+        if not self.done:
+            self.error = error
+            self.done = True
+
+    def outcome(self) -> dict[str, Any]:
+        """The final reply line; raises the call's error."""
+        if self.error is not None:
+            raise self.error
+        assert self.final is not None
+        return self.final
+
+
+class OutOfStep(Exception):
+    """The connection carried something other than the reply the client expects."""
+
+
+def route(calls: deque[Call], reply: Any) -> bool:
+    """File one reply line with the call at the head of `calls`.
+
+    Returns True when the daemon is about to close the connection (a closing error code).
+    Raises OutOfStep for a line that does not belong to the head call.
+    """
+    if not calls:
+        raise OutOfStep(f"a reply line with no request pending: {str(reply)[:120]}")
+    call = calls[0]
+    try:
+        kind = reply["type"]
+        if kind == "token":
+            if reply["id"] != call.id:
+                raise OutOfStep(f"a token for id {reply['id']!r} while {call.id!r} is due")
+            text = reply["text"]
+            call.parts.append(text)
+            if not call.abandoned:
+                call.pieces.append(reply if call.raw else text)
+            return False
+        if kind == "error":
+            # An error the daemon could not attribute (e.g. line_too_long) carries an id
+            # it assigned itself; it still answers the head request.
+            calls.popleft()
+            code = str(reply.get("code"))
+            call.error = SfcoreError(code, str(reply.get("message")), reply)
+            call.done = True
+            return code in CLOSING_CODES
+        if reply["id"] != call.id:
+            raise OutOfStep(f"a {kind!r} line for id {reply['id']!r} while {call.id!r} is due")
+    except (KeyError, TypeError):
+        raise OutOfStep(f"a reply line of an unknown shape: {str(reply)[:120]}") from None
+    calls.popleft()
+    call.final = reply
+    call.done = True
+    if call.raw and not call.abandoned:
+        call.pieces.append(reply)
+    return False

@@ -1,6 +1,7 @@
-"""`sfcore`: the sfcore-ai daemon from a terminal.
+"""sfcore: talk to the sfcore-ai daemon from a terminal.
 
-Exit status: 0 ok, 1 the daemon answered with an error line, 2 usage, 3 daemon unreachable.
+Exit status: 0 ok, 1 the daemon answered with an error, 2 usage, 3 daemon unreachable
+(or the connection broke, or no reply within --timeout), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -8,74 +9,106 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from types import FrameType
 from typing import Any, TextIO
 
-from ._common import Result, SfcoreConnectionError, SfcoreError
+from ._common import (
+    DEFAULT_SOCKET,
+    Result,
+    SfcoreConnectionError,
+    SfcoreError,
+    generation_request,
+)
 from .client import Client, Stream
 
-EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+HELP_CHAT = "commands: /reset starts over, /exit (or Ctrl-D) leaves; Ctrl-C stops an answer"
+
+
+class UsageError(Exception):
+    pass
 
 
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--socket", metavar="PATH",
-                        help="daemon socket (default: $SFCORE_SOCKET, else /tmp/sfcore-ai.sock)")
-    common.add_argument("--json", action="store_true", help="print the raw reply lines")
+                        help=f"daemon socket (default: $SFCORE_SOCKET, else {DEFAULT_SOCKET})")
+    common.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
+                        help="give up when no reply line comes for this long (default 120)")
+    common.add_argument("--json", action="store_true",
+                        help="print the daemon's reply lines (NDJSON) instead")
     sampling = argparse.ArgumentParser(add_help=False)
     sampling.add_argument("--max-tokens", type=int, metavar="N")
-    sampling.add_argument("--temperature", type=float, metavar="T")
+    sampling.add_argument("--temperature", type=float, metavar="T", help="0 is greedy")
+    sampling.add_argument("--top-k", type=int, metavar="K")
+    sampling.add_argument("--top-p", type=float, metavar="P")
+    sampling.add_argument("--min-p", type=float, metavar="P")
+    sampling.add_argument("--repeat-penalty", type=float, metavar="X")
     sampling.add_argument("--seed", type=int, metavar="N")
     sampling.add_argument("--stop", action="append", metavar="TEXT",
-                          help="stop sequence (repeatable)")
-    sampling.add_argument("--system", metavar="TEXT", help="system message (chat only)")
+                          help="stop before this text (repeatable)")
+    sampling.add_argument("--no-cache", dest="cache_prompt", action="store_const",
+                          const=False, help="evaluate the prompt afresh (cache_prompt=false)")
+    sampling.add_argument("--system", metavar="TEXT",
+                          help="system message (chat only; generate rejects it)")
+    sampling.add_argument("-v", "--verbose", action="store_true",
+                          help="generate: print token counts and speed to stderr at the end")
 
-    parser = argparse.ArgumentParser(prog="sfcore", description=__doc__.splitlines()[0])
+    # argparse reports usage mistakes itself: usage line, one error line, exit status 2.
+    parser = argparse.ArgumentParser(prog="sfcore", description=(__doc__ or "").split("\n\n", 1)[0],
+                     epilog=(__doc__ or "").split("\n\n", 1)[-1])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    generate = commands.add_parser("generate", parents=[common, sampling],
-                                   help="complete a prompt, streaming as tokens arrive")
-    generate.add_argument("prompt", nargs="?", default=None,
-                          help="the prompt; '-' or omitted with a pipe: read stdin")
-    commands.add_parser("chat", parents=[common, sampling],
-                        help="interactive multi-turn chat (one message per line from a pipe)")
-    for name, text in (("health", "is the daemon up"), ("info", "model and config"),
-                       ("stats", "counters since start")):
-        commands.add_parser(name, parents=[common], help=text)
+    generate = commands.add_parser(
+        "generate", parents=[common, sampling], help="complete a prompt, streaming the text",
+        description="Complete PROMPT, printing the text as it is generated.")
+    generate.add_argument("prompt", nargs="?", metavar="PROMPT",
+                          help="the prompt; '-', or nothing with stdin a pipe: read stdin "
+                               "(one trailing newline dropped)")
+    commands.add_parser(
+        "chat", parents=[common, sampling], help="multi-turn chat",
+        description="Interactive multi-turn chat. " + HELP_CHAT + ". With stdin not a "
+                    "terminal, each line of stdin is one user message.")
+    for name, text in (("health", "is the daemon up, is it busy"),
+                       ("info", "model, effective config, versions"),
+                       ("stats", "counters since the daemon started")):
+        commands.add_parser(name, parents=[common], help=text, description=text)
     tokenize = commands.add_parser("tokenize", parents=[common], help="text to token ids")
-    tokenize.add_argument("text")
+    tokenize.add_argument("text", metavar="TEXT", help="'-' reads stdin")
+    tokenize.add_argument("--no-special", dest="add_special", action="store_false",
+                          help="do not add the BOS token")
     detokenize = commands.add_parser("detokenize", parents=[common], help="token ids to text")
-    detokenize.add_argument("tokens", nargs="+", type=int)
+    detokenize.add_argument("tokens", nargs="+", type=int, metavar="ID")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        with Client(args.socket, timeout=None) as client:
+        if args.timeout is not None and args.timeout <= 0:
+            raise UsageError("--timeout must be positive")
+        with Client(args.socket, timeout=args.timeout) as client:
             return _run(client, args)
+    except UsageError as exc:
+        print(f"sfcore: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except SfcoreConnectionError as exc:
         print(f"sfcore: {exc.message}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except SfcoreError as exc:
         print(f"sfcore: {exc.code}: {exc.message}", file=sys.stderr)
         return EXIT_ERROR
-    except _UsageError as exc:
-        print(f"sfcore: {exc}", file=sys.stderr)
-        return EXIT_USAGE
     except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:  # `sfcore generate ... | head`
-        return 0
-
-
-class _UsageError(Exception):
-    pass
-
-
-def _options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"max_tokens": args.max_tokens, "temperature": args.temperature,
-            "seed": args.seed, "stop": args.stop}
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `sfcore generate ... | head`: stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
 
 
 def _run(client: Client, args: argparse.Namespace) -> int:
@@ -86,123 +119,193 @@ def _run(client: Client, args: argparse.Namespace) -> int:
             return _chat(client, args)
         case "health" | "info" | "stats":
             reply = getattr(client, args.command)()
-            print(json.dumps(reply, ensure_ascii=False) if args.json else _readable(reply))
+            print(_json(reply) if args.json else _readable(reply))
         case "tokenize":
-            tokens = client.tokenize(args.text)
+            text = _read_stdin() if args.text == "-" else args.text
+            tokens = client.tokenize(text, add_special=args.add_special)
             print(json.dumps(tokens) if args.json else " ".join(map(str, tokens)))
         case "detokenize":
             text = client.detokenize(args.tokens)
             print(json.dumps(text, ensure_ascii=False) if args.json else text)
-    return 0
+    return EXIT_OK
 
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature,
+            "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
+            "repeat_penalty": args.repeat_penalty, "seed": args.seed, "stop": args.stop,
+            "cache_prompt": args.cache_prompt}
+
+
+def _json(reply: Any) -> str:
+    return json.dumps(reply, ensure_ascii=False, separators=(",", ":"))
+
+
+def _read_stdin() -> str:
+    text = sys.stdin.read()
+    return text.removesuffix("\n").removesuffix("\r")
+
+
+# --- generate ---
 
 def _generate(client: Client, args: argparse.Namespace) -> int:
     if args.system is not None:
-        raise _UsageError("--system applies to `sfcore chat`; generate takes a raw prompt")
+        raise UsageError("--system is for `sfcore chat`; generate takes a raw prompt")
     prompt = args.prompt
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
-        prompt = sys.stdin.read()
+        prompt = _read_stdin()
+    if prompt is None:
+        raise UsageError("no prompt: give one, or pipe it on stdin")
     if not prompt:
-        raise _UsageError("no prompt (give one, or pipe it on stdin)")
-    stream = client.stream_generate(prompt, **_options(args))
-    _print_stream(stream, args.json, sys.stdout)
-    if not args.json:
-        print()
-    return 0
+        raise UsageError("the prompt is empty")
+    request = generation_request("generate", "prompt", prompt, True, _options(args))
+    out = sys.stdout
+    text, result, interrupted = _stream(client.request(request), args.json, out)
+    if not args.json and not text.endswith("\n"):
+        out.write("\n")
+    out.flush()
+    if args.verbose and result is not None:
+        _print_figures(result, sys.stderr)
+    if interrupted:
+        print("sfcore: cancelled", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_OK
 
 
-def _print_stream(stream: Stream, raw: bool, out: TextIO) -> None:
-    for piece in stream:
-        if raw:
-            out.write(json.dumps({"type": "token", "id": stream.id, "text": piece},
-                                 ensure_ascii=False) + "\n")
-        else:
-            out.write(piece)
-        out.flush()
-    if raw and stream.result is not None:
-        out.write(json.dumps(_done_line(stream.result), ensure_ascii=False) + "\n")
-
-
-def _done_line(result: Result) -> dict[str, Any]:
-    return {"type": "done", "id": result.id, "text": "", "finish_reason": result.finish_reason,
-            "stop_sequence": result.stop_sequence, "usage": vars_of(result.usage),
-            "timings": vars_of(result.timings)}
-
-
-def vars_of(value: Any) -> dict[str, Any]:
-    return {name: getattr(value, name) for name in value.__slots__}
-
-
-def _chat(client: Client, args: argparse.Namespace) -> int:
-    interactive = sys.stdin.isatty()
-    dim = interactive and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    history: list[dict[str, str]] = list(system)
-    if interactive:
-        print("sfcore chat: Ctrl-C stops an answer, Ctrl-D or /exit leaves, /reset starts over.")
-    while True:
+def _stream(stream: Stream[dict[str, Any]], raw: bool, out: TextIO) -> tuple[str, Result | None,
+                                                                              bool]:
+    """Print a reply as it arrives; the first Ctrl-C cancels it (the rest still prints),
+    a second one interrupts. Returns (text, result, interrupted)."""
+    parts: list[str] = []
+    with _cancel_on_ctrl_c(stream.cancel) as interrupted:
         try:
-            line = input("> ") if interactive else sys.stdin.readline()
-        except EOFError:
-            line = ""
-        except KeyboardInterrupt:
-            print()
-            continue
-        if not line:  # Ctrl-D or end of the pipe
-            if interactive:
-                print()
-            return 0
-        message = line.rstrip("\n")
-        if message.strip() in ("/exit", "/quit"):
-            return 0
-        if message.strip() == "/reset":
-            history = list(system)
-            print("(conversation cleared)")
-            continue
-        if not message.strip():
-            continue
-        history.append({"role": "user", "content": message})
-        stream = client.stream_chat(history, **_options(args))
-        try:
-            _print_stream(stream, args.json, sys.stdout)
-        except KeyboardInterrupt:
-            # Cancel on the daemon and drain; the connection stays usable.
-            stream.close()
-            print(" [cancelled]", end="")
-        result = stream.result
-        text = result.text if result is not None else ""
-        # The partial answer of a cancelled turn stays in the history: the model
-        # then knows what it already said, and the cache still holds it.
-        history.append({"role": "assistant", "content": text})
-        if not args.json:
-            print()
-            if result is not None:
-                _print_figures(result, dim)
-    return 0
+            for line in stream:
+                token = line["type"] == "token"
+                if token:
+                    parts.append(line["text"])
+                if raw:
+                    out.write(_json(line) + "\n")
+                elif token:
+                    out.write(line["text"])
+                out.flush()
+        except SfcoreError as exc:
+            if raw and exc.reply is not None:
+                out.write(_json(exc.reply) + "\n")
+                out.flush()
+            raise
+    return "".join(parts), stream.result, bool(interrupted)
 
 
-def _print_figures(result: Result, dim: bool) -> None:
+@contextmanager
+def _cancel_on_ctrl_c(cancel: Callable[[], None]) -> Iterator[list[bool]]:
+    """While active, Ctrl-C calls `cancel` (no exception in the middle of a read); a
+    second Ctrl-C raises KeyboardInterrupt. Yields a list that is non-empty once hit."""
+    hits: list[bool] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield hits
+        return
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        if hits:
+            raise KeyboardInterrupt
+        hits.append(True)
+        cancel()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield hits
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _print_figures(result: Result, out: TextIO) -> None:
     usage, timings = result.usage, result.timings
     line = (f"[{usage.completion_tokens} tokens, {timings.decode_tok_s:.1f} tok/s, "
             f"cached {usage.cached_tokens}/{usage.prompt_tokens} prompt tokens, "
             f"first token {timings.first_token_ms:.0f} ms, {result.finish_reason}]")
-    print(f"\x1b[2m{line}\x1b[0m" if dim else line, flush=True)
+    dim = out.isatty() and not os.environ.get("NO_COLOR")
+    out.write(f"\x1b[2m{line}\x1b[0m\n" if dim else line + "\n")
+    out.flush()
+
+
+# --- chat ---
+
+def _chat(client: Client, args: argparse.Namespace) -> int:
+    interactive = sys.stdin.isatty()
+    if interactive:
+        with suppress(ImportError):
+            import readline  # noqa: F401  (line editing and history for input())
+        print(f"sfcore chat ({HELP_CHAT})", file=sys.stderr)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict[str, str]] = list(system)
+    options = _options(args)
+    out = sys.stdout
+    while True:
+        line = _read_message(interactive)
+        if line is None:
+            return EXIT_OK
+        message = line.strip()
+        if message in ("/exit", "/quit"):
+            return EXIT_OK
+        if message == "/reset":
+            history = list(system)
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        if message in ("/help", "/?"):
+            print(HELP_CHAT, file=sys.stderr)
+            continue
+        if not message:
+            continue
+        history.append({"role": "user", "content": line})
+        request = generation_request("chat", "messages", history, True, options)
+        text, result, interrupted = _stream(client.request(request), args.json, out)
+        if interrupted and not args.json:
+            out.write(" [cancelled]")
+        if not args.json:
+            out.write("\n")
+        out.flush()
+        if interrupted and not text:
+            history.pop()  # stopped before a word: as if it had not been asked
+        else:
+            # A stopped answer stays as far as it was shown: the model then knows what
+            # it already said, and the daemon's cache still holds it.
+            history.append({"role": "assistant", "content": text})
+        if result is not None and not args.json:
+            _print_figures(result, sys.stderr)
+
+
+def _read_message(interactive: bool) -> str | None:
+    """The next user message, or None to leave (Ctrl-D, end of input)."""
+    if not interactive:
+        line = sys.stdin.readline()
+        return line.removesuffix("\n") if line else None
+    while True:
+        try:
+            return input("> ")
+        except EOFError:
+            print()
+            return None
+        except KeyboardInterrupt:  # at the prompt: drop the line, ask again
+            print("^C")
 
 
 def _readable(reply: dict[str, Any], indent: str = "") -> str:
     lines = []
     for key, value in reply.items():
-        if key in ("type", "id"):
+        if not indent and key in ("type", "id"):
             continue
         if isinstance(value, dict):
             lines.append(f"{indent}{key}:")
             lines.append(_readable(value, indent + "  "))
         elif isinstance(value, list):
             lines.append(f"{indent}{key}: {', '.join(map(str, value))}")
+        elif isinstance(value, bool):
+            lines.append(f"{indent}{key}: {'yes' if value else 'no'}")
+        elif isinstance(value, float):
+            lines.append(f"{indent}{key}: {round(value, 3)}")
         else:
             lines.append(f"{indent}{key}: {value}")
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,41 +1,110 @@
-"""The blocking client: one Unix socket connection, requests answered in order."""
+"""The blocking client: one Unix socket connection, requests answered in order.
+
+Design:
+- Every request gets a client-side id and a `Call` in the connection's FIFO. Whoever
+  needs a reply reads lines (under the connection's read lock) and files each one with
+  the call at the head of the FIFO, so a half-read stream never confuses a later call:
+  its pieces wait in its own buffer. No lock is held across a stream's `yield`.
+- Lines are split from `recv` chunks by `bytes.split`, with no limit on a line's length.
+- Leaving a stream early (break, an exception, `close()`, dropping it) sends `cancel`
+  for it on the same connection and reads up to its `done` and the `cancelled` reply,
+  within CANCEL_DRAIN_S; failing that, the connection is closed, which also stops the
+  generation. During cyclic garbage collection and interpreter shutdown no I/O is done:
+  the connection is shut down instead. The next call reconnects.
+- A Client may be shared between threads (sends and reads are locked separately);
+  one stream should be iterated by one thread at a time.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections import deque
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from ._common import (
+    CANCEL_DRAIN_S,
+    DEFAULT_TIMEOUT,
+    Call,
+    OutOfStep,
     Result,
     SfcoreConnectionError,
     SfcoreError,
-    decode,
-    encode,
+    SfcoreTimeoutError,
+    chat_messages,
     generation_request,
+    in_finalizer_context,
     new_id,
+    resolve_socket_path,
     result_of,
-    socket_path,
+    route,
     unreachable,
 )
 
-# How long leaving a stream early may spend draining it (cancel, then its `done`).
-_CANCEL_DRAIN_S = 5.0
+T = TypeVar("T")
+_RECV_BYTES = 1 << 18
+
+def _encode(request: Mapping[str, Any]) -> bytes:
+    return json.dumps(request, ensure_ascii=False).encode() + b"\n"
+
+
+class _Conn:
+    """One socket, its calls in flight, and the lines read but not yet filed."""
+
+    __slots__ = ("sock", "calls", "read_lock", "closed", "doomed", "_partial")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.calls: deque[Call] = deque()
+        self.read_lock = threading.Lock()
+        self.closed = False
+        self.doomed = False  # shut down from a finalizer; dropped at the next use
+        self._partial: list[bytes] = []
+
+    def read_lines(self) -> list[bytes]:
+        """The complete lines of the next chunk(s) read, without their newlines (at least
+        one); EOFError at the end of the stream."""
+        recv = self.sock.recv
+        while True:
+            chunk = recv(_RECV_BYTES)
+            if not chunk:
+                raise EOFError
+            lines = chunk.split(b"\n")
+            if len(lines) == 1:  # a long line: keep its pieces, join once at its end
+                self._partial.append(chunk)
+                continue
+            if self._partial:
+                self._partial.append(lines[0])
+                lines[0] = b"".join(self._partial)
+                self._partial = []
+            tail = lines.pop()
+            if tail:
+                self._partial.append(tail)
+            return lines
 
 
 class Client:
-    """A blocking client. Connects lazily, and again after a connection was given up."""
+    """A blocking client of the sfcore-ai daemon. Connects lazily, and again after a
+    connection was given up.
 
-    def __init__(self, socket_path_: str | os.PathLike[str] | None = None, *,
-                 timeout: float | None = 120.0) -> None:
-        self.socket_path = socket_path(socket_path_)
+    `socket_path`: the argument, else $SFCORE_SOCKET, else /tmp/sfcore-ai.sock.
+    `timeout`: seconds to wait for the connection and for each reply line (None: forever).
+    Generation options (max_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
+    seed, stop, cache_prompt) are keyword arguments; None leaves the daemon's default.
+    """
+
+    def __init__(self, socket_path: str | os.PathLike[str] | None = None, *,
+                 timeout: float | None = DEFAULT_TIMEOUT) -> None:
+        self.socket_path = resolve_socket_path(socket_path)
         self.timeout = timeout
-        self._sock: socket.socket | None = None
-        self._reader: Any = None
-        self._lock = threading.RLock()
+        self._conn: _Conn | None = None
+        self._send_lock = threading.Lock()
 
     def __enter__(self) -> Client:
         return self
@@ -44,183 +113,342 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-        self._sock = self._reader = None
+        """Close the connection; calls still in flight fail. The client stays usable."""
+        conn = self._conn
+        if conn is not None:
+            self._drop(conn, SfcoreConnectionError("the client was closed"))
 
-    # --- one-line ops ---
+    # --- single-line ops ---
 
     def health(self) -> dict[str, Any]:
-        return self._call({"op": "health"})
+        return self._final({"op": "health", "id": new_id()})
 
     def info(self) -> dict[str, Any]:
-        return self._call({"op": "info"})
+        return self._final({"op": "info", "id": new_id()})
 
     def stats(self) -> dict[str, Any]:
-        return self._call({"op": "stats"})
+        return self._final({"op": "stats", "id": new_id()})
 
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
-        tokens: list[int] = self._call({"op": "tokenize", "text": text,
-                                        "add_special": add_special})["tokens"]
+        reply = self._final({"op": "tokenize", "id": new_id(), "text": text,
+                             "add_special": add_special})
+        tokens: list[int] = reply["tokens"]
         return tokens
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        text: str = self._call({"op": "detokenize", "tokens": list(tokens)})["text"]
+        text: str = self._final({"op": "detokenize", "id": new_id(),
+                                 "tokens": list(tokens)})["text"]
         return text
 
     def cancel(self, target: str | int) -> bool:
-        """Cancel a request sent earlier on this client's connection; True if it was pending."""
-        return bool(self._call({"op": "cancel", "target": target})["found"])
+        """Cancel a request sent earlier on this client's connection (e.g. `stream.id`).
+
+        Returns whether it was still pending. A stream it cancels ends soon after, with
+        finish_reason "cancelled" and the pieces that were already on their way.
+        """
+        return bool(self._final({"op": "cancel", "id": new_id(), "target": target})["found"])
 
     # --- generations ---
 
     def generate(self, prompt: str, **options: Any) -> Result:
-        return self._complete(generation_request("generate", {"prompt": prompt}, False, options))
+        done = self._final(generation_request("generate", "prompt", prompt, False, options))
+        return result_of(done, done["text"])
 
-    def chat(self, messages: Sequence[dict[str, str]], **options: Any) -> Result:
-        return self._complete(generation_request("chat", {"messages": list(messages)}, False,
-                                                 options))
+    def chat(self, messages: Sequence[Mapping[str, str]], **options: Any) -> Result:
+        done = self._final(generation_request("chat", "messages", chat_messages(messages),
+                                              False, options))
+        return result_of(done, done["text"])
 
-    def stream_generate(self, prompt: str, **options: Any) -> Stream:
-        return Stream(self, generation_request("generate", {"prompt": prompt}, True, options))
+    def stream_generate(self, prompt: str, **options: Any) -> Stream[str]:
+        """Iterate for text pieces as they are generated; `.result` once it has ended."""
+        return Stream(self, generation_request("generate", "prompt", prompt, True, options))
 
-    def stream_chat(self, messages: Sequence[dict[str, str]], **options: Any) -> Stream:
-        return Stream(self, generation_request("chat", {"messages": list(messages)}, True,
-                                               options))
+    def stream_chat(self, messages: Sequence[Mapping[str, str]], **options: Any) -> Stream[str]:
+        return Stream(self, generation_request("chat", "messages", chat_messages(messages),
+                                               True, options))
+
+    def request(self, message: Mapping[str, Any]) -> Stream[dict[str, Any]]:
+        """Send one request object as it is (an `id` is added if it has none) and iterate
+        its reply lines as dicts, the final one included. An error line raises SfcoreError
+        (its `.reply` is the line)."""
+        request = dict(message)
+        request.setdefault("id", new_id())
+        return Stream(self, request, raw=True)
 
     # --- plumbing ---
 
-    def _complete(self, request: dict[str, Any]) -> Result:
-        with self._lock:
-            self._send(request)
-            done = self._read()
-        return result_of(done, done["text"])
+    def _final(self, request: dict[str, Any]) -> dict[str, Any]:
+        call = self._start(request)
+        while not call.done:
+            self._wait(call)
+        return call.outcome()
 
-    def _call(self, request: dict[str, Any]) -> dict[str, Any]:
-        request.setdefault("id", new_id())
-        with self._lock:
-            self._send(request)
-            return self._read()
-
-    def _connect(self) -> None:
+    def _connect(self) -> _Conn:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
         try:
+            sock.settimeout(self.timeout)
             sock.connect(self.socket_path)
         except OSError as exc:
             sock.close()
             raise unreachable(self.socket_path, exc) from None
-        self._sock = sock
-        self._reader = sock.makefile("rb")
+        conn = self._conn = _Conn(sock)
+        return conn
 
-    def _send(self, request: dict[str, Any]) -> None:
-        if self._sock is None:
-            self._connect()
-        assert self._sock is not None
+    def _start(self, request: Mapping[str, Any], raw: bool = False) -> Call:
+        """Send a request and register its call; it is answered after those before it."""
+        data = _encode(request)
+        call = Call(request["id"], raw)
+        with self._send_lock:
+            conn = self._conn
+            if conn is not None and (conn.doomed or conn.closed):
+                self._drop(conn, SfcoreConnectionError("the connection was given up"))
+                conn = None
+            if conn is None:
+                conn = self._connect()
+            self._send_on(conn, call, data)
+        if call.error is not None:
+            raise call.error
+        return call
+
+    def _send_on(self, conn: _Conn, call: Call, data: bytes) -> None:
+        """With the send lock held: queue `call` on `conn` and send its line."""
+        call.conn = conn
+        conn.calls.append(call)
         try:
-            self._sock.sendall(encode(request))
+            conn.sock.sendall(data)
         except OSError as exc:
-            self.close()
-            raise SfcoreConnectionError(
-                f"lost the connection to {self.socket_path}: {exc}") from None
+            self._drop(conn, SfcoreConnectionError(
+                f"lost the connection to {self.socket_path}: {exc.strerror or exc}"))
+        except BaseException:  # e.g. KeyboardInterrupt: maybe half a line went out
+            self._drop(conn, SfcoreConnectionError("interrupted while sending a request"))
+            raise
 
-    def _read(self) -> dict[str, Any]:
-        """The next reply line; an `error` line raises SfcoreError."""
+    def _send_cancel(self, call: Call, lock_timeout: float = -1) -> Call | None:
+        """Send `cancel` for `call` on its connection (not waiting for the reply).
+
+        Returns the cancel's own call, or None when the lock could not be taken in time
+        or the connection is gone."""
+        conn = call.conn
+        request = {"op": "cancel", "id": new_id(), "target": call.id}
+        cancel = Call(request["id"])
+        if not self._send_lock.acquire(timeout=lock_timeout):
+            return None
         try:
-            line = self._reader.readline()
-        except OSError as exc:  # a timeout included: the connection is out of step now
-            self.close()
-            raise SfcoreConnectionError(
-                f"reading from {self.socket_path} failed: {exc}") from None
-        if not line:
-            self.close()
-            raise SfcoreConnectionError(
-                f"the daemon closed the connection ({self.socket_path})") from None
-        return decode(line)
+            if conn.closed or call.done:
+                return None
+            self._send_on(conn, cancel, _encode(request))
+        finally:
+            self._send_lock.release()
+        return cancel
+
+    def _wait(self, call: Call, deadline: float | None = None) -> None:
+        """Read and file reply lines until `call` has a piece for its caller or has ended.
+
+        Every failure ends the connection (failing its calls), never just this call: after
+        a timeout or a broken line the connection is out of step."""
+        conn: _Conn = call.conn
+        lock = conn.read_lock
+        if not lock.acquire(timeout=-1 if deadline is None
+                            else max(deadline - time.monotonic(), 0.0)):
+            self._drop(conn, SfcoreTimeoutError(
+                f"no reply from {self.socket_path} in time (another reader held the line)"))
+            return
+        loads = json.loads
+        calls = conn.calls
+        route_ = route
+        try:
+            while not call.done and not call.pieces:
+                try:
+                    if deadline is not None:
+                        conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                    # File every line of the chunk at once: with many lines buffered,
+                    # a stream then takes its pieces without coming back here.
+                    for line in conn.read_lines():
+                        if route_(calls, loads(line)):
+                            self._drop(conn, SfcoreConnectionError(
+                                f"the daemon closed the connection ({self.socket_path}) "
+                                "after an error"))
+                            break
+                except TimeoutError:
+                    limit = "" if deadline is not None else f" within {self.timeout} s"
+                    self._drop(conn, SfcoreTimeoutError(
+                        f"no reply from the daemon on {self.socket_path}{limit}; "
+                        "closed the connection"))
+                except (OSError, EOFError) as exc:
+                    if not conn.closed:
+                        reason = "it closed the connection" if isinstance(exc, EOFError) \
+                            else (exc.strerror or str(exc))
+                        self._drop(conn, SfcoreConnectionError(
+                            f"lost the connection to the daemon on {self.socket_path}: "
+                            f"{reason}"))
+                except (ValueError, OutOfStep) as exc:
+                    self._drop(conn, SfcoreConnectionError(
+                        f"the daemon on {self.socket_path} sent an unexpected line "
+                        f"({exc}); closed the connection"))
+                except BaseException:  # e.g. KeyboardInterrupt mid-read: out of step now
+                    self._drop(conn, SfcoreConnectionError("interrupted while reading a reply"))
+                    raise
+        finally:
+            if deadline is not None and not conn.closed:
+                conn.sock.settimeout(self.timeout)
+            lock.release()
+
+    def _drop(self, conn: _Conn, error: SfcoreError) -> None:
+        """Close `conn` and fail every call still in flight on it."""
+        if conn.closed:
+            return
+        conn.closed = True
+        if self._conn is conn:
+            self._conn = None
+        for call in tuple(conn.calls):
+            call.fail(error)
+        with contextlib.suppress(OSError):  # first: it wakes a thread blocked in recv
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.sock.close()
+
+    def _abandon_without_io(self, conn: _Conn) -> None:
+        """From a finalizer: end the connection (the daemon then stops its generation)
+        without blocking, reading, or touching state another frame may be using."""
+        if conn.closed:
+            return
+        if conn.read_lock.acquire(blocking=False):
+            try:
+                self._drop(conn, SfcoreConnectionError(
+                    "a stream was garbage-collected unfinished; closed the connection"))
+            finally:
+                conn.read_lock.release()
+        else:  # someone is reading: it sees the end of the stream and drops the connection
+            conn.doomed = True
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
 
 
-class Stream:
-    """Text pieces of one streamed generation; `result` once it has finished.
+class Stream(Generic[T]):
+    """One streamed generation (or, from `Client.request`, any request's reply lines).
 
-    Leaving early (break, an exception, `close()`) cancels the generation on the
-    daemon and drains it, so the connection stays usable; if that fails, or the
-    stream is garbage-collected unfinished, the connection is closed instead,
-    which also frees the daemon's slot within a token.
+    Iterate it for text pieces; `result` is the Result once the generation has ended
+    (also after leaving early, when the cancelled `done` could be read).
     """
 
-    def __init__(self, client: Client, request: dict[str, Any]) -> None:
+    def __init__(self, client: Client, request: dict[str, Any], raw: bool = False) -> None:
         self._client = client
-        self.id = request["id"]
-        self.result: Result | None = None
-        self._parts: list[str] = []
-        self._started = False
-        self._cancel_sent = False
         self._request = request
+        self._raw = raw
+        self.id: str | int = request["id"]
+        self._result: Result | None = None
+        self._call: Call | None = None
+        self._closed = False
+        self._cancel_sent = False
+        self._cancel_deferred = False
+        self._cancel: Call | None = None  # the cancel request's own call
 
-    def __iter__(self) -> Iterator[str]:
-        return self._pieces()
+    def __iter__(self) -> Iterator[T]:
+        # A fresh generator each time, referenced only by the caller's loop: leaving the
+        # loop finalizes it at once, which cancels the generation (see _leave).
+        return self._run()
 
-    def __enter__(self) -> Stream:
+    def __enter__(self) -> Stream[T]:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
 
-    def _pieces(self) -> Iterator[str]:
+    def _run(self) -> Generator[T, None, None]:
         client = self._client
-        client._lock.acquire()
+        call = self._call
+        if call is None:
+            if self._closed:
+                return
+            call = self._call = client._start(self._request, self._raw)
+        pieces = call.pieces
+        wait = client._wait
         try:
-            client._send(self._request)
-            self._started = True
             while True:
-                reply = client._read()
-                if reply["type"] == "token":
-                    self._parts.append(reply["text"])
-                    yield reply["text"]
-                elif reply["type"] == "done":
-                    self.result = result_of(reply, "".join(self._parts))
-                    if self._cancel_sent:  # its `cancelled` line follows the `done`
-                        while client._read()["type"] != "cancelled":
-                            pass
-                    return
+                while pieces:
+                    yield pieces.popleft()
+                if call.done:
+                    break
+                if self._cancel_deferred:
+                    self.cancel()
+                wait(call)
         except GeneratorExit:
-            self._abandon()
+            self._leave()
             raise
-        finally:
-            client._lock.release()
+        self._raise_error(call)
+
+    @property
+    def result(self) -> Result | None:
+        """The Result once the generation has ended (its `done` line was read), else None."""
+        call = self._call
+        if self._result is None and call is not None:
+            final = call.final
+            if final is not None and final["type"] == "done":
+                self._result = result_of(final, final["text"] or "".join(call.parts))
+        return self._result
+
+    @staticmethod
+    def _raise_error(call: Call) -> None:
+        if call.error is not None:
+            raise call.error
 
     def cancel(self) -> None:
-        """Ask the daemon to stop this generation; iteration then ends with a `cancelled` result."""
-        sock = self._client._sock
-        if sock is not None and self._started and self.result is None:
-            sock.sendall(encode({"op": "cancel", "id": new_id(), "target": self.id}))
-            self._cancel_sent = True
+        """Ask the daemon to stop this generation and return at once: iteration then ends
+        with the pieces already on their way, and `result.finish_reason` "cancelled".
+        Safe to call from another thread or a signal handler. Before iteration started,
+        the request is simply never sent."""
+        call = self._call
+        if call is None:  # not sent yet (or being sent right now: then _run sends it)
+            self._closed = self._cancel_deferred = True
+            return
+        if call.done or self._cancel_sent:
+            return
+        # A signal handler may interrupt this thread while it holds the send lock: then
+        # the running iteration sends the cancel itself at its next step.
+        cancel = self._client._send_cancel(call, lock_timeout=0.2)
+        if cancel is None and not call.done:
+            self._cancel_deferred = True
+            return
+        self._cancel = cancel
+        self._cancel_sent = True
+        self._cancel_deferred = False
 
     def close(self) -> None:
-        if self._started and self.result is None:
-            self._abandon()
+        """Stop here: cancel the generation if it is still running (see the class doc)."""
+        self._leave()
 
-    def _abandon(self) -> None:
-        client = self._client
-        if client._sock is None or self.result is not None:
+    def _leave(self) -> None:
+        call = self._call
+        if call is None:
+            self._closed = True
             return
-        try:
-            client._sock.settimeout(_CANCEL_DRAIN_S)
+        if not call.done:
+            call.abandoned = True
+            call.pieces.clear()
+            client = self._client
+            if in_finalizer_context():
+                client._abandon_without_io(call.conn)
+                return
+            deadline = time.monotonic() + min(CANCEL_DRAIN_S, client.timeout or CANCEL_DRAIN_S)
             if not self._cancel_sent:
-                client._sock.sendall(encode({"op": "cancel", "id": new_id(),
-                                             "target": self.id}))
-            while (reply := client._read())["type"] != "cancelled":
-                if reply["type"] == "done":
-                    self.result = result_of(reply, "".join(self._parts))
-            client._sock.settimeout(client.timeout)
-        except (OSError, SfcoreError):
-            client.close()
+                self._cancel = client._send_cancel(call, lock_timeout=CANCEL_DRAIN_S)
+                self._cancel_sent = True
+            cancel = self._cancel
+            while not call.done:
+                client._wait(call, deadline)
+            # The `cancelled` reply follows the `done`: read it too, so the next call's
+            # reply is the next line (a timeout here drops the connection instead).
+            while cancel is not None and not cancel.done:
+                client._wait(cancel, deadline)
+        call.pieces.clear()
 
     def __del__(self) -> None:
-        # No I/O in a finalizer: closing the socket is enough for the daemon.
-        if self._started and self.result is None and self._client._sock is not None:
-            self._client.close()
+        # No I/O in a finalizer: end the connection if the generation still runs.
+        call = self._call
+        if call is not None and not call.done and not call.abandoned:
+            call.abandoned = True
+            with contextlib.suppress(Exception):  # at interpreter exit, for instance
+                self._client._abandon_without_io(call.conn)
 
 
 __all__ = ["Client", "Stream"]
