@@ -65,6 +65,19 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def fd_targets(pid: int) -> dict[str, int]:
+    """What the open descriptors point at ("socket:[...]" shortened to "socket"), counted."""
+    targets: dict[str, int] = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        target = target.split(":[")[0] if ":[" in target else target
+        targets[target] = targets.get(target, 0) + 1
+    return targets
+
+
 # --- waiting -------------------------------------------------------------------------------
 
 

@@ -145,7 +145,9 @@ async def test_sigterm_during_the_model_load_exits_at_once_without_ready(
         assert result.code == 0, details
         assert not any(m.startswith("READY=1") for m in result.notifications), details
         assert "Traceback" not in result.output, details
-        assert stopped_after < 2.0, details
+        # ~2 s is the target; 3 s leaves room for a noisy shared machine. The sharper
+        # check is the missing READY=1 above: the load was abandoned, not completed.
+        assert stopped_after < 3.0, details
         assert not os.path.exists(socket_path)
         if replies is not None:
             # The request waiting for the model is answered, not dropped.
