@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import os
+import select
 import threading
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence
@@ -129,6 +130,16 @@ class _Connection(asyncio.Protocol):
         call.conn = self
         self.calls.append(call)
         self.transport.write(_encode(request))
+
+    def hung_up(self) -> bool:
+        """Whether the socket has something the loop has not read yet (on an idle
+        connection: the daemon closed it)."""
+        sock = self.transport.get_extra_info("socket") if self.transport else None
+        if sock is None:
+            return False
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
 
     async def wait(self, seconds: float | None) -> None:
         """Until the next batch of lines arrives, the writer may go on, or the end.
@@ -300,8 +311,17 @@ class AsyncClient:
                 self._conn = conn
         return conn
 
-    async def _start(self, request: Mapping[str, Any], raw: bool = False) -> Call:
+    async def _usable_connection(self) -> _Connection:
         conn = await self._connection()
+        if not conn.calls and conn.hung_up():
+            # Closed by the daemon while idle ([server] idle_timeout_s), and the event
+            # loop has not seen it yet: start afresh rather than lose the request.
+            conn.shutdown(SfcoreConnectionError("the daemon closed the idle connection"))
+            conn = await self._connection()
+        return conn
+
+    async def _start(self, request: Mapping[str, Any], raw: bool = False) -> Call:
+        conn = await self._usable_connection()
         call = Call(request["id"], raw)
         conn.send(call, request)
         await conn.drain(self.timeout)
@@ -343,7 +363,7 @@ class AsyncStream(Generic[T]):
         if call is None:
             if self._closed:
                 return
-            conn = await client._connection()
+            conn = await client._usable_connection()
             call = self._call = Call(self._request["id"], self._raw)
             conn.send(call, self._request)
         conn = call.conn

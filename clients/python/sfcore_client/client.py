@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import socket
 import threading
 import time
@@ -49,6 +50,14 @@ from ._common import (
 
 T = TypeVar("T")
 _RECV_BYTES = 1 << 18
+
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether an idle connection has something to read: the daemon closed it (an idle
+    timeout, a shutdown), possibly after a line of its own."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
+
 
 def _encode(request: Mapping[str, Any]) -> bytes:
     return json.dumps(request, ensure_ascii=False).encode() + b"\n"
@@ -200,12 +209,21 @@ class Client:
         call = Call(request["id"], raw)
         with self._send_lock:
             conn = self._conn
-            if conn is not None and (conn.doomed or conn.closed):
+            if conn is not None and (conn.doomed or conn.closed
+                                     or (not conn.calls and _hung_up(conn.sock))):
+                # Given up, or closed by the daemon while idle ([server] idle_timeout_s).
                 self._drop(conn, SfcoreConnectionError("the connection was given up"))
                 conn = None
+            reused = conn is not None
             if conn is None:
                 conn = self._connect()
+            idle = not conn.calls
             self._send_on(conn, call, data)
+            if reused and idle and isinstance(call.error, SfcoreConnectionError):
+                # The daemon closed the idle connection just now, so it never read this
+                # request: send it once more on a new connection.
+                call = Call(request["id"], raw)
+                self._send_on(self._connect(), call, data)
         if call.error is not None:
             raise call.error
         return call
@@ -217,11 +235,27 @@ class Client:
         try:
             conn.sock.sendall(data)
         except OSError as exc:
+            # The daemon closed the connection; it may have said why first (e.g.
+            # too_many_connections): read that, so the call fails with the daemon's error.
+            if len(conn.calls) == 1 and conn.read_lock.acquire(blocking=False):
+                try:
+                    self._salvage(conn)
+                finally:
+                    conn.read_lock.release()
             self._drop(conn, SfcoreConnectionError(
                 f"lost the connection to {self.socket_path}: {exc.strerror or exc}"))
         except BaseException:  # e.g. KeyboardInterrupt: maybe half a line went out
             self._drop(conn, SfcoreConnectionError("interrupted while sending a request"))
             raise
+
+    @staticmethod
+    def _salvage(conn: _Conn) -> None:
+        """File whatever the daemon sent before it closed the connection (bounded)."""
+        with contextlib.suppress(OSError, EOFError, ValueError, OutOfStep):
+            conn.sock.settimeout(0.5)
+            while conn.calls:
+                for line in conn.read_lines():
+                    route(conn.calls, json.loads(line))
 
     def _send_cancel(self, call: Call, lock_timeout: float = -1) -> Call | None:
         """Send `cancel` for `call` on its connection (not waiting for the reply).

@@ -1,0 +1,626 @@
+"""The Python client library (clients/python, package sfcore_client).
+
+Against the real daemon: every op with both clients, errors, streams, and that leaving a
+stream early (break, an exception, dropping it, garbage collection, task cancellation)
+frees the daemon's slot within a second. Against a scripted fake daemon (no model):
+the wire cases the real one seldom produces: very long lines, replies out of step,
+closing error codes, silence (timeouts), a hang-up mid-stream. And the distribution
+itself: a wheel with no dependency, py.typed and the `sfcore` entry point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import importlib.util
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import pytest
+from sfcore_client import (
+    AsyncClient,
+    Client,
+    Result,
+    SfcoreConnectionError,
+    SfcoreError,
+    SfcoreTimeoutError,
+)
+
+from tests.harness import REPO, running_daemon
+
+LONG = "Write a very long story about a lighthouse keeper."
+GREEDY: dict[str, Any] = {"temperature": 0, "cache_prompt": False}
+SLOT_FREE_S = 1.0
+
+
+def slot_free_within(path: str, seconds: float = SLOT_FREE_S) -> float | None:
+    """Seconds until `health` on a separate connection says the slot is free, or None.
+    (Polling: the daemon has no event for it; every poll and the whole wait are bounded.)"""
+    start = time.monotonic()
+    with Client(path, timeout=10) as monitor:
+        while (elapsed := time.monotonic() - start) < seconds:
+            if not monitor.health()["busy"]:
+                return elapsed
+            time.sleep(0.01)
+    return None
+
+
+def counters(path: str) -> tuple[int, int]:
+    """(connections opened so far, cancel requests so far), from a separate connection."""
+    with Client(path, timeout=10) as monitor:
+        stats = monitor.stats()
+    return stats["connections"]["total"], stats["requests"]["by_op"]["cancel"]
+
+
+def in_thread(function: Callable[..., Any], *args: Any, timeout: float = 180) -> Any:
+    """Run blocking client code off the event loop that runs the daemon harness."""
+    return asyncio.wait_for(asyncio.to_thread(function, *args), timeout)
+
+
+# --- the blocking client against the daemon ---
+
+def blocking_ops(path: str) -> None:
+    with Client(socket_path=path, timeout=60) as client:
+        assert client.socket_path == path
+        health = client.health()
+        assert (health["type"], health["status"], health["busy"]) == ("health", "ok", False)
+
+        whole = client.generate("Count: 1, 2, 3,", max_tokens=8, **GREEDY)
+        assert isinstance(whole, Result) and isinstance(whole.id, int)
+        assert whole.finish_reason == "length" and whole.stop_sequence is None
+        assert whole.usage.completion_tokens == 8 and whole.usage.prompt_tokens > 5
+        assert whole.timings.first_token_ms > 0 and whole.timings.decode_tok_s > 0
+        stream = client.stream_generate("Count: 1, 2, 3,", max_tokens=8, **GREEDY)
+        assert stream.result is None
+        pieces = list(stream)
+        assert len(pieces) > 1 and "".join(pieces) == whole.text != ""
+        assert stream.result is not None and stream.result.text == whole.text
+        assert stream.result.id == stream.id != whole.id
+
+        stopped = client.generate("Count: 1, 2, 3,", max_tokens=16, stop=[" 6"], **GREEDY)
+        assert (stopped.finish_reason, stopped.stop_sequence) == ("stop_sequence", " 6")
+        assert stopped.text == " 4, 5,"
+
+        messages = [{"role": "user", "content": "Say hello in French."}]
+        chat = client.chat(messages, max_tokens=6, **GREEDY)
+        streamed_chat = client.stream_chat(messages, max_tokens=6, **GREEDY)
+        assert "".join(streamed_chat) == chat.text != ""
+        assert chat.usage.prompt_tokens > 5
+
+        tokens = client.tokenize("媽 🤗 Hello")
+        assert tokens[0] == 2 and all(isinstance(token, int) for token in tokens)
+        assert client.tokenize("Hello", add_special=False) == [9259]
+        assert client.detokenize(tokens) == "媽 🤗 Hello"
+        info = client.info()
+        assert info["model"]["architecture"] == "gemma3" and info["config"]["n_ctx"] == 4096
+        stats = client.stats()
+        assert stats["requests"]["by_op"]["chat"] == 2
+        assert stats["requests"]["by_op"]["generate"] == 3
+        assert client.cancel("nothing-pending") is False
+
+        raw = list(client.request({"op": "generate", "prompt": "Hi", "max_tokens": 3}))
+        assert [line["type"] for line in raw] == ["token"] * (len(raw) - 1) + ["done"]
+        assert raw[-1]["usage"]["completion_tokens"] == 3
+
+        with pytest.raises(SfcoreError) as error:
+            client.generate("x", max_tokens=0)
+        assert error.value.code == "invalid_request" and "max_tokens" in error.value.message
+        assert error.value.reply is not None and error.value.reply["type"] == "error"
+        with pytest.raises(SfcoreError) as error:
+            list(client.stream_chat([{"role": "bot", "content": "x"}]))
+        assert error.value.code == "invalid_request" and "role" in error.value.message
+        with pytest.raises(TypeError, match="max_token"):
+            client.generate("x", max_token=3)
+        # None leaves an option out: the daemon's default (16 in the test config) applies.
+        default = client.generate(LONG, max_tokens=None, temperature=None, seed=None)
+        assert 1 <= default.usage.completion_tokens <= 16
+        assert client.health()["status"] == "ok"  # the connection survived the errors
+        assert counters(path)[0] == 2  # this client's connection and the monitor's
+
+
+@pytest.mark.asyncio
+async def test_blocking_client_every_op_results_and_errors() -> None:
+    async with running_daemon() as daemon:
+        await in_thread(blocking_ops, daemon.socket_path)
+
+
+def interleaving(path: str) -> None:
+    """A half-read stream does not confuse later calls on the same client."""
+    with Client(path, timeout=60) as client:
+        reference = client.generate("Count: 1, 2, 3,", max_tokens=10, **GREEDY).text
+        stream = client.stream_generate("Count: 1, 2, 3,", max_tokens=10, **GREEDY)
+        pieces = iter(stream)
+        first = next(pieces)
+        assert client.health()["type"] == "health"  # answered after the stream's done
+        assert client.tokenize("a", add_special=False) == [236746]
+        assert first + "".join(pieces) == reference
+        assert stream.result is not None and stream.result.finish_reason == "length"
+
+        # client.cancel(stream.id) in the loop body: the stream ends as cancelled.
+        stream = client.stream_generate(LONG, max_tokens=2000)
+        for seen, _ in enumerate(stream, 1):
+            if seen == 3:
+                assert client.cancel(stream.id) is True
+        assert stream.result is not None and stream.result.finish_reason == "cancelled"
+        assert 3 <= stream.result.usage.completion_tokens < 40
+        # stream.cancel(): returns at once; iteration ends soon after.
+        stream = client.stream_generate(LONG, max_tokens=2000)
+        seen = 0
+        for seen, _ in enumerate(stream, 1):
+            if seen == 3:
+                stream.cancel()
+        assert stream.result is not None and stream.result.finish_reason == "cancelled"
+        assert seen < 40
+        # Cancelled before it was sent: nothing is sent at all.
+        unsent = client.stream_generate(LONG)
+        unsent.cancel()
+        assert list(unsent) == [] and unsent.result is None
+        assert slot_free_within(path) is not None
+
+
+@pytest.mark.asyncio
+async def test_half_read_streams_and_cancel_on_one_connection() -> None:
+    async with running_daemon() as daemon:
+        await in_thread(interleaving, daemon.socket_path)
+
+
+def leave_early(path: str, how: str) -> None:
+    with Client(path, timeout=60) as client:
+        client.health()
+        before = counters(path)
+        stream = client.stream_generate(LONG, max_tokens=2000)
+        if how == "break":
+            for _ in stream:
+                break
+        elif how == "exception":
+            with pytest.raises(RuntimeError):
+                for _ in stream:
+                    raise RuntimeError("the caller's own bug")
+        elif how == "close":
+            pieces = iter(stream)
+            next(pieces)
+            stream.close()
+            assert stream.result is not None and stream.result.finish_reason == "cancelled"
+            del pieces
+        elif how == "dropped":  # the last reference goes: finalized at once
+            pieces = iter(stream)
+            next(pieces)
+            del pieces, stream
+        else:  # "garbage": only a cyclic garbage collection finds it
+            pieces = iter(stream)
+            next(pieces)
+            stream.cycle = (stream, pieces)  # type: ignore[attr-defined]
+            del pieces, stream
+            gc.collect()
+        left = time.monotonic()
+        freed = slot_free_within(path)
+        assert freed is not None, f"slot still busy {SLOT_FREE_S} s after leaving ({how})"
+        assert time.monotonic() - left < SLOT_FREE_S + 0.5
+        # (Each `counters` and `slot_free_within` opens a connection of its own.)
+        connections, cancels = counters(path)
+        assert connections == before[0] + 2
+        if how == "garbage":
+            # No I/O from a garbage collection: the connection was closed instead.
+            assert cancels == before[1]
+        else:
+            # Cancelled on the same connection, which stays usable.
+            assert cancels == before[1] + 1
+        # A second connection's request starts at once, and this client goes on working
+        # (reconnecting only if it had to close).
+        with Client(path, timeout=60) as other:
+            assert other.generate("Hi", max_tokens=1).timings.queued_ms < 500
+        assert client.generate("Hi", max_tokens=2).usage.completion_tokens == 2
+        assert counters(path)[0] == connections + 2 + (how == "garbage")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["break", "exception", "close", "dropped", "garbage"])
+async def test_leaving_a_stream_early_frees_the_slot_within_a_second(how: str) -> None:
+    async with running_daemon() as daemon:
+        await in_thread(leave_early, daemon.socket_path, how)
+
+
+def cancel_from_another_thread(path: str) -> None:
+    with Client(path, timeout=60) as client:
+        stream = client.stream_generate(LONG, max_tokens=2000)
+        pieces = iter(stream)
+        next(pieces)
+        timer = threading.Timer(0.3, stream.cancel)
+        timer.start()
+        rest = list(pieces)
+        timer.join()
+        assert stream.result is not None and stream.result.finish_reason == "cancelled"
+        assert len(rest) < 200
+        assert client.health()["busy"] is False
+
+
+@pytest.mark.asyncio
+async def test_stream_cancel_from_another_thread() -> None:
+    async with running_daemon() as daemon:
+        await in_thread(cancel_from_another_thread, daemon.socket_path)
+
+
+# --- the asyncio client against the daemon ---
+
+@pytest.mark.asyncio
+async def test_async_client_every_op_results_and_errors() -> None:
+    async with running_daemon() as daemon, AsyncClient(daemon.socket_path, timeout=60) as client:
+        assert (await client.health())["status"] == "ok"
+        whole = await client.generate("Count: 1, 2, 3,", max_tokens=8, **GREEDY)
+        stream = client.stream_generate("Count: 1, 2, 3,", max_tokens=8, **GREEDY)
+        pieces = [piece async for piece in stream]
+        assert "".join(pieces) == whole.text != "" and whole.finish_reason == "length"
+        assert stream.result is not None and stream.result.text == whole.text
+        # The blocking client gives the same text (other clients' tests rely on it).
+        reference = await in_thread(_blocking_text, daemon.socket_path)
+        assert reference == whole.text
+
+        messages = [{"role": "user", "content": "Say hello in French."}]
+        chat = await client.chat(messages, max_tokens=6, **GREEDY)
+        chat_stream = client.stream_chat(messages, max_tokens=6, **GREEDY)
+        assert "".join([piece async for piece in chat_stream]) == chat.text != ""
+        assert await client.tokenize("a", add_special=False) == [236746]
+        assert await client.detokenize(await client.tokenize("媽 🤗")) == "媽 🤗"
+        assert (await client.info())["model"]["n_vocab"] == 262144
+        assert (await client.stats())["requests"]["by_op"]["chat"] == 2
+        assert await client.cancel(12345) is False
+        raw = [line async for line in client.request({"op": "health"})]
+        assert [line["type"] for line in raw] == ["health"]
+
+        # Tasks sharing one client: pipelined on its connection, answered in order.
+        results = await asyncio.gather(client.generate("Hi", max_tokens=3), client.health(),
+                                       client.tokenize("Hi"), client.generate("Yo", max_tokens=2))
+        assert results[0].usage.completion_tokens == 3 and results[1]["type"] == "health"
+        assert results[3].usage.completion_tokens == 2
+
+        with pytest.raises(SfcoreError) as error:
+            await client.detokenize([-1])
+        assert error.value.code == "invalid_request"
+        with pytest.raises(SfcoreError) as error:
+            async for _ in client.stream_generate("x", top_p=0):
+                pass
+        assert error.value.code == "invalid_request" and "top_p" in error.value.message
+        assert (await client.health())["status"] == "ok"
+
+
+def _blocking_text(path: str) -> str:
+    with Client(path, timeout=60) as client:
+        return client.generate("Count: 1, 2, 3,", max_tokens=8, **GREEDY).text
+
+
+async def async_leave(client: AsyncClient, how: str) -> None:
+    stream = client.stream_generate(LONG, max_tokens=2000)
+    if how == "break":
+        async for _ in stream:
+            break
+    elif how == "exception":
+        with pytest.raises(RuntimeError):
+            async for _ in stream:
+                raise RuntimeError("the caller's own bug")
+    elif how == "aclose":
+        async with stream:
+            await anext(aiter(stream))
+        assert stream.result is not None and stream.result.finish_reason == "cancelled"
+    elif how == "task-cancelled":
+        started = asyncio.Event()
+
+        async def consume() -> None:
+            async for _ in stream:
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(started.wait(), 60)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    else:  # "garbage"
+        pieces = aiter(stream)
+        await anext(pieces)
+        stream.cycle = (stream, pieces)  # type: ignore[attr-defined]
+        del pieces, stream
+        gc.collect()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["break", "exception", "aclose", "task-cancelled", "garbage"])
+async def test_async_stream_left_early_frees_the_slot_within_a_second(how: str) -> None:
+    async with running_daemon() as daemon, AsyncClient(daemon.socket_path, timeout=60) as client:
+        await client.health()
+        before = await in_thread(counters, daemon.socket_path)
+        await async_leave(client, how)
+        freed = await in_thread(slot_free_within, daemon.socket_path)
+        assert freed is not None, f"slot still busy {SLOT_FREE_S} s after leaving ({how})"
+        # Every way of leaving cancels on the same connection (a garbage collection only
+        # schedules the cancel on the event loop), which stays usable.
+        assert (await client.generate("Hi", max_tokens=2)).usage.completion_tokens == 2
+        connections, cancels = await in_thread(counters, daemon.socket_path)
+        assert cancels == before[1] + 1 and connections == before[0] + 2
+
+
+@pytest.mark.asyncio
+async def test_async_cancel_from_another_task() -> None:
+    async with running_daemon() as daemon, AsyncClient(daemon.socket_path, timeout=60) as client:
+        stream = client.stream_generate(LONG, max_tokens=2000)
+        first = asyncio.Event()
+
+        async def canceller() -> bool:
+            await asyncio.wait_for(first.wait(), 60)
+            return await client.cancel(stream.id)  # queued behind the stream: no deadlock
+
+        task = asyncio.create_task(canceller())
+        pieces = 0
+        async for _ in stream:
+            pieces += 1
+            first.set()
+        assert await asyncio.wait_for(task, 60) is True
+        assert stream.result is not None and stream.result.finish_reason == "cancelled"
+        assert pieces < 200
+
+
+# --- reaching the daemon ---
+
+def test_unreachable_daemon_names_the_path(tmp_path: Path) -> None:
+    missing = str(tmp_path / "none.sock")
+    with pytest.raises(SfcoreConnectionError) as error:
+        Client(missing).health()
+    assert isinstance(error.value, ConnectionError) and isinstance(error.value, SfcoreError)
+    assert error.value.code == "unreachable"
+    assert missing in error.value.message and "may not be running" in error.value.message
+
+    async def async_health() -> None:
+        await AsyncClient(missing).health()
+
+    with pytest.raises(SfcoreConnectionError) as error:
+        asyncio.run(async_health())
+    assert missing in error.value.message and error.value.code == "unreachable"
+
+
+def test_socket_path_argument_env_and_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SFCORE_SOCKET", "/run/x/env.sock")
+    assert Client().socket_path == AsyncClient().socket_path == "/run/x/env.sock"
+    assert Client("/arg.sock").socket_path == "/arg.sock"
+    assert AsyncClient(socket_path=Path("/arg.sock")).socket_path == "/arg.sock"
+    monkeypatch.delenv("SFCORE_SOCKET")
+    assert Client().socket_path == "/tmp/sfcore-ai.sock"
+
+
+@pytest.mark.asyncio
+async def test_sfcore_socket_environment_reaches_the_daemon(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async with running_daemon() as daemon:
+        monkeypatch.setenv("SFCORE_SOCKET", daemon.socket_path)
+        async with AsyncClient() as client:
+            assert (await client.health())["status"] == "ok"
+        assert await in_thread(_tokenize_with_default_client, "Hi") == [2, 10979]
+
+
+def _tokenize_with_default_client(text: str) -> list[int]:
+    with Client() as client:
+        return client.tokenize(text)
+
+
+# --- wire cases, against a scripted fake daemon ---
+
+Script = Callable[[socket.socket, BinaryIO, int], None]
+
+
+@contextlib.contextmanager
+def fake_daemon(script: Script) -> Iterator[str]:
+    """A Unix socket served by `script(conn, requests, n)` for its n-th connection."""
+    directory = tempfile.mkdtemp(prefix="sff", dir="/tmp")
+    path = str(Path(directory) / "f.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen()
+    threads: list[threading.Thread] = []
+
+    def serve(conn: socket.socket, n: int) -> None:
+        with conn, conn.makefile("rb") as requests, contextlib.suppress(OSError):
+            script(conn, requests, n)
+
+    def accept() -> None:
+        n = 0
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            n += 1
+            thread = threading.Thread(target=serve, args=(conn, n), daemon=True)
+            threads.append(thread)
+            thread.start()
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    try:
+        yield path
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        acceptor.join(10)
+        for thread in threads:
+            thread.join(10)
+        Path(path).unlink(missing_ok=True)
+        Path(directory).rmdir()
+
+
+def done_line(request_id: Any, text: str = "", completion_tokens: int = 1) -> bytes:
+    return json.dumps({
+        "type": "done", "id": request_id, "text": text, "finish_reason": "length",
+        "stop_sequence": None,
+        "usage": {"prompt_tokens": 3, "cached_tokens": 0, "completion_tokens": completion_tokens},
+        "timings": {"queued_ms": 0.1, "prompt_ms": 1.0, "prompt_tok_s": 3000.0,
+                    "first_token_ms": 1.2, "decode_ms": 1.0, "decode_tok_s": 50.0,
+                    "total_ms": 2.2},
+    }, ensure_ascii=False).encode() + b"\n"
+
+
+def answer_every_request(conn: socket.socket, requests: BinaryIO, n: int) -> None:
+    for line in requests:
+        conn.sendall(done_line(json.loads(line)["id"], "ok"))
+
+
+HUGE = "媽" * 3_000_000 + " end"  # a 9 MB `done` line
+
+
+def huge_done(conn: socket.socket, requests: BinaryIO, n: int) -> None:
+    for line in requests:
+        request = json.loads(line)
+        if request["stream"]:
+            tokens = (json.dumps({"type": "token", "id": request["id"], "text": HUGE[:2_000_000]},
+                                 ensure_ascii=False).encode() + b"\n")
+            conn.sendall(tokens + done_line(request["id"]))
+        else:
+            conn.sendall(done_line(request["id"], HUGE))
+
+
+def test_lines_of_any_length() -> None:
+    with fake_daemon(huge_done) as path:
+        with Client(path, timeout=30) as client:
+            assert client.generate("x").text == HUGE
+            assert list(client.stream_generate("x")) == [HUGE[:2_000_000]]
+
+        async def main() -> None:
+            async with AsyncClient(path, timeout=30) as client:
+                assert (await client.generate("x")).text == HUGE
+                assert [piece async for piece in client.stream_generate("x")] == [
+                    HUGE[:2_000_000]]
+
+        asyncio.run(main())
+
+
+def out_of_step(conn: socket.socket, requests: BinaryIO, n: int) -> None:
+    """The first connection answers with a wrong id; later ones behave."""
+    for line in requests:
+        request_id = json.loads(line)["id"]
+        conn.sendall(done_line("someone-else" if n == 1 else request_id, "ok"))
+
+
+def closing_error(conn: socket.socket, requests: BinaryIO, n: int) -> None:
+    """The first connection is refused as the daemon does (an id of its own, then EOF)."""
+    if n == 1:
+        conn.sendall(b'{"type":"error","id":"sfc-1","code":"too_many_connections",'
+                     b'"message":"too many connections (max 1)"}\n')
+        return
+    answer_every_request(conn, requests, n)
+
+
+def hang_up_mid_stream(conn: socket.socket, requests: BinaryIO, n: int) -> None:
+    request_id = json.loads(requests.readline())["id"]
+    conn.sendall(b"".join(json.dumps({"type": "token", "id": request_id, "text": f"{i} "})
+                          .encode() + b"\n" for i in range(3)))
+
+
+def silent(conn: socket.socket, requests: BinaryIO, n: int) -> None:
+    requests.readline()
+    requests.read()  # until the client gives up and closes
+
+
+def test_replies_out_of_step_end_the_connection_and_the_next_call_reconnects() -> None:
+    with fake_daemon(out_of_step) as path, Client(path, timeout=30) as client:
+        with pytest.raises(SfcoreConnectionError, match="unexpected line"):
+            client.generate("x")
+        assert client.generate("x").text == "ok"
+
+
+def test_a_closing_error_code_raises_it_and_the_next_call_reconnects() -> None:
+    with fake_daemon(closing_error) as path:
+        with Client(path, timeout=30) as client:
+            with pytest.raises(SfcoreError) as error:
+                client.health()
+            assert error.value.code == "too_many_connections"
+            assert not isinstance(error.value, SfcoreConnectionError)
+            assert client.generate("x").text == "ok"
+
+    async def main() -> None:
+        with fake_daemon(closing_error) as path:
+            async with AsyncClient(path, timeout=30) as client:
+                with pytest.raises(SfcoreError) as error:
+                    await client.health()
+                assert error.value.code == "too_many_connections"
+                assert (await client.generate("x")).text == "ok"
+
+    asyncio.run(main())
+
+
+def test_a_hang_up_mid_stream_raises_after_the_pieces_that_came() -> None:
+    with fake_daemon(hang_up_mid_stream) as path, Client(path, timeout=30) as client:
+        pieces: list[str] = []
+        with pytest.raises(SfcoreConnectionError, match="closed the connection"):
+            pieces.extend(client.stream_generate("x"))
+        assert pieces == ["0 ", "1 ", "2 "]
+
+    async def main() -> None:
+        with fake_daemon(hang_up_mid_stream) as path:
+            async with AsyncClient(path, timeout=30) as client:
+                got: list[str] = []
+                with pytest.raises(SfcoreConnectionError):
+                    async for piece in client.stream_generate("x"):
+                        got.append(piece)
+                assert got == ["0 ", "1 ", "2 "]
+
+    asyncio.run(main())
+
+
+def test_timeouts_are_bounded() -> None:
+    with fake_daemon(silent) as path:
+        start = time.monotonic()
+        with Client(path, timeout=0.3) as client, pytest.raises(SfcoreTimeoutError) as error:
+            client.health()
+        assert 0.25 < time.monotonic() - start < 5
+        assert error.value.code == "timeout" and isinstance(error.value, TimeoutError)
+
+        async def main() -> None:
+            async with AsyncClient(path, timeout=0.3) as client:
+                with pytest.raises(SfcoreTimeoutError):
+                    await client.health()
+
+        start = time.monotonic()
+        asyncio.run(main())
+        assert time.monotonic() - start < 5
+
+
+# --- cost per token, and the distribution ---
+
+def test_per_token_parsing_cost() -> None:
+    """The reading path costs little beyond json.loads (benchmarks/parse_tokens.py).
+    Bounds are loose (a shared, noisy machine); a task or a wait_for per line would
+    still break them."""
+    bench_path = REPO / "clients/python/benchmarks/parse_tokens.py"
+    spec = importlib.util.spec_from_file_location("parse_tokens", bench_path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    figures = bench.measure(count=20_000, runs=3)
+    cpu = {name: min(cpu for _, cpu in values) for name, values in figures.items()}
+    print(f"thread CPU us/token: {cpu}")
+    for name in ("Client", "AsyncClient"):
+        assert cpu[name] < 3 * cpu["json.loads only"] + 3, (name, cpu)
+
+
+def test_wheel_has_no_dependency_and_ships_types_and_the_command(tmp_path: Path) -> None:
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path),
+         str(REPO / "clients/python")],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = tmp_path.glob("sfcore_client-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        metadata = archive.read(next(n for n in names if n.endswith("/METADATA"))).decode()
+        entry_points = archive.read(
+            next(n for n in names if n.endswith("/entry_points.txt"))).decode()
+    assert {"sfcore_client/py.typed", "sfcore_client/cli.py", "sfcore_client/aio.py"} <= names
+    assert not any(name.startswith("benchmarks/") for name in names)
+    assert "Requires-Python: >=3.11" in metadata and "Requires-Dist" not in metadata
+    assert "sfcore = sfcore_client.cli:main" in entry_points
