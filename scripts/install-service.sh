@@ -192,7 +192,8 @@ install_package() {
     mkdir -p "$stage/daemon" "$stage/client"
     tar -C "$repo" --exclude=__pycache__ --exclude='*.egg-info' -cf - \
         pyproject.toml README.md sfcore_daemon | tar -C "$stage/daemon" -xf -
-    tar -C "$repo/clients/python" --exclude=__pycache__ --exclude='*.egg-info' -cf - . \
+    tar -C "$repo/clients/python" --exclude=__pycache__ --exclude='*.egg-info' \
+        --exclude=./build --exclude=./dist -cf - . \
         | tar -C "$stage/client" -xf -
     # Never disable pip's cache: its wheel of llama-cpp-python saves a long compile.
     if ! env -u PIP_NO_CACHE_DIR \
@@ -203,7 +204,8 @@ install_package() {
         die "pip could not install sfcore-ai into $venv (see above)"
     fi
     rm -rf "$stage"
-    if ! "$runuser" -u "$user" -- "$venv/bin/python" -c 'import sfcore_daemon.cli' 2>/dev/null; then
+    # -I and cd /: import the installed package, never a checkout in the current directory.
+    if ! (cd / && "$runuser" -u "$user" -- "$venv/bin/python" -I -c 'import sfcore_daemon.cli') 2>/dev/null; then
         die "the user $user cannot run $venv/bin/python (are $prefix and $python readable by all?)"
     fi
     printf '%s\n' "$fingerprint" > "$venv/.sfcore-source"
