@@ -180,7 +180,8 @@ source_fingerprint() {
         printf 'python %s\n' "$py_version"
         find pyproject.toml README.md sfcore_daemon clients/python -type f \
             \( -name '*.py' -o -name '*.toml' -o -name '*.md' -o -name py.typed \) \
-            -not -path '*/__pycache__/*' -not -path '*.egg-info/*' -print0 \
+            -not -path '*/__pycache__/*' -not -path '*.egg-info/*' -not -path '*/build/*' \
+            -not -path '*/dist/*' -print0 \
             | LC_ALL=C sort -z | xargs -0 sha256sum
     ) | sha256sum | cut -d' ' -f1
 }
