@@ -46,6 +46,13 @@ from ._common import (
 T = TypeVar("T")
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 def _encode(request: Mapping[str, Any]) -> bytes:
     return json.dumps(request, ensure_ascii=False).encode() + b"\n"
 
@@ -61,6 +68,7 @@ class _Connection(asyncio.Protocol):
         self.waiters: list[asyncio.Future[None]] = []
         self._partial: list[bytes] = []
         self._write_paused = False
+        self.refusal: SfcoreError | None = None
         self.loop = asyncio.get_running_loop()
         self.loop_thread = threading.get_ident()
         self._lost: asyncio.Future[None] = self.loop.create_future()
@@ -86,6 +94,9 @@ class _Connection(asyncio.Protocol):
         calls = self.calls
         loads = json.loads
         try:
+            if not calls:
+                self._unsolicited(lines)
+                return
             for line in lines:
                 if route(calls, loads(line)):
                     self.shutdown(SfcoreConnectionError(
@@ -96,6 +107,19 @@ class _Connection(asyncio.Protocol):
                 f"the daemon on {self.path} sent an unexpected line ({exc}); "
                 "closed the connection"))
         self._wake()
+
+    def _unsolicited(self, lines: list[bytes]) -> None:
+        """Lines with no request pending: the daemon refusing the connection (an error
+        line, then it closes). Keep the error for whoever asks next."""
+        try:
+            reply = json.loads(lines[0])
+            if reply.get("type") == "error":
+                self.refusal = SfcoreError(str(reply.get("code")), str(reply.get("message")),
+                                           reply)
+        except (ValueError, AttributeError):
+            pass
+        self.shutdown(self.refusal or SfcoreConnectionError(
+            f"the daemon on {self.path} sent a line with no request pending"))
 
     def eof_received(self) -> bool | None:
         self.shutdown(SfcoreConnectionError(
@@ -128,6 +152,9 @@ class _Connection(asyncio.Protocol):
         """Queue `call` and write its line (synchronously: the FIFO matches the wire)."""
         assert self.transport is not None
         call.conn = self
+        if self.closed:
+            call.fail(SfcoreConnectionError(f"the connection to {self.path} was closed"))
+            return
         self.calls.append(call)
         self.transport.write(_encode(request))
 
@@ -168,7 +195,12 @@ class _Connection(asyncio.Protocol):
         for call in tuple(self.calls):
             call.fail(error)
         if self.transport is not None:
-            self.transport.abort()
+            if self.loop.is_closed():
+                pass  # nothing can run there any more (close a client in its own loop)
+            elif _running_loop() is self.loop:
+                self.transport.abort()
+            else:  # from another thread or loop
+                self.loop.call_soon_threadsafe(self.transport.abort)
         self._wake()
 
     async def closed_wait(self, seconds: float | None) -> None:
@@ -224,11 +256,13 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        """Close the connection; calls still in flight fail. The client stays usable."""
+        """Close the connection; calls still in flight fail. The client stays usable.
+        (Close it in the event loop that used it: a loop that has ended cannot.)"""
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.shutdown(SfcoreConnectionError("the client was closed"))
-            await conn.closed_wait(self.timeout)
+            if conn.loop is asyncio.get_running_loop():
+                await conn.closed_wait(self.timeout)
 
     async def health(self) -> dict[str, Any]:
         return await self._final({"op": "health", "id": new_id()})
@@ -291,13 +325,18 @@ class AsyncClient:
 
     async def _connection(self) -> _Connection:
         conn = self._conn
+        loop = asyncio.get_running_loop()
         if conn is not None and not conn.closed:
-            return conn
+            if conn.loop is loop:
+                return conn
+            # Opened under another event loop (an earlier asyncio.run): not usable here.
+            conn.shutdown(SfcoreConnectionError("opened under another event loop"))
+            self._conn = None
+            self._connect_lock = asyncio.Lock()
         async with self._connect_lock:
             conn = self._conn
             if conn is None or conn.closed:
                 path = self.socket_path
-                loop = asyncio.get_running_loop()
                 try:
                     async with asyncio.timeout(self.timeout):
                         _, conn = await loop.create_unix_connection(
@@ -312,12 +351,20 @@ class AsyncClient:
         return conn
 
     async def _usable_connection(self) -> _Connection:
-        conn = await self._connection()
-        if not conn.calls and conn.hung_up():
+        conn = self._conn
+        if (conn is not None and not conn.closed and conn.loop is asyncio.get_running_loop()
+                and not conn.calls and conn.hung_up()):
             # Closed by the daemon while idle ([server] idle_timeout_s), and the event
             # loop has not seen it yet: start afresh rather than lose the request.
             conn.shutdown(SfcoreConnectionError("the daemon closed the idle connection"))
-            conn = await self._connection()
+        conn = await self._connection()
+        if conn.closed or (not conn.calls and conn.hung_up()):
+            # A new connection the daemon spoke on before any request: a refusal such as
+            # too_many_connections. Let the loop read it, then raise it.
+            if not conn.closed:
+                await conn.closed_wait(self.timeout)
+            raise conn.refusal or SfcoreConnectionError(
+                f"the daemon on {self.socket_path} closed the connection at once")
         return conn
 
     async def _start(self, request: Mapping[str, Any], raw: bool = False) -> Call:
