@@ -250,6 +250,37 @@ async def test_stream_cancel_from_another_thread() -> None:
         await in_thread(cancel_from_another_thread, daemon.socket_path)
 
 
+def leave_while_another_thread_waits(path: str) -> None:
+    """Thread B waits on a long request queued behind thread A's stream on the same
+    client (B reads A's lines for it). A leaves early: its cancel goes out and its drain
+    completes without closing the shared connection, and B gets its answer."""
+    with Client(path, timeout=60) as client:
+        client.health()
+        before = counters(path)
+        stream = client.stream_generate(LONG, max_tokens=2000)
+        pieces = iter(stream)
+        next(pieces)
+        answer: list[Result] = []
+        waiting = threading.Thread(
+            target=lambda: answer.append(client.generate(LONG, max_tokens=300, **GREEDY)))
+        waiting.start()
+        time.sleep(0.2)  # let B block reading (nothing to wait on: it is inside recv)
+        left = time.monotonic()
+        del pieces  # A leaves: cancel, then drain up to the stream's `done`
+        assert time.monotonic() - left < 2
+        assert stream.result is not None and stream.result.finish_reason == "cancelled"
+        waiting.join(120)
+        assert answer and answer[0].usage.completion_tokens == 300
+        connections, cancels = counters(path)
+        assert (connections, cancels) == (before[0] + 1, before[1] + 1)  # same connection
+
+
+@pytest.mark.asyncio
+async def test_leaving_a_stream_while_another_thread_waits_behind_it() -> None:
+    async with running_daemon() as daemon:
+        await in_thread(leave_while_another_thread_waits, daemon.socket_path)
+
+
 # --- the asyncio client against the daemon ---
 
 @pytest.mark.asyncio
@@ -345,6 +376,28 @@ async def test_async_stream_left_early_frees_the_slot_within_a_second(how: str) 
         assert (await client.generate("Hi", max_tokens=2)).usage.completion_tokens == 2
         connections, cancels = await in_thread(counters, daemon.socket_path)
         assert cancels == before[1] + 1 and connections == before[0] + 2
+
+
+@pytest.mark.asyncio
+async def test_async_stream_left_while_another_task_waits_behind_it() -> None:
+    """Task B's long request is queued behind task A's stream; A leaves early. The cancel
+    frees the slot at once; the `cancelled` reply comes only after B's answer (> 3 s),
+    and that must not make the client give the shared connection up."""
+    async with running_daemon() as daemon, AsyncClient(daemon.socket_path, timeout=60) as client:
+        await client.health()
+        before = await in_thread(counters, daemon.socket_path)
+        stream = client.stream_generate(LONG, max_tokens=2000)
+        pieces = aiter(stream)
+        await anext(pieces)
+        waiting = asyncio.create_task(client.generate(LONG, max_tokens=300, **GREEDY))
+        await asyncio.sleep(0.2)  # B's request is written behind A's stream
+        del pieces  # A leaves
+        result = await asyncio.wait_for(waiting, 120)
+        assert result.usage.completion_tokens == 300
+        assert stream.result is not None and stream.result.finish_reason == "cancelled"
+        assert (await client.health())["status"] == "ok"
+        connections, cancels = await in_thread(counters, daemon.socket_path)
+        assert (connections, cancels) == (before[0] + 1, before[1] + 1)  # same connection
 
 
 @pytest.mark.asyncio

@@ -66,15 +66,35 @@ def _encode(request: Mapping[str, Any]) -> bytes:
 class _Conn:
     """One socket, its calls in flight, and the lines read but not yet filed."""
 
-    __slots__ = ("sock", "calls", "read_lock", "closed", "doomed", "_partial")
+    __slots__ = ("sock", "calls", "turn", "reading", "closed", "doomed", "_partial")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.calls: deque[Call] = deque()
-        self.read_lock = threading.Lock()
+        # One thread reads at a time (`reading`); the others wait on `turn`, which is
+        # notified after every chunk filed, and find their calls served.
+        self.turn = threading.Condition(threading.Lock())
+        self.reading = False
         self.closed = False
         self.doomed = False  # shut down from a finalizer; dropped at the next use
         self._partial: list[bytes] = []
+
+    def try_to_read(self) -> bool:
+        """Become the reader if nobody is, without blocking (for finalizers and the like)."""
+        if not self.turn.acquire(blocking=False):
+            return False
+        try:
+            if self.reading:
+                return False
+            self.reading = True
+            return True
+        finally:
+            self.turn.release()
+
+    def done_reading(self) -> None:
+        with self.turn:
+            self.reading = False
+            self.turn.notify_all()
 
     def read_lines(self) -> list[bytes]:
         """The complete lines of the next chunk(s) read, without their newlines (at least
@@ -237,11 +257,11 @@ class Client:
         except OSError as exc:
             # The daemon closed the connection; it may have said why first (e.g.
             # too_many_connections): read that, so the call fails with the daemon's error.
-            if len(conn.calls) == 1 and conn.read_lock.acquire(blocking=False):
+            if len(conn.calls) == 1 and conn.try_to_read():
                 try:
                     self._salvage(conn)
                 finally:
-                    conn.read_lock.release()
+                    conn.done_reading()
             self._drop(conn, SfcoreConnectionError(
                 f"lost the connection to {self.socket_path}: {exc.strerror or exc}"))
         except BaseException:  # e.g. KeyboardInterrupt: maybe half a line went out
@@ -278,54 +298,70 @@ class Client:
     def _wait(self, call: Call, deadline: float | None = None) -> None:
         """Read and file reply lines until `call` has a piece for its caller or has ended.
 
-        Every failure ends the connection (failing its calls), never just this call: after
-        a timeout or a broken line the connection is out of step."""
+        One thread reads at a time, a chunk per turn, and files every line of it; a
+        thread whose turn it is not waits until its call is served or the reader's turn
+        ends. Every failure ends the connection (failing its calls), never just this
+        call: after a timeout or a broken line the connection is out of step."""
         conn: _Conn = call.conn
-        lock = conn.read_lock
-        if not lock.acquire(timeout=-1 if deadline is None
-                            else max(deadline - time.monotonic(), 0.0)):
-            self._drop(conn, SfcoreTimeoutError(
-                f"no reply from {self.socket_path} in time (another reader held the line)"))
-            return
-        loads = json.loads
-        calls = conn.calls
-        route_ = route
+        turn = conn.turn
+        while not call.done and not call.pieces:
+            with turn:
+                while conn.reading and not call.done and not call.pieces:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        break
+                    turn.wait(remaining)
+                if call.done or call.pieces:
+                    return
+                if conn.reading:  # the deadline passed while another thread read
+                    timed_out = True
+                else:
+                    timed_out = False
+                    conn.reading = True
+            if timed_out:
+                self._drop(conn, SfcoreTimeoutError(
+                    f"no reply from the daemon on {self.socket_path} in time; "
+                    "closed the connection"))
+                return
+            try:
+                self._read_chunk(conn, deadline)
+            finally:
+                conn.done_reading()
+
+    def _read_chunk(self, conn: _Conn, deadline: float | None) -> None:
+        """As the reader: file every line of the next chunk (a stream then takes its
+        buffered pieces without coming back here)."""
         try:
-            while not call.done and not call.pieces:
-                try:
-                    if deadline is not None:
-                        conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-                    # File every line of the chunk at once: with many lines buffered,
-                    # a stream then takes its pieces without coming back here.
-                    for line in conn.read_lines():
-                        if route_(calls, loads(line)):
-                            self._drop(conn, SfcoreConnectionError(
-                                f"the daemon closed the connection ({self.socket_path}) "
-                                "after an error"))
-                            break
-                except TimeoutError:
-                    limit = "" if deadline is not None else f" within {self.timeout} s"
-                    self._drop(conn, SfcoreTimeoutError(
-                        f"no reply from the daemon on {self.socket_path}{limit}; "
-                        "closed the connection"))
-                except (OSError, EOFError) as exc:
-                    if not conn.closed:
-                        reason = "it closed the connection" if isinstance(exc, EOFError) \
-                            else (exc.strerror or str(exc))
-                        self._drop(conn, SfcoreConnectionError(
-                            f"lost the connection to the daemon on {self.socket_path}: "
-                            f"{reason}"))
-                except (ValueError, OutOfStep) as exc:
+            if deadline is not None:
+                conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            calls = conn.calls
+            loads = json.loads
+            for line in conn.read_lines():
+                if route(calls, loads(line)):
                     self._drop(conn, SfcoreConnectionError(
-                        f"the daemon on {self.socket_path} sent an unexpected line "
-                        f"({exc}); closed the connection"))
-                except BaseException:  # e.g. KeyboardInterrupt mid-read: out of step now
-                    self._drop(conn, SfcoreConnectionError("interrupted while reading a reply"))
-                    raise
+                        f"the daemon closed the connection ({self.socket_path}) after an "
+                        "error"))
+                    break
+        except TimeoutError:
+            limit = "" if deadline is not None else f" within {self.timeout} s"
+            self._drop(conn, SfcoreTimeoutError(
+                f"no reply from the daemon on {self.socket_path}{limit}; closed the connection"))
+        except (OSError, EOFError) as exc:
+            if not conn.closed:
+                reason = "it closed the connection" if isinstance(exc, EOFError) \
+                    else (exc.strerror or str(exc))
+                self._drop(conn, SfcoreConnectionError(
+                    f"lost the connection to the daemon on {self.socket_path}: {reason}"))
+        except (ValueError, OutOfStep) as exc:
+            self._drop(conn, SfcoreConnectionError(
+                f"the daemon on {self.socket_path} sent an unexpected line ({exc}); "
+                "closed the connection"))
+        except BaseException:  # e.g. KeyboardInterrupt mid-read: out of step now
+            self._drop(conn, SfcoreConnectionError("interrupted while reading a reply"))
+            raise
         finally:
             if deadline is not None and not conn.closed:
                 conn.sock.settimeout(self.timeout)
-            lock.release()
 
     def _drop(self, conn: _Conn, error: SfcoreError) -> None:
         """Close `conn` and fail every call still in flight on it."""
@@ -345,12 +381,12 @@ class Client:
         without blocking, reading, or touching state another frame may be using."""
         if conn.closed:
             return
-        if conn.read_lock.acquire(blocking=False):
+        if conn.try_to_read():
             try:
                 self._drop(conn, SfcoreConnectionError(
                     "a stream was garbage-collected unfinished; closed the connection"))
             finally:
-                conn.read_lock.release()
+                conn.done_reading()
         else:  # someone is reading: it sees the end of the stream and drops the connection
             conn.doomed = True
             with contextlib.suppress(OSError):
@@ -470,9 +506,11 @@ class Stream(Generic[T]):
             cancel = self._cancel
             while not call.done:
                 client._wait(call, deadline)
-            # The `cancelled` reply follows the `done`: read it too, so the next call's
-            # reply is the next line (a timeout here drops the connection instead).
-            while cancel is not None and not cancel.done:
+            # The `cancelled` reply: read it too when it is next in line, to leave nothing
+            # unread. (Behind another request it waits for whoever reads next.)
+            conn = call.conn
+            while cancel is not None and not cancel.done and conn.calls \
+                    and conn.calls[0] is cancel:
                 client._wait(cancel, deadline)
         call.pieces.clear()
 
