@@ -15,6 +15,7 @@ import contextlib
 import gc
 import importlib.util
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -662,12 +663,16 @@ def test_per_token_parsing_cost() -> None:
 
 
 def test_wheel_has_no_dependency_and_ships_types_and_the_command(tmp_path: Path) -> None:
+    # Built from a copy: the checkout gets no build/ or egg-info from it.
+    source = tmp_path / "source"
+    shutil.copytree(REPO / "clients/python", source,
+                    ignore=shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__"))
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path),
-         str(REPO / "clients/python")],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w",
+         str(tmp_path / "wheels"), str(source)],
         capture_output=True, text=True, timeout=120, check=False)
     assert built.returncode == 0, built.stdout + built.stderr
-    (wheel,) = tmp_path.glob("sfcore_client-*.whl")
+    (wheel,) = (tmp_path / "wheels").glob("sfcore_client-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         metadata = archive.read(next(n for n in names if n.endswith("/METADATA"))).decode()

@@ -337,6 +337,26 @@ async def test_chat_turns_reuse_the_cache_and_reset_starts_over() -> None:
     assert prompts[3] == prompts[0]  # after /reset: the first turn again
 
 
+def repl_error(path: str) -> None:
+    terminal = Terminal(path, "--top-p", "0")  # every turn is invalid_request
+    try:
+        terminal.expect("> ")
+        for _ in range(2):
+            terminal.send("Hi\n")
+            terminal.expect(r"sfcore: invalid_request: .*top_p")
+            terminal.expect("> ")  # the session goes on
+        terminal.send("/exit\n")
+        assert terminal.wait() == 0
+    finally:
+        terminal.close()
+
+
+@pytest.mark.asyncio
+async def test_an_error_at_the_terminal_ends_the_turn_not_the_session() -> None:
+    async with running_daemon() as daemon:
+        await in_thread(repl_error, daemon.socket_path)
+
+
 def repl_interrupt(path: str) -> tuple[dict[str, str], dict[str, str], str]:
     terminal = Terminal(path, "--max-tokens", "400", "--temperature", "0")
     try:

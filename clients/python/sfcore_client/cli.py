@@ -258,7 +258,22 @@ def _chat(client: Client, args: argparse.Namespace) -> int:
             continue
         history.append({"role": "user", "content": line})
         request = generation_request("chat", "messages", history, True, options)
-        text, result, interrupted = _stream(client.request(request), args.json, out)
+        try:
+            text, result, interrupted = _stream(client.request(request), args.json, out)
+        except SfcoreError as exc:
+            if not interactive:
+                raise
+            # At a terminal an error ends the turn, not the session (the next turn
+            # reconnects if the connection was lost).
+            history.pop()
+            out.write("\n")
+            out.flush()
+            print(f"sfcore: {exc.message}" if isinstance(exc, SfcoreConnectionError)
+                  else f"sfcore: {exc.code}: {exc.message}", file=sys.stderr)
+            if exc.code == "context_overflow":
+                print("(the conversation no longer fits the context: /reset starts over)",
+                      file=sys.stderr)
+            continue
         if interrupted and not args.json:
             out.write(" [cancelled]")
         if not args.json:
