@@ -12,10 +12,13 @@ import os
 import signal
 import sys
 from collections.abc import Coroutine, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .config import Config, ConfigError, apply_overrides, load_config
+
+if TYPE_CHECKING:
+    from .socketfile import ListeningSocket
 
 log = logging.getLogger("sfcore_daemon")
 
@@ -118,26 +121,49 @@ def _run(config: Config, pinned: list[int]) -> int:
         log.error("%s", exc)
         return EXIT_STARTUP
 
+    from .socketfile import StartupError, open_listening_socket
+
+    # Before the load starts: a busy or unusable path must end start-up before
+    # llama.cpp reads the model, with nothing left running behind the error line.
+    try:
+        listening = open_listening_socket(config.server.resolved_socket_path(),
+                                          config.server.socket_mode_bits)
+    except StartupError as exc:
+        log.error("%s", exc)
+        return EXIT_STARTUP
+    try:
+        return _serve(config, pinned, model_path, listening=listening, n_threads=n_threads,
+                      n_threads_batch=n_threads_batch)
+    finally:
+        listening.remove()
+
+
+def _serve(config: Config, pinned: list[int], model_path: str, *,
+           listening: ListeningSocket, n_threads: int, n_threads_batch: int) -> int:
     from .engine import Engine, ModelLoadError, route_llama_logs
+    from .socketfile import StartupError
 
     route_llama_logs()
     try:
-        engine = Engine(model_path, config.model, n_threads, n_threads_batch)
+        engine = Engine(model_path, config.model, n_threads, n_threads_batch,
+                        slots=config.server.slots,
+                        prefill_per_step=config.server.prefill_per_step)
     except ModelLoadError as exc:
         log.error("%s", exc)
         return EXIT_STARTUP
     # llama.cpp reads the model on the decode thread (the GIL is released in C)
-    # while this thread imports the server and binds the socket.
+    # while this thread imports the server and sets up the event loop.
     engine.start()
     try:
-        from .server import Server, StartupError
+        from .server import Server
 
-        server = Server(config, engine, pinned)
+        server = Server(config, engine, pinned, listening)
         return _run_event_loop(server.run())
     except (StartupError, ModelLoadError) as exc:
         log.error("%s", exc)
         return EXIT_STARTUP
     finally:
+        # Shutdown order: the model is freed first, then the socket file goes.
         engine.close()
 
 

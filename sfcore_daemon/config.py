@@ -36,6 +36,13 @@ class ServerConfig(_Section, frozen=True):
     # Otherwise a peer needs its uid in allowed_uids or one of its groups in allowed_gids.
     allowed_uids: tuple[NonNegInt, ...] = ()
     allowed_gids: tuple[NonNegInt, ...] = ()
+    # Requests decoded together, each on its own sequence of one shared KV pool
+    # (model.n_ctx cells); see README, "Parallel slots".
+    slots: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
+    # Prompt tokens evaluated per decode step while other requests stream: bounds
+    # their inter-token gap while a long prompt is read (alone, a prompt goes in
+    # whole model.n_batch chunks).
+    prefill_per_step: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] = 64
     max_queue: NonNegInt = 64
     max_connections: PositiveInt = 64
     max_line_bytes: Annotated[int, msgspec.Meta(ge=256)] = 1 << 20
@@ -113,6 +120,12 @@ class Config(_Section, frozen=True):
     runtime: RuntimeConfig = RuntimeConfig()
     generation: GenerationConfig = GenerationConfig()
     log: LogConfig = LogConfig()
+
+    def __post_init__(self) -> None:
+        if self.server.slots > self.model.n_batch:
+            raise ValueError(
+                f"server.slots ({self.server.slots}) must not exceed model.n_batch "
+                f"({self.model.n_batch}): every slot adds a token to each batch")
 
 
 class ConfigError(Exception):

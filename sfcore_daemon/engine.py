@@ -92,6 +92,7 @@ class Job:
         "prompt", "sampling", "max_tokens", "cache_prompt", "stop_requested",
         "pieces", "wake_pending", "_wake", "_finished", "loop",
         "n_cached", "t_start", "t_prompt_done", "t_first", "end_reason", "error",
+        "slot", "evict", "exclusive", "kept",
     )
 
     def __init__(
@@ -122,10 +123,50 @@ class Job:
         self.t_first = 0
         self.end_reason: EndReason = "error"
         self.error: BaseException | None = None
+        # Set by the scheduler before submit: the sequence (slot) to run on, the idle
+        # slots whose cached tokens must be dropped first to make room, and whether
+        # the job must have the batch to itself (reproducible results).
+        self.slot = 0
+        self.evict: tuple[int, ...] = ()
+        self.exclusive = False
+        # Written by the decode thread as the job ends: the tokens its slot now holds.
+        self.kept: list[int] = []
+
+    @property
+    def reserved_cells(self) -> int:
+        """KV cells this job can come to hold: its prompt plus every token it may add."""
+        return len(self.prompt) + self.max_tokens
+
+
+class _Seq:
+    """One slot's sequence in the KV cache; touched by the decode thread only."""
+
+    __slots__ = ("id", "cached", "prompt_rows", "job", "sampler", "next_prompt",
+                 "chunk_end", "n_out", "limit", "generating", "last_token")
+
+    def __init__(self, seq_id: int) -> None:
+        self.id = seq_id
+        # Tokens whose rows are in the KV cache for this sequence, position by position.
+        self.cached: list[int] = []
+        # How many leading rows came from prompt evaluation (not single-token decode).
+        self.prompt_rows = 0
+        self.job: Job | None = None
+        self.sampler: Any = None
+        self.next_prompt = 0  # the first prompt token not yet in the cache
+        self.chunk_end = 0  # the end of the prompt chunk in the current step
+        self.n_out = 0
+        self.limit = 0
+        self.generating = False  # past its prompt: adds one token a step
+        self.last_token = 0  # sampled, not yet decoded
+
+
+def _drain_each(jobs: list[Job]) -> None:
+    for job in jobs:
+        job._wake()
 
 
 class Engine:
-    """One model, one context, one slot, one decode thread.
+    """One model, one context, `slots` sequences, one decode thread.
 
     The decode thread does everything that touches the context: it loads the
     model, runs the warm-up decode and then serves jobs. Loading on it lets the
@@ -141,6 +182,9 @@ class Engine:
         model_config: ModelConfig,
         n_threads: int,
         n_threads_batch: int,
+        *,
+        slots: int = 1,
+        prefill_per_step: int = 512,
     ) -> None:
         if not os.path.isfile(model_path):
             raise ModelLoadError(f"model file not found: {model_path}")
@@ -148,6 +192,8 @@ class Engine:
         self.config = model_config
         self.n_threads = n_threads
         self.n_threads_batch = n_threads_batch
+        self.slots = slots
+        self._prefill_per_step = prefill_per_step
         # Resolved once the model is loaded and warmed up, or fails with ModelLoadError.
         self.ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._model: Any = None
@@ -198,7 +244,7 @@ class Engine:
                 raise LoadAborted("the model load was stopped") from None
             raise
         ctx = C.llama_init_from_model(model, context_params(
-            model_config, self.n_threads, self.n_threads_batch))
+            model_config, self.n_threads, self.n_threads_batch, self.slots))
         if not ctx:
             raise ModelLoadError(
                 f"cannot create a context for {model_path} (n_ctx={model_config.n_ctx}); "
@@ -223,17 +269,19 @@ class Engine:
         self._bos = C.llama_vocab_bos(self._vocab)
         self._add_bos = bool(C.llama_vocab_get_add_bos(self._vocab))
 
-        # Tokens whose rows are in the KV cache, position by position.
-        self._cached: list[int] = []
-        # How many leading rows came from prompt evaluation (not single-token decode).
-        self._prompt_rows = 0
+        self._n_batch = batch
+        self._seqs = [_Seq(seq_id) for seq_id in range(self.slots)]
+        self._active: list[_Seq] = []  # sequences with a job, in the order they began
+        # One batch for every step, sized for n_batch tokens of one sequence each.
+        self._batch = C.llama_batch_init(batch, 0, 1)
+        for row in range(batch):
+            self._batch.n_seq_id[row] = 1
         self._pieces: dict[int, bytes] = {}
         self._piece_buf = ctypes.create_string_buffer(256)
         self._one_token = (C.llama_token * 1)()
         self._one_batch = C.llama_batch_get_one(self._one_token, 1)
-        # Installed only while a prompt is evaluated: llama.cpp polls it once per
-        # graph node, ~400 times per decoded token, which costs decode speed.
-        self._abort_job: Job | None = None
+        # The jobs of the prompt batch being decoded, for the abort callback.
+        self._abort_jobs: list[Job] = []
         self._abort_callback = C.ggml_abort_callback(self._should_abort)
         self._no_abort_callback = C.ggml_abort_callback()
 
@@ -347,6 +395,7 @@ class Engine:
             if not self._vocab_idle.wait_for(lambda: self._vocab_users == 0, timeout):
                 return False
         if self._ctx:
+            C.llama_batch_free(self._batch)
             C.llama_free(self._ctx)
             self._ctx = None
         if self._model:
@@ -365,112 +414,203 @@ class Engine:
     # --- the decode thread ------------------------------------------------------------
 
     def _serve(self) -> None:
-        inbox = self._inbox
-        while (job := inbox.get()) is not None:
+        """The step loop: each step is one llama_decode for every active sequence."""
+        inbox, active = self._inbox, self._active
+        while True:
+            if not active:
+                job = inbox.get()  # idle: sleep until work comes
+                if job is None:
+                    return
+                self._begin(job)
+            # Whatever arrived meanwhile joins this very step.
+            while True:
+                try:
+                    job = inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    for seq in list(active):
+                        self._end(seq, "cancelled")
+                    return
+                self._begin(job)
+            if not active:
+                continue
             try:
-                self._run(job)
-            except BaseException as exc:  # the slot must survive anything; the loop logs it
-                job.end_reason = "error"
-                job.error = exc
-                self._forget_cache()
-            job.loop.call_soon_threadsafe(job._finished)
+                self._step()
+            except BaseException as exc:  # the slots must survive anything; the loop logs it
+                for seq in list(active):
+                    assert seq.job is not None
+                    seq.job.error = exc
+                    self._end(seq, "error")
 
-    def _run(self, job: Job) -> None:
-        ctx = self._ctx
+    def _begin(self, job: Job) -> None:
+        """Put a new job on its slot: drop what the scheduler evicted, reuse the slot's
+        cached prefix, build its sampler. Any failure ends the job, never the thread."""
         if self._failpoint == "decode_hang":
             while True:  # a stuck decode thread, for the watchdog's tests
                 time.sleep(3600)
         job.t_start = time.perf_counter_ns()
-        prompt = job.prompt
-        n_reused = self._reuse_prefix(prompt) if job.cache_prompt else 0
-        if n_reused == 0:
-            self._forget_cache()
-        job.n_cached = n_reused
-
-        # Prefill in n_batch chunks; a cancelled request stops between chunks, and
-        # within one through the abort callback, installed for the prompt only.
-        tokens = (C.llama_token * len(prompt))(*prompt)
-        base, token_size = ctypes.addressof(tokens), ctypes.sizeof(C.llama_token)
-        pos, chunk = n_reused, self._prefill_chunk
-        self._abort_job = job
-        C.llama_set_abort_callback(ctx, self._abort_callback, None)
+        seq = self._seqs[job.slot]
         try:
-            while pos < len(prompt):
-                if job.stop_requested:
-                    job.end_reason = "cancelled"
-                    return
-                end = min(pos - pos % chunk + chunk, len(prompt))
-                start = ctypes.cast(base + pos * token_size, C.llama_token_p)
-                rc = C.llama_decode(ctx, C.llama_batch_get_one(start, end - pos))
-                if rc == _DECODE_ABORTED:
-                    # Whole ubatches done before the abort stay in the cache; drop
-                    # them so the cache holds exactly the tokens in self._cached.
-                    C.llama_memory_seq_rm(self._memory, 0, len(self._cached), -1)
-                    job.end_reason = "cancelled"
-                    return
-                if rc != 0:
-                    raise RuntimeError(f"llama_decode failed on the prompt (code {rc})")
-                self._cached.extend(prompt[pos:end])
-                self._prompt_rows = end
-                pos = end
-                self.progress += 1
-        finally:
-            C.llama_set_abort_callback(ctx, self._no_abort_callback, None)
-            self._abort_job = None
-        job.t_prompt_done = time.perf_counter_ns()
+            for slot in job.evict:
+                self._forget(self._seqs[slot])
+            n_reused = self._reuse_prefix(seq, job.prompt) if job.cache_prompt else 0
+            if n_reused == 0:
+                self._forget(seq)
+            job.n_cached = n_reused
+            seq.next_prompt = n_reused
+            seq.n_out = 0
+            seq.generating = False
+            seq.limit = min(job.max_tokens, self.n_ctx - len(job.prompt))
+            seq.sampler = self._make_sampler(job.sampling, job.prompt)
+        except BaseException as exc:
+            job.error = exc
+            job.end_reason = "error"
+            self._forget(seq)
+            job.loop.call_soon_threadsafe(job._finished)
+            return
+        seq.job = job
+        self._active.append(seq)
 
-        sampler = self._make_sampler(job.sampling, prompt)
-        try:
-            self._generate(job, sampler)
-        finally:
-            C.llama_sampler_free(sampler)
+    def _step(self) -> None:
+        active = self._active
+        for seq in list(active):
+            assert seq.job is not None
+            if seq.job.stop_requested:
+                self._end(seq, "cancelled")
+        if not active:
+            return
+        batch = self._batch
+        tokens, positions, seq_ids, wants = batch.token, batch.pos, batch.seq_id, batch.logits
+        outputs: list[tuple[_Seq, int]] = []
+        prefilling: list[_Seq] = []
+        n = 0
+        # Every generating sequence first: one token each, each asking for its logits.
+        for seq in active:
+            if seq.generating:
+                tokens[n] = seq.last_token
+                positions[n] = len(seq.cached)
+                seq_ids[n][0] = seq.id
+                wants[n] = 1
+                outputs.append((seq, n))
+                n += 1
+        # Then prompt tokens, oldest request first. Alone, a prompt goes in whole
+        # n_batch chunks; beside streaming sequences, at most prefill_per_step tokens
+        # a step, so their next token is never held up by a whole long prompt.
+        budget = self._n_batch - n if n == 0 else min(self._prefill_per_step, self._n_batch - n)
+        chunk = self._prefill_chunk
+        for seq in active:
+            if budget <= 0:
+                break
+            if seq.generating:
+                continue
+            job = seq.job
+            assert job is not None
+            prompt, pos, sid = job.prompt, seq.next_prompt, seq.id
+            end = min(pos - pos % chunk + chunk, len(prompt), pos + budget)
+            for index in range(pos, end):
+                tokens[n] = prompt[index]
+                positions[n] = index
+                seq_ids[n][0] = sid
+                wants[n] = 0
+                n += 1
+            budget -= end - pos
+            seq.chunk_end = end
+            prefilling.append(seq)
+            if end == len(prompt):
+                wants[n - 1] = 1
+                outputs.append((seq, n - 1))
+        batch.n_tokens = n
+
+        ctx = self._ctx
+        if prefilling:
+            # A prompt batch can take seconds: the abort callback stops it once every
+            # sequence in it is cancelled. Installed for prompt batches only, since
+            # llama.cpp polls it once per graph node, hundreds of times a token.
+            self._abort_jobs = [seq.job for seq in active if seq.job is not None]
+            C.llama_set_abort_callback(ctx, self._abort_callback, None)
+            try:
+                rc = C.llama_decode(ctx, batch)
+            finally:
+                C.llama_set_abort_callback(ctx, self._no_abort_callback, None)
+                self._abort_jobs = []
+        else:
+            rc = C.llama_decode(ctx, batch)
+        self.progress += 1
+        if rc == _DECODE_ABORTED:
+            # Whole ubatches done before the abort stay in the cache; drop them so
+            # each sequence's cache holds exactly its `cached` tokens.
+            for seq in list(active):
+                C.llama_memory_seq_rm(self._memory, seq.id, len(seq.cached), -1)
+                self._end(seq, "cancelled")
+            return
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed (code {rc}, {n} tokens)")
+
+        for seq in active:
+            if seq.generating:
+                seq.cached.append(seq.last_token)
+        now = time.perf_counter_ns()
+        for seq in prefilling:
+            job = seq.job
+            assert job is not None
+            seq.cached.extend(job.prompt[seq.next_prompt:seq.chunk_end])
+            seq.next_prompt = seq.prompt_rows = seq.chunk_end
+            if seq.chunk_end == len(job.prompt):
+                job.t_prompt_done = now
+
+        sample, is_eog, vocab = C.llama_sampler_sample, C.llama_vocab_is_eog, self._vocab
+        pieces, clock = self._pieces, time.perf_counter_ns
+        woken: list[Job] = []
+        for seq, row in outputs:
+            job = seq.job
+            assert job is not None
+            token = sample(seq.sampler, ctx, row)
+            now = clock()
+            if seq.n_out == 0:
+                job.t_first = now
+            if is_eog(vocab, token):
+                self._end(seq, "stop")
+                continue
+            piece = pieces.get(token)
+            if piece is None:
+                piece = self._piece(token)
+            job.pieces.append((piece, now))
+            if not job.wake_pending:
+                job.wake_pending = True
+                woken.append(job)
+            seq.n_out += 1
+            if seq.n_out >= seq.limit:
+                self._end(seq, "length")
+                continue
+            seq.last_token = token
+            seq.generating = True
+        if woken:
+            # One wake-up of the event loop per step, whatever the number of streams.
+            woken[0].loop.call_soon_threadsafe(_drain_each, woken)
+
+    def _end(self, seq: _Seq, reason: EndReason) -> None:
+        job = seq.job
+        assert job is not None
+        job.end_reason = reason
+        if reason == "error":
+            self._forget(seq)
+        if seq.sampler is not None:
+            C.llama_sampler_free(seq.sampler)
+            seq.sampler = None
+        job.kept = list(seq.cached)
+        seq.job = None
+        self._active.remove(seq)
+        job.loop.call_soon_threadsafe(job._finished)
 
     def _should_abort(self, _data: Any) -> bool:
         self.progress += 1
-        job = self._abort_job
-        return job is not None and job.stop_requested
+        jobs = self._abort_jobs
+        return bool(jobs) and all(job.stop_requested for job in jobs)
 
-    def _generate(self, job: Job, sampler: Any) -> None:
-        ctx, vocab = self._ctx, self._vocab
-        sample, decode, is_eog = C.llama_sampler_sample, C.llama_decode, C.llama_vocab_is_eog
-        pieces, piece_of = self._pieces, self._piece
-        one_token, one_batch = self._one_token, self._one_batch
-        out, wake, cached = job.pieces, job.loop.call_soon_threadsafe, self._cached
-        clock = time.perf_counter_ns
-        limit = min(job.max_tokens, self.n_ctx - len(job.prompt))
-        n = 0
-        while True:
-            token = sample(sampler, ctx, -1)
-            now = clock()
-            if n == 0:
-                job.t_first = now
-            if is_eog(vocab, token):
-                job.end_reason = "stop"
-                return
-            piece = pieces.get(token)
-            if piece is None:
-                piece = piece_of(token)
-            out.append((piece, now))
-            if not job.wake_pending:
-                job.wake_pending = True
-                wake(job._wake)
-            n += 1
-            if n >= limit:
-                job.end_reason = "length"
-                return
-            one_token[0] = token
-            rc = decode(ctx, one_batch)
-            if rc != 0:
-                raise RuntimeError(f"llama_decode failed while generating (code {rc})")
-            cached.append(token)
-            self.progress += 1
-            if job.stop_requested:
-                job.end_reason = "cancelled"
-                return
-
-    def _reuse_prefix(self, prompt: list[int]) -> int:
-        """Keep the longest usable cached prefix of `prompt`; return its length."""
-        cached = self._cached
+    def _reuse_prefix(self, seq: _Seq, prompt: list[int]) -> int:
+        """Keep the longest usable cached prefix of `prompt` in `seq`; return its length."""
+        cached = seq.cached
         limit = min(len(cached), len(prompt) - 1)  # the last prompt token must be evaluated
         n = 0
         while n < limit and cached[n] == prompt[n]:
@@ -478,22 +618,22 @@ class Engine:
         if self.config.reproducible:
             # Only whole n_ubatch-aligned chunks of earlier prompt evaluation are
             # bit-identical to what a cold run computes.
-            n = min(n, self._prompt_rows)
+            n = min(n, seq.prompt_rows)
             n -= n % self.n_ubatch
         if n == 0:
             return 0
         memory = self._memory
-        removed = C.llama_memory_seq_rm(memory, 0, n, -1)
-        if not removed or C.llama_memory_seq_pos_min(memory, 0) > 0:
+        removed = C.llama_memory_seq_rm(memory, seq.id, n, -1)
+        if not removed or C.llama_memory_seq_pos_min(memory, seq.id) > 0:
             return 0
         del cached[n:]
-        self._prompt_rows = min(self._prompt_rows, n)
+        seq.prompt_rows = min(seq.prompt_rows, n)
         return n
 
-    def _forget_cache(self) -> None:
-        C.llama_memory_seq_rm(self._memory, 0, -1, -1)
-        self._cached.clear()
-        self._prompt_rows = 0
+    def _forget(self, seq: _Seq) -> None:
+        C.llama_memory_seq_rm(self._memory, seq.id, -1, -1)
+        seq.cached.clear()
+        seq.prompt_rows = 0
 
     def _make_sampler(self, sampling: Sampling, prompt: list[int]) -> Any:
         chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
@@ -558,16 +698,21 @@ def load_model(model_path: str, model_config: ModelConfig, progress: Any = None)
     return model
 
 
-def context_params(model_config: ModelConfig, n_threads: int, n_threads_batch: int) -> Any:
+def context_params(model_config: ModelConfig, n_threads: int, n_threads_batch: int,
+                   slots: int = 1) -> Any:
     """The daemon's llama_context_params; the tuner and the benchmark use the same."""
     params = C.llama_context_default_params()
     params.n_ctx = model_config.n_ctx
     params.n_batch = model_config.n_batch
     params.n_ubatch = model_config.n_ubatch
-    params.n_seq_max = 1
-    # Only the last prompt token's logits are ever read. Without this llama.cpp
-    # reserves logits for n_ubatch outputs: 512 x 262k floats, a 514 MiB buffer.
-    params.n_outputs_max = 1
+    params.n_seq_max = slots
+    # One KV pool shared by every slot: a request may use as much of n_ctx as the
+    # others leave, and no slot's share sits idle (see README, "Parallel slots").
+    params.kv_unified = True
+    # Only logits of a prompt's last token and of each generating sequence are ever
+    # read, at most one row per slot a step. Without this llama.cpp reserves logits
+    # for n_ubatch outputs: 512 x 262k floats, a 514 MiB buffer.
+    params.n_outputs_max = slots
     params.n_threads = n_threads
     params.n_threads_batch = n_threads_batch
     params.flash_attn_type = _flash_attn_type(model_config.flash_attn)

@@ -159,6 +159,9 @@ class HealthReply(_Reply, tag="health", kw_only=True):
     busy: bool
     queue_depth: int
     uptime_s: float
+    # Beyond PROTOCOL.md: decode slots, and how many run a request now.
+    slots: int
+    slots_busy: int
 
 
 class TokensReply(_Reply, tag="tokens", kw_only=True):
@@ -197,6 +200,8 @@ class EffectiveConfig(Struct, kw_only=True):
     gpu_layers: int
     flash_attn: bool | str
     reproducible: bool
+    slots: int
+    prefill_per_step: int
     # Which template `chat` renders: "model" (the GGUF's own), a llama.cpp built-in
     # name, "jinja" (a configured template text), or None (chat is unavailable).
     chat_template: str | None
@@ -233,6 +238,13 @@ class ConnectionCounts(Struct, kw_only=True):
     rejected: int
 
 
+class SlotUse(Struct, kw_only=True):
+    slot: int
+    busy: bool
+    requests: int  # requests started on this slot since start
+    cached_tokens: int  # tokens an idle slot holds for prefix reuse
+
+
 class StatsReply(_Reply, tag="stats", kw_only=True):
     uptime_s: float
     requests: RequestCounts
@@ -240,6 +252,7 @@ class StatsReply(_Reply, tag="stats", kw_only=True):
     errors: dict[str, int]
     connections: ConnectionCounts
     decode_tok_s: float
+    slots: list[SlotUse]
 
 
 Reply = (TokenReply | DoneReply | ErrorReply | HealthReply | TokensReply | TextReply

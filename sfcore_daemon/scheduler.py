@@ -1,9 +1,9 @@
-"""The wait queue and the single decode slot, and the event-loop half of a generation.
+"""The wait queue and the decode slots, and the event-loop half of a generation.
 
 `Generation` turns the pieces the decode thread produces into protocol lines: it
 runs the UTF-8/stop-sequence filter, encodes `token` lines in batches, and writes
-the final `done`. `Scheduler` keeps one FIFO for every connection and feeds the
-engine one job at a time.
+the final `done`. `Scheduler` keeps one FIFO for every connection and hands the
+engine a job whenever a slot and room in the KV pool are free.
 """
 
 from __future__ import annotations
@@ -17,11 +17,25 @@ from typing import Protocol, cast
 
 from . import protocol
 from .engine import Engine, Job, Sampling
-from .protocol import DoneReply, ErrorReply, FinishReason, RequestId, Timings, TokenReply, Usage
+from .protocol import (
+    DoneReply,
+    ErrorReply,
+    FinishReason,
+    RequestId,
+    SlotUse,
+    Timings,
+    TokenReply,
+    Usage,
+)
 from .stats import Stats
 from .textstream import TextStream
 
 log = logging.getLogger(__name__)
+
+
+# Tokens in common with a slot's cache that make a request go to that slot even
+# though most of what the slot holds would be overwritten.
+_WORTHWHILE_PREFIX = 64
 
 
 class ReplySink(Protocol):
@@ -54,6 +68,7 @@ class Generation:
         arrived_ns: int,
         loop: asyncio.AbstractEventLoop,
         stats: Stats,
+        exclusive: bool = False,
     ) -> None:
         self.request_id = request_id
         self.stream = stream
@@ -63,6 +78,7 @@ class Generation:
             prompt, sampling, max_tokens, cache_prompt,
             loop=loop, on_pieces=self._drain, on_finished=self._finished,
         )
+        self.job.exclusive = exclusive
         self._text = TextStream(stops)
         self._parts: list[str] = []
         self.completion_tokens = 0
@@ -216,43 +232,60 @@ def _rate(count: int, ns: int) -> float:
 
 
 class Scheduler:
-    """One FIFO in front of one slot. Runs on the event loop only."""
+    """One FIFO in front of `slots` decode slots sharing one KV pool. Event loop only.
 
-    def __init__(self, engine: Engine, max_queue: int) -> None:
+    The head of the queue starts as soon as a slot is free and the KV pool can hold
+    everything it may come to need (its prompt plus max_tokens) beside what running
+    requests may need; idle slots' cached prefixes are dropped, least recently used
+    first, to make that room. So a running request never fails for lack of cells,
+    and a waiting one only waits. Strict FIFO: nothing overtakes the head.
+    """
+
+    def __init__(self, engine: Engine, max_queue: int, slots: int = 1) -> None:
         self._engine = engine
         self._max_queue = max_queue
+        self.slots = slots
         self.waiting: deque[Generation] = deque()
-        self.running: Generation | None = None
+        self.running: dict[int, Generation] = {}
+        # What each idle slot holds in the KV cache, as the decode thread left it.
+        self._slot_tokens: list[list[int]] = [[] for _ in range(slots)]
+        self._slot_used: list[int] = [0] * slots
+        self._uses = 0
+        self.slot_requests: list[int] = [0] * slots  # per-slot use, for `stats`
+        self._exclusive = False  # a running request must have the batch to itself
         self._idle = asyncio.Event()
         self._idle.set()
 
     @property
     def busy(self) -> bool:
-        return self.running is not None
+        return bool(self.running)
+
+    @property
+    def busy_slots(self) -> int:
+        return len(self.running)
 
     @property
     def queue_depth(self) -> int:
         return len(self.waiting)
 
     def submit(self, generation: Generation) -> None:
-        if self.running is None:
-            self._start(generation)
-        elif len(self.waiting) >= self._max_queue:
+        if not self.waiting and self._try_start(generation):
+            return
+        if len(self.waiting) >= self._max_queue:
             raise QueueFull
-        else:
-            self.waiting.append(generation)
+        self.waiting.append(generation)
 
     def abandon(self, generation: Generation) -> None:
         """The client went away: drop it from the queue, or stop it within one token."""
         generation.abandon()
-        if generation is not self.running:
+        if not self._is_running(generation):
             with contextlib.suppress(ValueError):  # already dispatched or answered
                 self.waiting.remove(generation)
 
     def cancel(self, generation: Generation) -> None:
         """The cancel op: a queued request is answered at once, a running one stops
         within one token (or one prompt batch)."""
-        if generation is self.running:
+        if self._is_running(generation):
             generation.cancel()
             return
         with contextlib.suppress(ValueError):
@@ -264,25 +297,101 @@ class Scheduler:
             self.waiting.popleft().fail(code, message)
 
     def cancel_running(self) -> None:
-        if self.running is not None:
-            self.running.cancel()
+        for generation in list(self.running.values()):
+            generation.cancel()
 
     async def wait_idle(self) -> None:
         await self._idle.wait()
 
-    def _start(self, generation: Generation) -> None:
-        self.running = generation
+    def slot_uses(self) -> list[SlotUse]:
+        return [SlotUse(slot=slot, busy=slot in self.running,
+                        requests=self.slot_requests[slot],
+                        cached_tokens=0 if slot in self.running else len(self._slot_tokens[slot]))
+                for slot in range(self.slots)]
+
+    def _is_running(self, generation: Generation) -> bool:
+        return self.running.get(generation.job.slot) is generation
+
+    def _try_start(self, generation: Generation) -> bool:
+        job = generation.job
+        if self.running and (job.exclusive or self._exclusive):
+            return False
+        free = [slot for slot in range(self.slots) if slot not in self.running]
+        if not free:
+            return False
+        slot = self._pick_slot(free, job.prompt)
+        pool = self._engine.n_ctx
+        held = sum(g.job.reserved_cells for g in self.running.values())
+        held += job.reserved_cells
+        idle = sorted((s for s in free if s != slot and self._slot_tokens[s]),
+                      key=self._slot_used.__getitem__)
+        held += sum(len(self._slot_tokens[s]) for s in idle)
+        evict = []
+        for other in idle:
+            if held <= pool:
+                break
+            evict.append(other)
+            held -= len(self._slot_tokens[other])
+        if held > pool:
+            return False
+        for other in evict:
+            self._slot_tokens[other] = []
+        job.slot = slot
+        job.evict = tuple(evict)
+        self.running[slot] = generation
+        self._exclusive = job.exclusive
+        self.slot_requests[slot] += 1
         self._idle.clear()
         generation._scheduler = self
-        self._engine.submit(generation.job)
+        self._engine.submit(job)
+        return True
+
+    def _pick_slot(self, free: list[int], prompt: list[int]) -> int:
+        """The free slot whose cache shares the longest worthwhile prefix with `prompt`,
+        else the least recently used one (an unused one first).
+
+        A shared prefix is worthwhile when it is most of what the slot holds, or long
+        in itself (a common system prompt): a lone BOS in common is not worth
+        overwriting another conversation's cache for.
+        """
+        best, best_shared = -1, 0
+        for slot in free:
+            cached = self._slot_tokens[slot]
+            shared = _shared_prefix(cached, prompt)
+            worthwhile = shared * 2 > len(cached) or shared >= _WORTHWHILE_PREFIX
+            if worthwhile and shared > best_shared:
+                best, best_shared = slot, shared
+        if best >= 0:
+            return best
+        return min(free, key=self._slot_used.__getitem__)
 
     def _released(self, generation: Generation) -> None:
-        if generation is not self.running:
+        slot = generation.job.slot
+        if self.running.get(slot) is not generation:
             return
-        self.running = None
-        while self.waiting:
-            following = self.waiting.popleft()
-            if not following.replied:
-                self._start(following)
-                return
-        self._idle.set()
+        del self.running[slot]
+        self._exclusive = False
+        self._slot_tokens[slot] = generation.job.kept
+        self._uses += 1
+        self._slot_used[slot] = self._uses
+        self._pump()
+
+    def _pump(self) -> None:
+        waiting = self.waiting
+        while waiting:
+            head = waiting[0]
+            if head.replied:
+                waiting.popleft()
+                continue
+            if not self._try_start(head):
+                break
+            waiting.popleft()
+        if not self.running and not waiting:
+            self._idle.set()
+
+
+def _shared_prefix(cached: list[int], prompt: list[int]) -> int:
+    n, limit = 0, min(len(cached), len(prompt))
+    while n < limit and cached[n] == prompt[n]:
+        n += 1
+    return n

@@ -13,11 +13,9 @@ import contextlib
 import errno
 import importlib.metadata
 import logging
-import os
 import select
 import signal
 import socket
-import stat
 import struct
 import time
 from collections import deque
@@ -43,6 +41,7 @@ from .protocol import (
     ModelDescription,
     RequestError,
     RequestId,
+    SlotUse,
     StatsRequest,
     TextReply,
     TokenizeRequest,
@@ -50,6 +49,7 @@ from .protocol import (
     Versions,
 )
 from .scheduler import Generation, QueueFull, Scheduler
+from .socketfile import ListeningSocket, StartupError
 from .stats import Stats
 
 log = logging.getLogger(__name__)
@@ -62,68 +62,6 @@ _READ_CHUNK_BYTES = 64 * 1024
 _MAX_SOCKET_PATH_BYTES = 107
 # SO_PEERGROUPS (Linux 4.13+): the peer's supplementary groups at connect time.
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
-
-
-class StartupError(Exception):
-    """A problem that stops the daemon before it serves; the message is for the user."""
-
-
-# --- the socket file ----------------------------------------------------------------------
-
-
-def bind_socket(path: str, mode: int) -> socket.socket:
-    """Bind a listening socket at `path` with `mode` from the first instant.
-
-    A live daemon on the path is refused; a stale socket (nothing listening) is
-    reclaimed; anything that is not a socket is refused and never deleted.
-    """
-    size = len(os.fsencode(path))
-    if size > _MAX_SOCKET_PATH_BYTES:
-        raise StartupError(f"socket path {path} is {size} bytes long; Unix sockets allow at "
-                           f"most {_MAX_SOCKET_PATH_BYTES} (choose a shorter server.socket_path)")
-    try:
-        existing = os.lstat(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        raise StartupError(f"cannot use socket path {path}: {exc.strerror}") from None
-    else:
-        if not stat.S_ISSOCK(existing.st_mode):
-            raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
-        if _is_listening(path):
-            raise StartupError(f"another daemon is already listening on {path}")
-        log.info("removing stale socket %s", path)
-        try:
-            os.unlink(path)
-        except OSError as exc:
-            raise StartupError(f"cannot remove stale socket {path}: {exc.strerror}") from None
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    # The umask, not a chmod after bind, so the file is never more open than `mode`.
-    old_umask = os.umask(0o777 & ~mode)
-    try:
-        sock.bind(path)
-    except OSError as exc:
-        sock.close()
-        raise StartupError(f"cannot bind {path}: {exc.strerror or exc}") from None
-    finally:
-        os.umask(old_umask)
-    sock.listen(512)
-    return sock
-
-
-def _is_listening(path: str) -> bool:
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(2.0)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        return False
-    except OSError as exc:
-        raise StartupError(
-            f"cannot tell whether {path} is in use: {exc.strerror or exc}") from None
-    finally:
-        probe.close()
-    return True
 
 
 def _peer_credentials(sock: Any) -> tuple[int, int, int] | None:
@@ -410,7 +348,8 @@ class Connection:
                         slot.write(protocol.encode_line(info))
                         slot.close()
                 case StatsRequest():
-                    self.reply(protocol.encode_line(server.stats.reply(request_id)))
+                    stats = server.stats.reply(request_id, server.slot_uses())
+                    self.reply(protocol.encode_line(stats))
                 case _:
                     assert_never(request)
         except Exception:
@@ -455,11 +394,13 @@ async def _wait_closed(writer: asyncio.StreamWriter) -> None:
 
 
 class Server:
-    def __init__(self, config: Config, engine: Engine, cpus: list[int]) -> None:
+    def __init__(self, config: Config, engine: Engine, cpus: list[int],
+                 listening: ListeningSocket) -> None:
         """`engine` has been started (it may still be loading); the server closes it."""
         self.config = config
         self.cpus = cpus
-        self.socket_path = config.server.resolved_socket_path()
+        self._listening = listening
+        self.socket_path = listening.path
         self._engine = engine
         # Set once the model is loaded and warmed up.
         self.engine: Engine | None = None
@@ -476,7 +417,6 @@ class Server:
         self._stop = asyncio.Event()
         self._stop_count = 0
         self._listener: asyncio.AbstractServer | None = None
-        self._socket_identity: tuple[int, int] | None = None
         self._closing: set[asyncio.Future[None]] = set()
         self._watchdog: asyncio.Task[None] | None = None
 
@@ -486,17 +426,12 @@ class Server:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_stop, signum)
-        sock = systemd.activated_socket()
-        if sock is None:
-            sock = bind_socket(self.socket_path, self.config.server.socket_mode_bits)
-            info = os.stat(self.socket_path)
-            self._socket_identity = (info.st_dev, info.st_ino)
-        else:
-            self.socket_path = sock.getsockname() or self.socket_path
+        if self._listening.identity is None:
             log.info("using the socket passed by systemd: %s", self.socket_path)
         try:
             self._start_watchdog()
-            self._listener = await asyncio.start_unix_server(self._accept, sock=sock)
+            self._listener = await asyncio.start_unix_server(self._accept,
+                                                             sock=self._listening.sock)
             log.info("listening on %s; loading the model", self.socket_path)
             systemd.notify("STATUS=loading the model")
             if await self._load() and not self._stop.is_set():
@@ -505,7 +440,6 @@ class Server:
         finally:
             if self._watchdog is not None:
                 self._watchdog.cancel()
-            self._remove_socket()
         return 0
 
     def _start_watchdog(self) -> None:
@@ -545,7 +479,7 @@ class Server:
         except ChatTemplateError as exc:
             raise StartupError(f"model.chat_template: {exc}") from None
         self.engine = engine
-        self.scheduler = Scheduler(engine, self.config.server.max_queue)
+        self.scheduler = Scheduler(engine, self.config.server.max_queue, engine.slots)
         log.info("model %s (%s, %s parameters, %.1f MB) from %s loaded in %.0f ms",
                  info.name, info.architecture, f"{info.n_params:,}", info.size_bytes / 1e6,
                  info.path, engine.load_seconds * 1000)
@@ -614,19 +548,6 @@ class Server:
         if tasks:
             await asyncio.wait(tasks, timeout=_CLOSE_GRACE_S)
 
-    def _remove_socket(self) -> None:
-        if self._socket_identity is None:
-            return  # systemd owns an activated socket
-        try:
-            info = os.lstat(self.socket_path)
-            if (info.st_dev, info.st_ino) == self._socket_identity:
-                os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            if exc.errno != errno.ENOENT:
-                log.warning("cannot remove %s: %s", self.socket_path, exc.strerror)
-
     # --- connections ---
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -692,7 +613,15 @@ class Server:
             busy=scheduler.busy if scheduler is not None else False,
             queue_depth=scheduler.queue_depth if scheduler is not None else 0,
             uptime_s=round(time.monotonic() - self.stats.started, 3),
+            slots=self.config.server.slots,
+            slots_busy=scheduler.busy_slots if scheduler is not None else 0,
         )
+
+    def slot_uses(self) -> list[SlotUse]:
+        if self.scheduler is None:
+            return [SlotUse(slot=slot, busy=False, requests=0, cached_tokens=0)
+                    for slot in range(self.config.server.slots)]
+        return self.scheduler.slot_uses()
 
     def cancel(self, connection: Connection, request: CancelRequest) -> CancelledReply:
         """Cancel the pending requests with id `target` sent on this connection."""
@@ -730,6 +659,7 @@ class Server:
                 mmap=model_config.use_mmap, mlock=model_config.use_mlock,
                 gpu_layers=model_config.n_gpu_layers, flash_attn=model_config.flash_attn,
                 reproducible=model_config.reproducible,
+                slots=engine.slots, prefill_per_step=self.config.server.prefill_per_step,
                 chat_template=self.chat_template.label if self.chat_template else None),
             system_info=engine.system_info.strip(),
             versions=_versions(),
@@ -831,12 +761,15 @@ class Server:
                 repeat_penalty=_pick(request.repeat_penalty, defaults.repeat_penalty),
                 seed=request.seed,
             ),
-            max_tokens=_pick(request.max_tokens, defaults.max_tokens),
+            # Clipped to the room the prompt leaves, so the scheduler can reserve it.
+            max_tokens=min(_pick(request.max_tokens, defaults.max_tokens),
+                           engine.n_ctx - len(prompt)),
             cache_prompt=request.cache_prompt,
             sink=slot,
             arrived_ns=arrived_ns,
             loop=asyncio.get_running_loop(),
             stats=self.stats,
+            exclusive=self._exclusive(request),
         )
         slot.generation = generation
         connection.generations.add(generation)
@@ -845,8 +778,15 @@ class Server:
         except QueueFull:
             connection.generations.discard(generation)
             generation.fail(protocol.QUEUE_FULL,
-                            f"the slot is busy and {scheduler.queue_depth} requests are waiting "
+                            f"every slot is busy and {scheduler.queue_depth} requests are waiting "
                             "(server.max_queue)")
+
+
+    def _exclusive(self, request: GenerationRequest) -> bool:
+        """Whether a request must have the batch to itself: its tokens must not depend
+        on what else runs (reproducible mode; a cold prompt, which promises the same
+        bytes for the same seed whatever else runs)."""
+        return self.config.model.reproducible or not request.cache_prompt
 
 
 _T = TypeVar("_T")

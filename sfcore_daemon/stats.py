@@ -9,7 +9,14 @@ from __future__ import annotations
 import time
 
 from . import protocol
-from .protocol import ConnectionCounts, RequestCounts, RequestId, StatsReply, TokenCounts
+from .protocol import (
+    ConnectionCounts,
+    RequestCounts,
+    RequestId,
+    SlotUse,
+    StatsReply,
+    TokenCounts,
+)
 
 OUTCOMES = (*protocol.FINISH_REASONS, "error")
 
@@ -41,7 +48,7 @@ class Stats:
             self._decode_tokens += completion_tokens - 1
             self._decode_ns += decode_ns
 
-    def reply(self, request_id: RequestId) -> StatsReply:
+    def reply(self, request_id: RequestId, slots: list[SlotUse]) -> StatsReply:
         rate = self._decode_tokens * 1e9 / self._decode_ns if self._decode_ns else 0.0
         return StatsReply(
             id=request_id,
@@ -55,4 +62,5 @@ class Stats:
                                          total=self.connections_total,
                                          rejected=self.connections_rejected),
             decode_tok_s=round(rate, 2),
+            slots=slots,
         )

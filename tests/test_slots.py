@@ -1,0 +1,255 @@
+"""Parallel slots: concurrent requests decoded together, each keeping its own meaning.
+
+Every test runs the real daemon with `slots > 1` and talks to it over its socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from tests.fault_support import health, poll_until
+from tests.harness import Client, Daemon, done_of, running_daemon, tokens_text
+
+pytestmark = pytest.mark.asyncio
+
+TOPICS = ("the ocean", "a desert", "old forests", "a mountain pass", "rivers", "volcanoes",
+          "glaciers", "the prairie")
+
+
+def story(index: int, **options: Any) -> dict[str, Any]:
+    return {"id": f"s{index}", "prompt": f"Write a long essay about {TOPICS[index]}.",
+            "temperature": 0, "max_tokens": 48, **options}
+
+
+async def stream_all(daemon: Daemon, requests: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Send each request on its own connection at once; every reply, in request order."""
+    clients = [await daemon.connect() for _ in requests]
+    try:
+        for client, request in zip(clients, requests, strict=True):
+            await client.send(request)
+        return list(await asyncio.gather(*(client.reply(120) for client in clients)))
+    finally:
+        for client in clients:
+            await client.close()
+
+
+async def first_tokens(clients: list[Client], requests: list[dict[str, Any]]) -> None:
+    for client, request in zip(clients, requests, strict=True):
+        await client.start_streaming(request)
+
+
+async def test_four_clients_run_at_once_and_each_gets_its_own_answer() -> None:
+    async with running_daemon({"server": {"slots": 4}}) as daemon:
+        requests = [story(i, max_tokens=64) for i in range(4)]
+        clients = [await daemon.connect() for _ in requests]
+        try:
+            # Each has streamed its first token before any has finished: all four
+            # are being decoded, not queued behind each other.
+            await first_tokens(clients, requests)
+            state = await health(daemon)
+            assert state["slots"] == 4
+            assert state["slots_busy"] == 4 and state["queue_depth"] == 0, state
+            replies = [await client.reply(120) for client in clients]
+        finally:
+            for client in clients:
+                await client.close()
+        for request, lines in zip(requests, replies, strict=True):
+            done = done_of(lines)
+            assert all(line["id"] == request["id"] for line in lines)
+            assert done["finish_reason"] == "length"
+            assert done["usage"]["completion_tokens"] == 64
+        texts = {tokens_text(lines) for lines in replies}
+        assert len(texts) == 4, "distinct prompts gave the same text"
+        async with daemon.client() as client:
+            stats = await client.final({"op": "stats"})
+            info = await client.final({"op": "info"})
+        assert info["config"]["slots"] == 4
+        assert [slot["slot"] for slot in stats["slots"]] == [0, 1, 2, 3]
+        assert sum(slot["requests"] for slot in stats["slots"]) == 4
+        assert all(slot["requests"] == 1 and not slot["busy"] for slot in stats["slots"])
+
+
+async def test_a_fifth_request_waits_for_a_free_slot() -> None:
+    async with running_daemon({"server": {"slots": 2}}) as daemon:
+        requests = [story(i, max_tokens=40) for i in range(3)]
+        clients = [await daemon.connect() for _ in requests]
+        try:
+            await first_tokens(clients[:2], requests[:2])
+            await clients[2].send(requests[2])
+            await poll_until(lambda: health(daemon), lambda h: h["queue_depth"] == 1,
+                             timeout=30, what="the third request queued")
+            replies = [await client.reply(120) for client in clients]
+        finally:
+            for client in clients:
+                await client.close()
+        for lines in replies:
+            assert done_of(lines)["usage"]["completion_tokens"] == 40
+        # It started only when one of the first two ended.
+        assert done_of(replies[2])["timings"]["queued_ms"] > 0
+
+
+async def test_cancel_and_disconnect_end_one_sequence_and_never_disturb_the_others() -> None:
+    async with running_daemon({"server": {"slots": 4}}) as daemon:
+        requests = [story(i, max_tokens=2000 if i < 2 else 60) for i in range(4)]
+        clients = [await daemon.connect() for _ in requests]
+        try:
+            await first_tokens(clients, requests)
+            # Client 0 cancels its request over the same connection.
+            await clients[0].send({"op": "cancel", "id": "c", "target": "s0"})
+            # Client 1 vanishes mid-stream.
+            await clients[1].close()
+            cancelled = await clients[0].reply(60)
+            assert done_of(cancelled)["finish_reason"] == "cancelled"
+            assert (await clients[0].reply(30))[-1] == {
+                "id": "c", "type": "cancelled", "target": "s0", "found": True}
+            others = [await client.reply(120) for client in clients[2:]]
+        finally:
+            for client in clients:
+                await client.close()
+        for lines in others:
+            done = done_of(lines)
+            assert done["finish_reason"] == "length"
+            assert done["usage"]["completion_tokens"] == 60
+        await poll_until(lambda: health(daemon), lambda h: h["slots_busy"] == 0,
+                         timeout=10, what="every slot free")
+
+
+async def test_stop_sequences_apply_to_their_own_sequence_only() -> None:
+    async with running_daemon({"server": {"slots": 2}}) as daemon:
+        # Greedy text of a prompt alone decides where its stop lies.
+        async with daemon.client() as client:
+            alone = done_of(await client.request(
+                {**story(0, max_tokens=40), "stream": False}))["text"]
+        words = alone.split()
+        assert len(words) > 6, alone
+        stop = " " + words[4]
+        replies = await stream_all(daemon, [
+            {**story(0, max_tokens=40), "stop": [stop]}, story(1, max_tokens=40)])
+        stopped, free = done_of(replies[0]), done_of(replies[1])
+        if stopped["finish_reason"] == "stop_sequence":
+            assert stopped["stop_sequence"] == stop
+            assert stop not in tokens_text(replies[0])
+        else:  # batched numerics can move a near-tie; then the stop never showed up
+            assert stop not in tokens_text(replies[0])
+        assert free["finish_reason"] == "length"
+        assert free["usage"]["completion_tokens"] == 40
+
+
+async def test_pipelined_requests_on_one_connection_answer_in_order_yet_run_together() -> None:
+    async with running_daemon({"server": {"slots": 2}}) as daemon, daemon.client() as client:
+        await client.send(story(0, max_tokens=60), story(1, max_tokens=3))
+        long_reply = await client.reply(120)
+        short_reply = await client.reply(120)
+        assert {line["id"] for line in long_reply} == {"s0"}
+        assert {line["id"] for line in short_reply} == {"s1"}
+        long_done, short_done = done_of(long_reply), done_of(short_reply)
+        assert short_done["usage"]["completion_tokens"] == 3
+        # The short one ran beside the long one: it did not wait for it to finish.
+        assert short_done["timings"]["queued_ms"] < long_done["timings"]["total_ms"] / 2
+
+
+async def test_a_long_prompt_is_read_in_chunks_while_another_streams() -> None:
+    config = {"server": {"slots": 2, "prefill_per_step": 32}}
+    long_prompt = "The quick brown fox jumps over the lazy dog. " * 180  # ~1800 tokens
+    async with running_daemon(config) as daemon:
+        streamer, reader = await daemon.connect(), await daemon.connect()
+        try:
+            await streamer.start_streaming(story(0, max_tokens=80))
+            await reader.send({"id": "long", "prompt": long_prompt, "max_tokens": 4,
+                               "temperature": 0})
+            streamed = await streamer.reply(180)
+            long_done = done_of(await reader.reply(180))
+        finally:
+            await streamer.close()
+            await reader.close()
+        assert done_of(streamed)["usage"]["completion_tokens"] == 80
+        assert long_done["usage"]["prompt_tokens"] > 1500
+        assert long_done["usage"]["completion_tokens"] == 4
+
+
+async def test_a_request_waits_until_its_context_fits_instead_of_failing() -> None:
+    # A 1024-cell pool: the first request reserves its prompt plus 900 tokens, so the
+    # second (prompt plus 300) cannot fit beside it and must wait, not fail.
+    config = {"server": {"slots": 2}, "model": {"n_ctx": 1024}}
+    async with running_daemon(config) as daemon:
+        big, small = await daemon.connect(), await daemon.connect()
+        try:
+            await big.start_streaming(story(0, max_tokens=900))
+            await small.send(story(1, max_tokens=300))
+            await poll_until(lambda: health(daemon), lambda h: h["queue_depth"] == 1,
+                             timeout=30, what="the second request waiting for room")
+            assert (await health(daemon))["slots_busy"] == 1
+            await big.send({"op": "cancel", "id": "c", "target": "s0"})
+            assert done_of(await big.reply(60))["finish_reason"] == "cancelled"
+            done = done_of(await small.reply(120))
+        finally:
+            await big.close()
+            await small.close()
+        assert done["finish_reason"] == "length"
+        assert done["usage"]["completion_tokens"] == 300
+
+
+async def test_a_prompt_goes_to_the_slot_that_caches_its_prefix() -> None:
+    prefix = " ".join(f"Fact {i}: item {i} weighs {i * 3} grams." for i in range(60))
+    async with running_daemon({"server": {"slots": 3}}) as daemon, daemon.client() as client:
+        first = done_of(await client.request(
+            {"prompt": prefix + "\nQ: which item is heaviest?\nA:", "max_tokens": 8,
+             "temperature": 0}))
+        for index in range(2):  # two unrelated requests take the other slots
+            await client.request(story(index, max_tokens=4))
+        again = done_of(await client.request(
+            {"prompt": prefix + "\nQ: how many items?\nA:", "max_tokens": 8,
+             "temperature": 0}))
+        assert again["usage"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 16
+        stats = await client.final({"op": "stats"})
+        assert sorted(slot["requests"] for slot in stats["slots"]) == [1, 1, 2]
+
+
+async def test_cold_seeded_requests_give_the_same_bytes_whatever_else_runs() -> None:
+    seeded = {"id": "x", "prompt": "Once upon a time in a small village,", "max_tokens": 48,
+              "temperature": 0.9, "seed": 11, "cache_prompt": False}
+    async with running_daemon({"server": {"slots": 4}}) as daemon:
+        async with daemon.client() as client:
+            alone = tokens_text(await client.request(seeded))
+        for others in (1, 3):
+            replies = await stream_all(daemon, [story(i, max_tokens=48) for i in range(others)]
+                                       + [seeded])
+            assert tokens_text(replies[-1]) == alone, f"beside {others} others"
+
+
+async def test_reproducible_mode_equals_a_cold_solo_run_beside_other_requests() -> None:
+    config = {"server": {"slots": 4}, "model": {"reproducible": True}}
+    target = {"id": "t", "prompt": "The history of the city of Lyon begins", "max_tokens": 64,
+              "temperature": 0}
+    async with running_daemon(config) as daemon:
+        async with daemon.client() as client:
+            cold = tokens_text(await client.request(target))
+    async with running_daemon(config) as daemon:
+        replies = await stream_all(daemon, [story(i, max_tokens=64) for i in range(3)]
+                                   + [target])
+        assert tokens_text(replies[-1]) == cold
+        # And again, with the other slots' caches full of other prompts.
+        replies = await stream_all(daemon, [target] + [story(i, max_tokens=16)
+                                                       for i in range(3, 6)])
+        assert tokens_text(replies[0]) == cold
+
+
+async def test_one_slot_still_serves_one_request_at_a_time() -> None:
+    async with running_daemon({"server": {"slots": 1}}) as daemon:
+        clients = [await daemon.connect() for _ in range(2)]
+        try:
+            await clients[0].start_streaming(story(0, max_tokens=30))
+            await clients[1].send(story(1, max_tokens=5))
+            await poll_until(lambda: health(daemon), lambda h: h["queue_depth"] == 1,
+                             timeout=30, what="the second request queued behind the first")
+            first = done_of(await clients[0].reply(120))
+            second = done_of(await clients[1].reply(120))
+        finally:
+            for client in clients:
+                await client.close()
+        assert first["usage"]["completion_tokens"] == 30
+        assert second["timings"]["queued_ms"] > 0
+        assert (await health(daemon))["slots"] == 1
