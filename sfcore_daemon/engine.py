@@ -160,6 +160,23 @@ class _Seq:
         self.last_token = 0  # sampled, not yet decoded
 
 
+def shared_prefix(a: list[int], b: list[int], limit: int | None = None) -> int:
+    """Length of the common prefix of `a` and `b` (at most `limit`), compared a block
+    at a time: list slices compare in C, so long prompts cost microseconds."""
+    end = min(len(a), len(b))
+    if limit is not None:
+        end = min(end, max(limit, 0))
+    start, block = 0, 256
+    while start < end:
+        stop = min(start + block, end)
+        if a[start:stop] != b[start:stop]:
+            while a[start] == b[start]:
+                start += 1
+            return start
+        start = stop
+    return end
+
+
 def _drain_each(jobs: list[Job]) -> None:
     for job in jobs:
         job._wake()
@@ -609,25 +626,40 @@ class Engine:
         return bool(jobs) and all(job.stop_requested for job in jobs)
 
     def _reuse_prefix(self, seq: _Seq, prompt: list[int]) -> int:
-        """Keep the longest usable cached prefix of `prompt` in `seq`; return its length."""
-        cached = seq.cached
-        limit = min(len(cached), len(prompt) - 1)  # the last prompt token must be evaluated
-        n = 0
-        while n < limit and cached[n] == prompt[n]:
-            n += 1
+        """Give `seq` the longest usable cached prefix of `prompt`, from its own cache or,
+        when another slot holds a longer one (a common system prompt), by sharing that
+        slot's cells (llama_memory_seq_cp: a reference, not a copy). Returns its length."""
+        memory = self._memory
+        best, best_n = seq, self._usable(seq, prompt)
+        for other in self._seqs:
+            if other is not seq:
+                n = self._usable(other, prompt)
+                if n > best_n:
+                    best, best_n = other, n
+        if best_n == 0:
+            return 0
+        if best is not seq:
+            self._forget(seq)
+            C.llama_memory_seq_cp(memory, best.id, seq.id, 0, best_n)
+            seq.cached.extend(best.cached[:best_n])
+            seq.prompt_rows = min(best.prompt_rows, best_n)
+            return best_n
+        removed = C.llama_memory_seq_rm(memory, seq.id, best_n, -1)
+        if not removed or C.llama_memory_seq_pos_min(memory, seq.id) > 0:
+            return 0
+        del seq.cached[best_n:]
+        seq.prompt_rows = min(seq.prompt_rows, best_n)
+        return best_n
+
+    def _usable(self, seq: _Seq, prompt: list[int]) -> int:
+        """How much of `seq`'s cache `prompt` could reuse."""
+        # The last prompt token must be evaluated, to produce logits.
+        n = shared_prefix(seq.cached, prompt, len(prompt) - 1)
         if self.config.reproducible:
             # Only whole n_ubatch-aligned chunks of earlier prompt evaluation are
             # bit-identical to what a cold run computes.
             n = min(n, seq.prompt_rows)
             n -= n % self.n_ubatch
-        if n == 0:
-            return 0
-        memory = self._memory
-        removed = C.llama_memory_seq_rm(memory, seq.id, n, -1)
-        if not removed or C.llama_memory_seq_pos_min(memory, seq.id) > 0:
-            return 0
-        del cached[n:]
-        seq.prompt_rows = min(seq.prompt_rows, n)
         return n
 
     def _forget(self, seq: _Seq) -> None:

@@ -16,7 +16,7 @@ from collections import deque
 from typing import Protocol, cast
 
 from . import protocol
-from .engine import Engine, Job, Sampling
+from .engine import Engine, Job, Sampling, shared_prefix
 from .protocol import (
     DoneReply,
     ErrorReply,
@@ -357,7 +357,7 @@ class Scheduler:
         best, best_shared = -1, 0
         for slot in free:
             cached = self._slot_tokens[slot]
-            shared = _shared_prefix(cached, prompt)
+            shared = shared_prefix(cached, prompt)
             worthwhile = shared * 2 > len(cached) or shared >= _WORTHWHILE_PREFIX
             if worthwhile and shared > best_shared:
                 best, best_shared = slot, shared
@@ -389,9 +389,3 @@ class Scheduler:
         if not self.running and not waiting:
             self._idle.set()
 
-
-def _shared_prefix(cached: list[int], prompt: list[int]) -> int:
-    n, limit = 0, min(len(cached), len(prompt))
-    while n < limit and cached[n] == prompt[n]:
-        n += 1
-    return n

@@ -253,3 +253,25 @@ async def test_one_slot_still_serves_one_request_at_a_time() -> None:
         assert first["usage"]["completion_tokens"] == 30
         assert second["timings"]["queued_ms"] > 0
         assert (await health(daemon))["slots"] == 1
+
+
+async def test_a_prefix_another_slot_is_using_is_shared_not_evaluated_again() -> None:
+    system = " ".join(f"Rule {i}: answer politely about topic {i}." for i in range(50))
+    async with running_daemon({"server": {"slots": 2}}) as daemon:
+        busy, other = await daemon.connect(), await daemon.connect()
+        try:
+            # Slot 0 is busy generating after the long system prompt...
+            await busy.start_streaming({"id": "a", "prompt": system + "\nUser: hi\nBot:",
+                                        "max_tokens": 200, "temperature": 0})
+            # ...so this request goes to slot 1 and borrows the prompt's cells.
+            done = done_of(await other.request(
+                {"id": "b", "prompt": system + "\nUser: hello\nBot:", "max_tokens": 4,
+                 "temperature": 0}, timeout=120))
+            await busy.send({"op": "cancel", "id": "c", "target": "a"})
+            await busy.reply(60)
+        finally:
+            await busy.close()
+            await other.close()
+        usage = done["usage"]
+        assert usage["prompt_tokens"] > 400
+        assert usage["prompt_tokens"] - usage["cached_tokens"] < 16, usage
