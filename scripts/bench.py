@@ -19,7 +19,14 @@ samples included, go to --json. Both sides first evaluate one unmeasured long pr
 the first 512-token batch after start also pays ~25 MB of first-touch page faults in
 llama.cpp's compute buffer.
 
+A second section, in scripts/bench_concurrency.py, measures 1, 2, 4 and 8 concurrent
+clients on the daemon (`--slots N` sets its `[server] slots`), on llama-server
+(`--llama-server PATH` or LLAMA_SERVER) and on llama-batched-bench (`--llama-batched-bench
+PATH` or LLAMA_BATCHED_BENCH), plus the daemon's first token and inter-token gaps under
+load. `--only figures` or `--only concurrency` runs one section.
+
     .venv/bin/python scripts/bench.py [--runs 5] [--tokens 128] [--json bench_results.json]
+    .venv/bin/python scripts/bench.py --only concurrency --runs 3 [--slots 4]
 """
 
 from __future__ import annotations
@@ -379,8 +386,9 @@ class Daemon:
     async def start(cls, params: dict[str, Any]) -> Daemon:
         workdir = Path(tempfile.mkdtemp(prefix="sfbench-", dir="/tmp"))
         config = workdir / "config.toml"
-        config.write_text(f'[model]\npath = "{params["model"]}"\nn_ctx = {params["n_ctx"]}\n'
-                          '[log]\nlevel = "warning"\n')
+        server = f'[server]\nslots = {params["slots"]}\n' if params.get("slots") else ""
+        config.write_text(f'{server}[model]\npath = "{params["model"]}"\n'
+                          f'n_ctx = {params["n_ctx"]}\n[log]\nlevel = "warning"\n')
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         notify.bind(str(workdir / "n"))
         notify.setblocking(False)
@@ -637,21 +645,57 @@ def params_note(key: str) -> str:
     return f" ({PREFILL_TOKENS})" if key == "prefill_tok_s" else ""
 
 
+def concurrency_module() -> Any:
+    """scripts/bench_concurrency.py, which imports this module as `bench`."""
+    sys.modules.setdefault("bench", sys.modules[__name__])
+    scripts = str(Path(__file__).resolve().parent)
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    import bench_concurrency
+
+    return bench_concurrency
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="runs per figure (default 5)")
     parser.add_argument("--tokens", type=int, default=128, help="decode tokens per run")
     parser.add_argument("--model", help="GGUF model (default: the embedded default model)")
-    parser.add_argument("--n-ctx", type=int, default=8192, help="context length (default 8192)")
+    parser.add_argument("--n-ctx", type=int, default=8192,
+                        help="[model] n_ctx of the daemon (default 8192)")
     parser.add_argument("--json", default="bench_results.json", help="where to write results")
     parser.add_argument("--no-peer", action="store_true", help="skip llama-cpp-python's Llama")
     parser.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"),
                         help="path of llama.cpp's llama-bench (default: $LLAMA_BENCH)")
+    parser.add_argument("--only", choices=("figures", "concurrency"),
+                        help="run one section: the single-client figures, or the concurrent "
+                             "clients (default: both)")
+    parser.add_argument("--slots", type=int,
+                        help="write [server] slots = N into every daemon's config "
+                             "(default: not set, the daemon's own default)")
+    parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
+                        help="path of llama.cpp's llama-server, measured in the concurrency "
+                             "section (default: $LLAMA_SERVER)")
+    parser.add_argument("--llama-batched-bench", default=os.environ.get("LLAMA_BATCHED_BENCH"),
+                        help="path of llama.cpp's llama-batched-bench, run in the concurrency "
+                             "section (default: $LLAMA_BATCHED_BENCH)")
+    parser.add_argument("--llama-server-kv", choices=("split", "unified"), default="split",
+                        help="llama-server's KV cache: split (default): -c n_ctx x -np, "
+                             "n_ctx cells for each slot; unified: -kvu -c n_ctx, one pool of "
+                             "n_ctx cells shared by the slots, as in the daemon")
     parser.add_argument("--ceiling-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ceiling_worker:
         ceiling_worker(json.loads(args.ceiling_worker))
         return 0
+    if args.slots is not None and args.slots < 1:
+        parser.error("--slots must be at least 1")
+    figures = args.only in (None, "figures")
+    concurrency = concurrency_module() if args.only in (None, "concurrency") else None
+    if concurrency is not None:
+        problems = concurrency.peer_paths(args.llama_server, args.llama_batched_bench)
+        if problems:
+            parser.error("; ".join(problems))
 
     from sfcore_daemon import cpus, models
 
@@ -659,15 +703,43 @@ def main() -> int:
     n_threads, n_threads_batch = cpus.derive_threads(pinned, 0, 0)
     model = models.resolve_model_path(args.model or "")
     params = {"model": model, "n_ctx": args.n_ctx, "n_threads": n_threads,
-              "n_threads_batch": n_threads_batch, "tokens": args.tokens}
+              "n_threads_batch": n_threads_batch, "tokens": args.tokens, "slots": args.slots,
+              "llama_server_kv": args.llama_server_kv}
+    slots = f", daemon slots {args.slots}" if args.slots else ""
     header = (f"model {Path(model).name} ({os.path.getsize(model) / 1e6:.1f} MB), "
               f"CPUs {pinned}, threads {n_threads}/{n_threads_batch} (decode/batch), "
-              f"n_ctx {args.n_ctx}, {args.tokens} decode tokens, medians (min-max) of "
+              f"n_ctx {args.n_ctx}{slots}, {args.tokens} decode tokens, medians (min-max) of "
               f"{args.runs} runs")
     log(f"bench: {header}")
+    started = time.perf_counter()
+    results: dict[str, Any] = {"params": params, "runs": args.runs}
+    if figures:
+        results.update(run_figures(args, params, header))
+    if concurrency is not None:
+        if figures:
+            print()
+        samples = concurrency.run(params, args.runs, args.llama_server,
+                                  args.llama_batched_bench, uvloop.run)
+        checks = concurrency.print_table(
+            samples, f"Concurrent clients: {header}; llama-server -np = clients, KV "
+                     f"{args.llama_server_kv}")
+        results["concurrency"] = {
+            "samples": samples,
+            "stats": {side: concurrency.stats_of(runs) for side, runs in samples.items()},
+            "targets": [{"target": label, "measured": value, "met": met}
+                        for label, value, met in checks]}
+    elapsed = time.perf_counter() - started
+    results["elapsed_s"] = elapsed
+    Path(args.json).write_text(json.dumps(results, indent=2))
+    log(f"bench: {elapsed:.0f} s; results in {args.json}")
+    return 0
+
+
+def run_figures(args: argparse.Namespace, params: dict[str, Any], header: str) -> dict[str, Any]:
+    """The single-client figures: every run, the table, the targets; the JSON fields."""
+    model = params["model"]
     samples: dict[str, list[dict[str, Any]]] = {
         "ceiling": [], "daemon": [], "peer": [], "llama-bench": []}
-    started = time.perf_counter()
     for index in range(args.runs):
         log(f"[run {index + 1}/{args.runs}] ceiling (C API, own process) and daemon (socket) ...")
         ceiling, daemon = uvloop.run(one_run(params, daemon_first=index % 2 == 1))
@@ -695,15 +767,9 @@ def main() -> int:
                for side, figures in stats.items()}
     checks = targets(samples, medians, bound_mb)
     print_table(samples, stats, checks, header)
-    elapsed = time.perf_counter() - started
-    Path(args.json).write_text(json.dumps({
-        "params": params, "runs": args.runs, "samples": samples, "stats": stats,
-        "kv_mb": kv_mb, "rss_bound_mb": bound_mb,
-        "targets": [{"target": label, "measured": value, "met": met}
-                    for label, value, met in checks],
-        "elapsed_s": elapsed}, indent=2))
-    log(f"bench: {elapsed:.0f} s; results in {args.json}")
-    return 0
+    return {"samples": samples, "stats": stats, "kv_mb": kv_mb, "rss_bound_mb": bound_mb,
+            "targets": [{"target": label, "measured": value, "met": met}
+                        for label, value, met in checks]}
 
 
 if __name__ == "__main__":

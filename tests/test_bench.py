@@ -7,14 +7,14 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.harness import REPO
 
-pytestmark = pytest.mark.asyncio
 
-
+@pytest.mark.asyncio
 async def test_bench_prints_every_figure_and_writes_json() -> None:
     results = Path(tempfile.mkdtemp(prefix="sfbench-")) / "results.json"
     process = await asyncio.create_subprocess_exec(
@@ -35,3 +35,38 @@ async def test_bench_prints_every_figure_and_writes_json() -> None:
     assert daemon["decode_tokens"] > 1 and daemon["prefix_cached_tokens"] >= 900
     assert {t["target"].split(" ")[0] for t in data["targets"]} >= {
         "decode", "prefill", "sampled", "ready", "peak"}
+    # The concurrency section (daemon only here: no llama-server or batched-bench path).
+    for label in ("Concurrent clients", "8 clients, aggregate", "while 3 others stream",
+                  "inter-token gap p99", "8 clients >= 2 x 1 client"):
+        assert label in table, label
+    concurrency = data["concurrency"]
+    assert len(concurrency["samples"]["daemon"]) == 1
+    assert not concurrency["samples"]["llama-server"]
+    assert concurrency["samples"]["daemon"][0]["clients_8_tok_s"] > 0
+    assert concurrency["samples"]["daemon"][0]["gap_prefill_count"] >= 1
+
+
+def concurrency_module() -> object:
+    """scripts/bench_concurrency.py, loaded the way scripts/bench.py loads it."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import bench_concurrency  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    return bench_concurrency
+
+
+def test_batched_bench_output_is_parsed_in_both_formats() -> None:
+    module: Any = concurrency_module()
+    jsonl = "\n".join(json.dumps({"pp": 32, "tg": 128, "pl": pl, "speed_tg": speed})
+                      for pl, speed in ((1, 56.1), (4, 95.25)))
+    assert module.parse_batched_bench("llama_model_loader: ...\n" + jsonl) == {1: 56.1,
+                                                                               4: 95.25}
+    markdown = """
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|    32 |    128 |    8 |   1280 |    0.512 |   500.00 |    8.465 |   120.97 |    8.977 |   142.59 |
+"""
+    assert module.parse_batched_bench(markdown) == {8: 120.97}
+    assert module.percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0
+    assert module.percentile([float(i) for i in range(1, 101)], 99) == 99.0
