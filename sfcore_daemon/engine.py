@@ -30,6 +30,8 @@ from .llama_c import C
 if TYPE_CHECKING:
     import asyncio
 
+    from .grammar import GrammarSampler
+
 log = logging.getLogger(__name__)
 
 EndReason = Literal["stop", "length", "cancelled", "error"]
@@ -91,7 +93,7 @@ class Job:
     __slots__ = (
         "prompt", "sampling", "max_tokens", "cache_prompt", "stop_requested",
         "pieces", "wake_pending", "_wake", "_finished", "loop",
-        "n_cached", "t_start", "t_prompt_done", "t_first", "end_reason", "error",
+        "n_cached", "t_start", "t_prompt_done", "t_first", "end_reason", "error", "grammar",
     )
 
     def __init__(
@@ -104,6 +106,7 @@ class Job:
         loop: asyncio.AbstractEventLoop,
         on_pieces: Callable[[], None],
         on_finished: Callable[[], None],
+        grammar: GrammarSampler | None = None,
     ) -> None:
         self.prompt = prompt
         self.sampling = sampling
@@ -122,6 +125,9 @@ class Job:
         self.t_first = 0
         self.end_reason: EndReason = "error"
         self.error: BaseException | None = None
+        # Owned by the job: the decode thread frees it when the job ends; one that never
+        # reaches the decode thread frees itself when collected.
+        self.grammar = grammar
 
 
 class Engine:
@@ -373,6 +379,8 @@ class Engine:
                 job.end_reason = "error"
                 job.error = exc
                 self._forget_cache()
+            if job.grammar is not None:
+                job.grammar.free()
             job.loop.call_soon_threadsafe(job._finished)
 
     def _run(self, job: Job) -> None:
@@ -433,6 +441,8 @@ class Engine:
     def _generate(self, job: Job, sampler: Any) -> None:
         ctx, vocab = self._ctx, self._vocab
         sample, decode, is_eog = C.llama_sampler_sample, C.llama_decode, C.llama_vocab_is_eog
+        if job.grammar is not None:
+            sample = job.grammar.sample
         pieces, piece_of = self._pieces, self._piece
         one_token, one_batch = self._one_token, self._one_batch
         out, wake, cached = job.pieces, job.loop.call_soon_threadsafe, self._cached

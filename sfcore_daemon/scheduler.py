@@ -17,6 +17,7 @@ from typing import Protocol, cast
 
 from . import protocol
 from .engine import Engine, Job, Sampling
+from .grammar import GrammarSampler
 from .protocol import DoneReply, ErrorReply, FinishReason, RequestId, Timings, TokenReply, Usage
 from .stats import Stats
 from .textstream import TextStream
@@ -54,6 +55,7 @@ class Generation:
         arrived_ns: int,
         loop: asyncio.AbstractEventLoop,
         stats: Stats,
+        grammar: GrammarSampler | None = None,
     ) -> None:
         self.request_id = request_id
         self.stream = stream
@@ -61,7 +63,7 @@ class Generation:
         self.arrived_ns = arrived_ns
         self.job = Job(
             prompt, sampling, max_tokens, cache_prompt,
-            loop=loop, on_pieces=self._drain, on_finished=self._finished,
+            loop=loop, on_pieces=self._drain, on_finished=self._finished, grammar=grammar,
         )
         self._text = TextStream(stops)
         self._parts: list[str] = []
@@ -169,6 +171,10 @@ class Generation:
         job = self.job
         self._stats.generation_ended(outcome, len(job.prompt), job.n_cached,
                                      self.completion_tokens, self._decode_ns())
+        if job.grammar is not None:
+            self._stats.grammar_requests += 1
+            self._stats.grammar_tokens += job.grammar.tokens
+            self._stats.grammar_resampled += job.grammar.resampled
 
     def _decode_ns(self) -> int:
         return self._last_token_ns - self.job.t_first if self.completion_tokens > 1 else 0

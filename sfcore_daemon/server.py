@@ -28,6 +28,7 @@ from . import __version__, protocol, systemd
 from .chat import ChatTemplate, ChatTemplateError, resolve_template
 from .config import Config
 from .engine import Engine, EngineClosed, LoadAborted, Sampling, TokenIdError
+from .grammar import GrammarError, GrammarSampler, request_gbnf
 from .protocol import (
     CancelledReply,
     CancelRequest,
@@ -796,9 +797,12 @@ class Server:
             connection.reply_error(request_id, code, message, slot)
 
         try:
+            grammar_text = request_gbnf(request)
             engine = await self._loaded_engine()
             prompt = await self._prompt(engine, request)
-        except ChatTemplateError as exc:
+            grammar = (GrammarSampler.create(engine, grammar_text, prompt)
+                       if grammar_text is not None else None)
+        except (ChatTemplateError, GrammarError) as exc:
             refuse(protocol.INVALID_REQUEST, str(exc))
             return
         except EngineClosed:
@@ -837,6 +841,7 @@ class Server:
             arrived_ns=arrived_ns,
             loop=asyncio.get_running_loop(),
             stats=self.stats,
+            grammar=grammar,
         )
         slot.generation = generation
         connection.generations.add(generation)

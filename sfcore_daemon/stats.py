@@ -9,7 +9,14 @@ from __future__ import annotations
 import time
 
 from . import protocol
-from .protocol import ConnectionCounts, RequestCounts, RequestId, StatsReply, TokenCounts
+from .protocol import (
+    ConnectionCounts,
+    GrammarCounts,
+    RequestCounts,
+    RequestId,
+    StatsReply,
+    TokenCounts,
+)
 
 OUTCOMES = (*protocol.FINISH_REASONS, "error")
 
@@ -30,6 +37,11 @@ class Stats:
         # Tokens after each generation's first, and the time they took (for the mean rate).
         self._decode_tokens = 0
         self._decode_ns = 0
+        # Constrained generations: tokens checked against a grammar, and those the
+        # grammar rejected (each cost a second, masked draw).
+        self.grammar_requests = 0
+        self.grammar_tokens = 0
+        self.grammar_resampled = 0
 
     def generation_ended(self, outcome: str, prompt_tokens: int, cached_tokens: int,
                          completion_tokens: int, decode_ns: int) -> None:
@@ -55,4 +67,6 @@ class Stats:
                                          total=self.connections_total,
                                          rejected=self.connections_rejected),
             decode_tok_s=round(rate, 2),
+            grammar=GrammarCounts(requests=self.grammar_requests, tokens=self.grammar_tokens,
+                                  resampled=self.grammar_resampled),
         )
