@@ -60,9 +60,10 @@ MAX_REPEAT: Final = 256
 # the event loop thread's stack before it reports an error.
 MAX_GRAMMAR_NESTING: Final = 64
 MAX_SCHEMA_DEPTH: Final = 32
-# Candidates the slow path runs the grammar over before it tries the whole vocabulary
-# (at most 128: llama.cpp's top_k then uses a partial sort, not its bucket sort).
-RESAMPLE_TOP: Final = 128
+# How many of the most likely tokens the slow path runs the grammar over, tier by tier,
+# before it tries the whole vocabulary. Measured on 262,144 logits: top_k(128) takes
+# 0.2 ms, top_k(32768) 2.7 ms, refilling the candidates 1.6 ms.
+RESAMPLE_TIERS: Final = (128, 2048, 32768)
 
 _JSON_TYPES: Final[dict[str, tuple[type, ...]]] = {
     "object": (dict,), "array": (list,), "string": (str,), "number": (int, float),
@@ -480,7 +481,7 @@ class GrammarSampler:
         # chain has already recorded a token the grammar rejects, and this rebuilds it.
         self._history: deque[int] = deque(history, maxlen=history_len)
         self._penalties: Any = None
-        self._top: Any = None
+        self._top: list[Any] | None = None
         self._raw: bytearray | None = None
         self._array: Any = None
         self._floats: memoryview[Any] = _EMPTY
@@ -531,22 +532,26 @@ class GrammarSampler:
     def _resample(self, chain: Any, ctx: Any, idx: int) -> int:
         """The slow path: mask what the grammar rejects, then run the chain again.
 
-        A grammar pass costs about 0.2 us per token in the candidate set for structure
-        and up to 6 us inside a JSON string (every token's text is walked through the
-        grammar): 40 ms to 1.5 s over this model's 262,144 tokens, against 15 ms for a
-        decode step. So the pass runs over the RESAMPLE_TOP most likely tokens first;
-        only when the grammar allows none of them does it cover the whole vocabulary.
+        A grammar pass costs about 0.2 us per candidate token where the grammar expects
+        structure, and up to 6 us inside a JSON string (each token's text is walked
+        through the grammar): 50 ms to 1.5 s over this model's 262,144 tokens, against
+        15 ms for a decode step. So the pass covers the most likely tokens first, in
+        growing tiers (RESAMPLE_TIERS), and the whole vocabulary only when the grammar
+        allows none of those; the draw is then among the allowed tokens of that tier.
         """
-        array, floats = self._candidates(ctx, idx)
         if self._top is None:
-            self._top = C.llama_sampler_init_top_k(RESAMPLE_TOP)
-        C.llama_sampler_apply(self._top, ctypes.byref(array))
-        C.llama_sampler_apply(self._grammar, ctypes.byref(array))
-        if max(floats[1:3 * array.size:3]) == -math.inf:
+            self._top = [C.llama_sampler_init_top_k(n) for n in RESAMPLE_TIERS]
+        for top in self._top:
+            array, floats = self._candidates(ctx, idx)
+            C.llama_sampler_apply(top, ctypes.byref(array))
+            C.llama_sampler_apply(self._grammar, ctypes.byref(array))
+            if max(floats[1:3 * array.size:3]) != -math.inf:
+                break
+        else:
             self.full_passes += 1
             array, floats = self._candidates(ctx, idx)
             C.llama_sampler_apply(self._grammar, ctypes.byref(array))
-        # top_k would trust a sorted flag and cut the masked order as it stands.
+        # top_k trusts a sorted flag and would cut the masked array as it stands.
         array.sorted = False
         self._restore_penalties(chain)
         C.llama_sampler_apply(chain, ctypes.byref(array))
@@ -603,9 +608,9 @@ class GrammarSampler:
         grammar, self._grammar = self._grammar, None
         if grammar:
             C.llama_sampler_free(grammar)
-        top, self._top = self._top, None
-        if top:
+        for top in self._top or ():
             C.llama_sampler_free(top)
+        self._top = None
         # The 3 MB candidate buffer goes now, not when the job is collected.
         self._floats = self._ids = _EMPTY
         self._raw = self._array = None
