@@ -466,7 +466,7 @@ class GrammarSampler:
     it is collected.
     """
 
-    __slots__ = ("_grammar", "_one", "_one_array", "_history", "_penalties", "_top",
+    __slots__ = ("__dict__", "_grammar", "_one", "_one_array", "_history", "_penalties", "_top",
                  "_raw", "_array", "_floats", "_ids", "n_vocab", "tokens", "resampled",
                  "full_passes")
 
