@@ -53,7 +53,7 @@ ORDER = {
                 "required": ["sku", "qty"],
             },
             "minItems": 1,
-            "maxItems": 3,
+            "maxItems": 2,
         },
         "status": {"enum": ["new", "paid", "shipped"]},
     },
@@ -167,34 +167,33 @@ def test_the_converter_is_imported_without_numpy_or_the_high_level_package() -> 
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(600)
-async def test_sampled_outputs_are_valid_against_their_schemas() -> None:
-    """Every schema, 20 seeds at temperature 1.0: each output parses and validates."""
+@pytest.mark.parametrize("name", SCHEMAS)
+async def test_sampled_outputs_are_valid_against_their_schemas(name: str) -> None:
+    """20 seeds at temperature 1.0, pipelined: each output parses and validates."""
+    schema = SCHEMAS[name]
     failures = []
-    escaped = non_ascii = 0
+    texts = []
     async with running_daemon() as daemon, daemon.client() as client:
-        for name, schema in SCHEMAS.items():
-            requests = [{"id": f"{name}-{seed}", "prompt": few_shot(name), "json_schema": schema,
-                         "temperature": 1.0, "seed": seed, "max_tokens": 256,
-                         "stream": False} for seed in SEEDS]
-            for done in await pipelined(client, requests):
-                text = done.get("text", "")
-                if done["type"] != "done" or done["finish_reason"] != "stop":
-                    failures.append((done["id"], done, text))
-                    continue
-                try:
-                    document = json.loads(text)
-                    jsonschema.validate(document, schema)
-                except (ValueError, jsonschema.ValidationError) as exc:
-                    failures.append((done["id"], str(exc)[:200], text))
-                    continue
-                if name == "text":
-                    escaped += "\\" in text
-                    non_ascii += any(ord(c) > 127 for c in text)
+        requests = [{"id": seed, "prompt": few_shot(name), "json_schema": schema,
+                     "temperature": 1.0, "seed": seed, "max_tokens": 256, "stream": False}
+                    for seed in SEEDS]
+        for done in await pipelined(client, requests):
+            text = done.get("text", "")
+            texts.append(text)
+            if done["type"] != "done" or done["finish_reason"] != "stop":
+                failures.append((done["id"], done, text))
+                continue
+            try:
+                jsonschema.validate(json.loads(text), schema)
+            except (ValueError, jsonschema.ValidationError) as exc:
+                failures.append((done["id"], str(exc)[:200], text))
         stats = await client.final({"op": "stats"})
     assert not failures, failures
-    assert escaped and non_ascii, (escaped, non_ascii)
+    if name == "text":  # the enum's values and the free note need escapes and non-ASCII
+        assert any("\\" in text for text in texts), texts
+        assert any(any(ord(c) > 127 for c in text) for text in texts), texts
     grammar = stats["grammar"]
-    assert grammar["requests"] == len(SCHEMAS) * len(SEEDS)
+    assert grammar["requests"] == len(SEEDS)
     assert 0 <= grammar["resampled"] < grammar["tokens"]
 
 
