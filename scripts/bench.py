@@ -601,7 +601,8 @@ async def _stats(stream: Stream) -> dict[str, Any]:
 
 async def structured_run(params: dict[str, Any]) -> dict[str, Any]:
     """One daemon; constrained (json_schema) and unconstrained decode of the same prompt
-    with the same sampling, in A-B-B-A order; the slow-path share from `stats`."""
+    with the same sampling, three times in A-B-B-A order (each side's figure the mean
+    of its six); the slow-path share from `stats`."""
     daemon = await Daemon.start(params)
     stream = await Stream.open(daemon.socket_path)
     sampling = {**SAMPLED, "stream": True}
@@ -612,7 +613,7 @@ async def structured_run(params: dict[str, Any]) -> dict[str, Any]:
         await stream.request({**constrained, "max_tokens": 8})  # warm-up (and the cache)
         before = (await _stats(stream))["grammar"]
         tokens = STRUCTURED_MAX_TOKENS
-        for kind in ("constrained", "unconstrained", "unconstrained", "constrained"):
+        for kind in ("constrained", "unconstrained", "unconstrained", "constrained") * 3:
             if kind == "constrained":
                 run = await stream.request(constrained)
                 if run["done"]["finish_reason"] != "stop":

@@ -466,7 +466,7 @@ class GrammarSampler:
     it is collected.
     """
 
-    __slots__ = ("__dict__", "_grammar", "_one", "_one_array", "_history", "_penalties", "_top",
+    __slots__ = ("_grammar", "_one", "_one_array", "_history", "_penalties", "_top",
                  "_raw", "_array", "_floats", "_ids", "n_vocab", "tokens", "resampled",
                  "full_passes")
 
@@ -507,6 +507,7 @@ class GrammarSampler:
         if not grammar:
             reason = reason or (errors[0] if errors else "llama.cpp refused it")
             raise GrammarError(f"the grammar does not parse: {reason} - at `$.grammar`")
+        _id_template(engine.info.n_vocab)  # built once, here rather than mid-generation
         return cls(grammar, engine.info.n_vocab, prompt[-_PENALTY_LAST_N:], _PENALTY_LAST_N)
 
     def sample(self, chain: Any, ctx: Any, idx: int) -> int:

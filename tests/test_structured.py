@@ -303,3 +303,29 @@ async def test_greedy_is_deterministic_seeded_is_reproducible_and_streaming_matc
             assert first["text"] == second["text"] == tokens_text(streamed)
             assert done_of(streamed)["usage"] == first["usage"]
             jsonschema.validate(json.loads(first["text"]), TAGS)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(600)
+async def test_cancelled_queued_and_abandoned_grammar_requests_leave_the_daemon_serving() -> None:
+    """The grammar of a request that never runs, and of one whose client leaves mid-run,
+    is freed without upsetting the slot (a double free would crash the daemon)."""
+    request = {"prompt": few_shot("person"), "json_schema": PERSON, "temperature": 1.0,
+               "max_tokens": 200}
+    async with running_daemon() as daemon:
+        async with daemon.client() as leaving:
+            await leaving.start_streaming({**request, "id": "run"}, {**request, "id": "queued"})
+        async with daemon.client() as client:
+            await client.start_streaming({**request, "id": "a"}, {**request, "id": "b"},
+                                         {"op": "cancel", "target": "b"})
+            rest = await client.reply(TIMEOUT_S)
+            assert done_of(rest)["id"] == "a"
+            cancelled = await client.reply(TIMEOUT_S)
+            assert [(line["type"], line["id"]) for line in cancelled] == [("done", "b")]
+            assert cancelled[0]["finish_reason"] == "cancelled"
+            assert (await client.reply())[-1]["found"] is True
+            done = done_of(await client.request({**request, "seed": 1, "stream": False},
+                                                TIMEOUT_S))
+            jsonschema.validate(json.loads(done["text"]), PERSON)
+            stats = await client.final({"op": "stats"})
+            assert stats["errors"]["internal"] == 0
