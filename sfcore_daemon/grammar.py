@@ -78,20 +78,21 @@ _CHAR_RULE: Final = (
 )
 
 
-def request_gbnf(request: GenerationRequest) -> str | None:
-    """The GBNF text a request asks for, or None when it is unconstrained."""
+def request_gbnf(request: GenerationRequest) -> tuple[str, str] | None:
+    """The GBNF text a request asks for and the field it came from, or None when the
+    request is unconstrained."""
     given = [name for name in ("json_schema", "format", "grammar")
              if getattr(request, name) is not None]
     if len(given) > 1:
         raise GrammarError(f"json_schema, format and grammar exclude each other; "
                            f"this request gives {' and '.join(given)}")
     if request.json_schema is not None:
-        return schema_to_gbnf(request.json_schema)
+        return schema_to_gbnf(request.json_schema), "json_schema"
     if request.format is not None:
-        return _converter_module().JSON_GBNF  # type: ignore[no-any-return]
+        return _converter_module().JSON_GBNF, "format"
     if request.grammar is not None:
         check_gbnf(request.grammar)
-        return request.grammar
+        return request.grammar, "grammar"
     return None
 
 
@@ -315,7 +316,60 @@ def _check_string(schema: dict[str, Any], path: str) -> None:
                                                 and pattern.endswith("$")):
             raise GrammarError(f"pattern must be anchored (start with ^ and end with $) "
                                f"- at `{path}.pattern`")
+        _check_pattern(pattern[1:-1], f"{path}.pattern")
 
+
+# Regex escapes the converter turns into the plain character (outside brackets).
+_PATTERN_ESCAPES: Final = frozenset("()[]{}|*+?")
+# Characters a JSON string may not hold raw: a pattern that can produce one would make
+# the converter's grammar write invalid JSON.
+_JSON_UNSAFE: Final = frozenset('"\\\x7f') | frozenset(map(chr, range(0x20)))
+
+
+def _check_pattern(body: str, path: str) -> None:
+    """Accept what converts to GBNF that stays inside a JSON string: literals, positive
+    [classes] and ranges, groups, alternatives and quantifiers; no `.`, no [^negated]
+    class, no character a JSON string must escape."""
+    i = 0
+    while i < len(body):
+        char = body[i]
+        if char == "\\":
+            escaped = body[i + 1:i + 2]
+            if escaped not in _PATTERN_ESCAPES or not escaped:
+                raise GrammarError(f"pattern escape {body[i:i + 2]!r} is not supported (write "
+                                   f"a class such as [0-9] or [.]) - at `{path}`")
+            i += 2
+            continue
+        if char == "[":
+            end = body.find("]", i + 1)
+            if end < 0:
+                raise GrammarError(f"unbalanced [ in pattern - at `{path}`")
+            members = body[i + 1:end]
+            if members.startswith("^") or "\\" in members or not members:
+                raise GrammarError(f"pattern class [{members}] is not supported (no negated "
+                                   f"classes, no escapes inside brackets) - at `{path}`")
+            low = 0
+            while low < len(members):
+                if low + 2 < len(members) and members[low + 1] == "-":
+                    first, last = ord(members[low]), ord(members[low + 2])
+                    low += 3
+                else:
+                    first = last = ord(members[low])
+                    low += 1
+                if any(first <= ord(unsafe) <= last for unsafe in _JSON_UNSAFE):
+                    raise GrammarError(f"pattern class [{members}] includes characters a JSON "
+                                       f"string must escape - at `{path}`")
+            i = end + 1
+            continue
+        if char == ".":
+            raise GrammarError(f"pattern '.' is not supported (write a class such as "
+                               f"[a-zA-Z0-9 ]) - at `{path}`")
+        if char == "(" and body[i + 1:i + 2] == "?":
+            raise GrammarError(f"pattern groups with (? are not supported - at `{path}`")
+        if char in _JSON_UNSAFE:
+            raise GrammarError(f"pattern character {char!r} must be escaped in JSON and is "
+                               f"not supported - at `{path}`")
+        i += 1
 
 _module_cache: list[Any] = []
 
@@ -492,9 +546,10 @@ class GrammarSampler:
         self.full_passes = 0
 
     @classmethod
-    def create(cls, engine: Engine, text: str, prompt: list[int]) -> GrammarSampler:
-        """Compile `text` for `engine`'s vocabulary; GrammarError with llama.cpp's reason
-        if it does not parse. Event loop only (it reads the vocabulary)."""
+    def create(cls, engine: Engine, text: str, field: str, prompt: list[int]) -> GrammarSampler:
+        """Compile `text` (from the request's `field`) for `engine`'s vocabulary;
+        GrammarError with llama.cpp's reason if it does not parse. Event loop only (it
+        reads the vocabulary)."""
         from .engine import _PENALTY_LAST_N, _router
 
         encoded = text.encode("utf-8")
@@ -506,7 +561,8 @@ class GrammarSampler:
             os.write(2, rest.encode("utf-8", errors="replace"))
         if not grammar:
             reason = reason or (errors[0] if errors else "llama.cpp refused it")
-            raise GrammarError(f"the grammar does not parse: {reason} - at `$.grammar`")
+            source = "the grammar" if field == "grammar" else "the grammar made from it"
+            raise GrammarError(f"{source} does not parse: {reason} - at `$.{field}`")
         _id_template(engine.info.n_vocab)  # built once, here rather than mid-generation
         return cls(grammar, engine.info.n_vocab, prompt[-_PENALTY_LAST_N:], _PENALTY_LAST_N)
 

@@ -797,11 +797,11 @@ class Server:
             connection.reply_error(request_id, code, message, slot)
 
         try:
-            grammar_text = request_gbnf(request)
+            grammar_spec = request_gbnf(request)
             engine = await self._loaded_engine()
             prompt = await self._prompt(engine, request)
-            grammar = (GrammarSampler.create(engine, grammar_text, prompt)
-                       if grammar_text is not None else None)
+            grammar = (GrammarSampler.create(engine, *grammar_spec, prompt)
+                       if grammar_spec is not None else None)
         except (ChatTemplateError, GrammarError) as exc:
             refuse(protocol.INVALID_REQUEST, str(exc))
             return
