@@ -72,10 +72,8 @@ _JSON_TYPES: Final[dict[str, tuple[type, ...]]] = {
 
 # JSON string characters: control characters must be escaped, and a \u escape may not
 # name half of a surrogate pair (llama-cpp-python's rule allowed both).
-_CHAR_RULE: Final = (
-    r'[^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | "u" ([0-9a-cA-CefEF] [0-9a-fA-F]{3}'
-    r' | [dD] [0-7] [0-9a-fA-F]{2}))'
-)
+_NO_SURROGATE_ESCAPE: Final = r'"u" ([0-9a-cA-CefEF] [0-9a-fA-F]{3} | [dD] [0-7] [0-9a-fA-F]{2})'
+_CHAR_RULE: Final = r'[^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | ' + _NO_SURROGATE_ESCAPE + ")"
 
 
 def request_gbnf(request: GenerationRequest) -> tuple[str, str] | None:
@@ -89,11 +87,20 @@ def request_gbnf(request: GenerationRequest) -> tuple[str, str] | None:
     if request.json_schema is not None:
         return schema_to_gbnf(request.json_schema), "json_schema"
     if request.format is not None:
-        return _converter_module().JSON_GBNF, "format"
+        return json_gbnf(), "format"
     if request.grammar is not None:
         check_gbnf(request.grammar)
         return request.grammar, "grammar"
     return None
+
+
+def json_gbnf() -> str:
+    """llama.cpp's json.gbnf (any JSON object), with string escapes as in _CHAR_RULE."""
+    text: str = _converter_module().JSON_GBNF
+    any_hex = '"u" [0-9a-fA-F]{4}'
+    if any_hex in text:
+        text = text.replace(any_hex, _NO_SURROGATE_ESCAPE)
+    return text
 
 
 def schema_to_gbnf(schema: dict[str, Any]) -> str:
