@@ -30,6 +30,8 @@ from .llama_c import C
 if TYPE_CHECKING:
     import asyncio
 
+    from .grammar import GrammarSampler
+
 log = logging.getLogger(__name__)
 
 EndReason = Literal["stop", "length", "cancelled", "error"]
@@ -92,7 +94,7 @@ class Job:
         "prompt", "sampling", "max_tokens", "cache_prompt", "stop_requested",
         "pieces", "wake_pending", "_wake", "_finished", "loop",
         "n_cached", "t_start", "t_prompt_done", "t_first", "end_reason", "error",
-        "slot", "evict", "exclusive", "kept",
+        "slot", "evict", "exclusive", "kept", "grammar",
     )
 
     def __init__(
@@ -105,6 +107,7 @@ class Job:
         loop: asyncio.AbstractEventLoop,
         on_pieces: Callable[[], None],
         on_finished: Callable[[], None],
+        grammar: GrammarSampler | None = None,
     ) -> None:
         self.prompt = prompt
         self.sampling = sampling
@@ -123,6 +126,9 @@ class Job:
         self.t_first = 0
         self.end_reason: EndReason = "error"
         self.error: BaseException | None = None
+        # Owned by the job: the decode thread frees it when the job ends; one that never
+        # reaches the decode thread frees itself when collected.
+        self.grammar = grammar
         # Set by the scheduler before submit: the sequence (slot) to run on, the idle
         # slots whose cached tokens must be dropped first to make room, and whether
         # the job must have the batch to itself (reproducible results).
@@ -484,6 +490,8 @@ class Engine:
             job.error = exc
             job.end_reason = "error"
             self._forget(seq)
+            if job.grammar is not None:
+                job.grammar.free()
             job.loop.call_soon_threadsafe(job._finished)
             return
         seq.job = job
@@ -582,7 +590,11 @@ class Engine:
         for seq, row in outputs:
             job = seq.job
             assert job is not None
-            token = sample(seq.sampler, ctx, row)
+            grammar = job.grammar
+            if grammar is None:
+                token = sample(seq.sampler, ctx, row)
+            else:  # checks the chain's choice against the grammar (see grammar.py)
+                token = grammar.sample(seq.sampler, ctx, row)
             now = clock()
             if seq.n_out == 0:
                 job.t_first = now
@@ -615,6 +627,8 @@ class Engine:
         if seq.sampler is not None:
             C.llama_sampler_free(seq.sampler)
             seq.sampler = None
+        if job.grammar is not None:
+            job.grammar.free()
         job.kept = list(seq.cached)
         seq.job = None
         self._active.remove(seq)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import Annotated, Final, Literal, get_args
+from typing import Annotated, Any, Final, Literal, get_args
 
 import msgspec
 from msgspec import Meta, Struct
@@ -59,6 +59,11 @@ class _GenerationOptions(_Request):
     seed: Annotated[int, Meta(ge=0)] | None = None
     stop: StopText | Annotated[list[StopText], Meta(max_length=8)] | None = None
     cache_prompt: bool = True
+    # Structured output, at most one of them (see grammar.py): a JSON Schema the output
+    # must be valid against, any JSON object, or a GBNF grammar.
+    json_schema: dict[str, Any] | None = None
+    format: Literal["json"] | None = None
+    grammar: Annotated[str, Meta(min_length=1)] | None = None
 
     @property
     def stop_sequences(self) -> tuple[str, ...]:
@@ -245,6 +250,12 @@ class SlotUse(Struct, kw_only=True):
     cached_tokens: int  # tokens an idle slot holds for prefix reuse
 
 
+class GrammarCounts(Struct, kw_only=True):
+    requests: int
+    tokens: int
+    resampled: int
+
+
 class StatsReply(_Reply, tag="stats", kw_only=True):
     uptime_s: float
     requests: RequestCounts
@@ -253,6 +264,7 @@ class StatsReply(_Reply, tag="stats", kw_only=True):
     connections: ConnectionCounts
     decode_tok_s: float
     slots: list[SlotUse]
+    grammar: GrammarCounts
 
 
 Reply = (TokenReply | DoneReply | ErrorReply | HealthReply | TokensReply | TextReply

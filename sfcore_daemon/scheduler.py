@@ -17,6 +17,7 @@ from typing import Protocol, cast
 
 from . import protocol
 from .engine import Engine, Job, Sampling, shared_prefix
+from .grammar import GrammarSampler
 from .protocol import (
     DoneReply,
     ErrorReply,
@@ -69,6 +70,7 @@ class Generation:
         loop: asyncio.AbstractEventLoop,
         stats: Stats,
         exclusive: bool = False,
+        grammar: GrammarSampler | None = None,
     ) -> None:
         self.request_id = request_id
         self.stream = stream
@@ -76,7 +78,7 @@ class Generation:
         self.arrived_ns = arrived_ns
         self.job = Job(
             prompt, sampling, max_tokens, cache_prompt,
-            loop=loop, on_pieces=self._drain, on_finished=self._finished,
+            loop=loop, on_pieces=self._drain, on_finished=self._finished, grammar=grammar,
         )
         self.job.exclusive = exclusive
         self._text = TextStream(stops)
@@ -185,6 +187,10 @@ class Generation:
         job = self.job
         self._stats.generation_ended(outcome, len(job.prompt), job.n_cached,
                                      self.completion_tokens, self._decode_ns())
+        if job.grammar is not None:
+            self._stats.grammar_requests += 1
+            self._stats.grammar_tokens += job.grammar.tokens
+            self._stats.grammar_resampled += job.grammar.resampled
 
     def _decode_ns(self) -> int:
         return self._last_token_ns - self.job.t_first if self.completion_tokens > 1 else 0

@@ -26,6 +26,7 @@ from . import __version__, protocol, systemd
 from .chat import ChatTemplate, ChatTemplateError, resolve_template
 from .config import Config
 from .engine import Engine, EngineClosed, LoadAborted, Sampling, TokenIdError
+from .grammar import GrammarError, GrammarSampler, request_gbnf
 from .protocol import (
     CancelledReply,
     CancelRequest,
@@ -726,9 +727,12 @@ class Server:
             connection.reply_error(request_id, code, message, slot)
 
         try:
+            grammar_spec = request_gbnf(request)
             engine = await self._loaded_engine()
             prompt = await self._prompt(engine, request)
-        except ChatTemplateError as exc:
+            grammar = (GrammarSampler.create(engine, *grammar_spec, prompt)
+                       if grammar_spec is not None else None)
+        except (ChatTemplateError, GrammarError) as exc:
             refuse(protocol.INVALID_REQUEST, str(exc))
             return
         except EngineClosed:
@@ -770,6 +774,7 @@ class Server:
             loop=asyncio.get_running_loop(),
             stats=self.stats,
             exclusive=self._exclusive(request),
+            grammar=grammar,
         )
         slot.generation = generation
         connection.generations.add(generation)

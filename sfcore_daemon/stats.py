@@ -11,6 +11,7 @@ import time
 from . import protocol
 from .protocol import (
     ConnectionCounts,
+    GrammarCounts,
     RequestCounts,
     RequestId,
     SlotUse,
@@ -37,6 +38,11 @@ class Stats:
         # Tokens after each generation's first, and the time they took (for the mean rate).
         self._decode_tokens = 0
         self._decode_ns = 0
+        # Constrained generations: tokens checked against a grammar, and those the
+        # grammar rejected (each cost a second, masked draw).
+        self.grammar_requests = 0
+        self.grammar_tokens = 0
+        self.grammar_resampled = 0
 
     def generation_ended(self, outcome: str, prompt_tokens: int, cached_tokens: int,
                          completion_tokens: int, decode_ns: int) -> None:
@@ -63,4 +69,6 @@ class Stats:
                                          rejected=self.connections_rejected),
             decode_tok_s=round(rate, 2),
             slots=slots,
+            grammar=GrammarCounts(requests=self.grammar_requests, tokens=self.grammar_tokens,
+                                  resampled=self.grammar_resampled),
         )

@@ -1,0 +1,335 @@
+"""Structured output (json_schema, format "json", grammar) through the real daemon and model,
+and the schema checks on their own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import jsonschema
+import pytest
+
+from sfcore_daemon.grammar import GrammarError, check_gbnf, check_schema, schema_to_gbnf
+from tests.harness import REPO, Client, done_of, running_daemon, tokens_text
+
+SEEDS = range(20)
+# Generous: the machine's two CPUs may be shared with other work.
+TIMEOUT_S = 300.0
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer"},
+        "height_m": {"type": "number"},
+        "email": {"type": "string", "maxLength": 32},
+        "alive": {"type": "boolean"},
+    },
+    "required": ["name", "age", "alive"],
+}
+
+ORDER = {
+    "type": "object",
+    "properties": {
+        "customer": {
+            "type": "object",
+            "properties": {
+                "id": {"type": "integer"},
+                "tier": {"enum": ["free", "pro", "enterprise"]},
+            },
+            "required": ["id", "tier"],
+        },
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+                    "qty": {"type": "integer"},
+                    "price": {"type": "number"},
+                },
+                "required": ["sku", "qty"],
+            },
+            "minItems": 1,
+            "maxItems": 2,
+        },
+        "status": {"enum": ["new", "paid", "shipped"]},
+    },
+    "required": ["customer", "items", "status"],
+}
+
+TAGS = {
+    "type": "object",
+    "properties": {
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                 "minItems": 2, "maxItems": 4},
+        "scores": {"type": "array", "items": {"type": "number"}, "maxItems": 3},
+        "kind": {"const": "tagged"},
+    },
+    "required": ["tags", "kind"],
+    "$defs": {"unused": {"type": "null"}},
+}
+
+# Values a model must write with escapes (quote, backslash, newline, tab) and beyond ASCII.
+TEXT = {
+    "type": "object",
+    "properties": {
+        "quote": {"enum": ['say "hi"', "back\\slash", "line\nbreak", "tab\there",
+                           "naïve café", "日本語", "emoji 🎉"]},
+        "note": {"type": "string", "maxLength": 40},
+        "lang": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/lang"}]},
+    },
+    "required": ["quote", "note"],
+    "$defs": {"lang": {"enum": ["fr", "ja", "de"]}},
+}
+
+SCHEMAS = {"person": PERSON, "order": ORDER, "tags": TAGS, "text": TEXT}
+EXAMPLES = {
+    "person": ['{"name": "Ada Lovelace", "age": 36, "height_m": 1.65, "alive": false}',
+               '{"name": "Linus", "age": 54, "alive": true, "email": "linus@example.org"}'],
+    "order": ['{"customer": {"id": 17, "tier": "pro"}, "items": [{"sku": "ABC-12", "qty": 2,'
+              ' "price": 9.5}], "status": "paid"}'],
+    "tags": ['{"tags": ["red", "blue", "green"], "scores": [0.5, 2], "kind": "tagged"}'],
+    "text": ['{"quote": "naïve café", "note": "He said \\"bonjour\\" \\\\ à Paris", '
+             '"lang": "fr"}',
+             '{"quote": "line\\nbreak", "note": "東京 is big\\tand busy", "lang": null}'],
+}
+
+
+def few_shot(name: str) -> str:
+    lines = "\n".join(f"Example: {example}" for example in EXAMPLES[name])
+    return f"JSON records, one per line.\n{lines}\nExample: "
+
+
+async def pipelined(client: Client, requests: list[dict[str, Any]],
+                    timeout: float = TIMEOUT_S) -> list[dict[str, Any]]:
+    """Send every request in one write, then collect each one's final line in order."""
+    await client.send(*requests)
+    return [(await client.reply(timeout))[-1] for _ in requests]
+
+
+# --- the schema checks on their own (no daemon) -----------------------------------------
+
+
+@pytest.mark.parametrize(("schema", "fragment"), [
+    ({"type": "integer", "minimum": 0}, "unsupported JSON Schema keyword 'minimum' - at "
+                                        "`$.json_schema`"),
+    ({"type": "object", "properties": {"a": {"type": "string", "format": "email"}}},
+     "unsupported string format 'email'"),
+    ({"properties": {"a": {"oneOf": [{"type": "string"}]}}},
+     "'oneOf' - at `$.json_schema.properties.a`"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]},
+     "required property 'b' is not in properties"),
+    ({"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 2},
+     "minItems is above maxItems"),
+    ({"type": "array", "maxItems": 2}, "minItems and maxItems need items"),
+    ({"type": "array", "items": {}, "maxItems": 100000}, "maxItems must be an integer"),
+    ({"$ref": "#/$defs/missing"}, "does not resolve"),
+    ({"$ref": "https://example.org/schema.json"}, "only local references"),
+    ({"type": "string", "enum": ["a", 1]}, "value 1 is not of type 'string'"),
+    ({"enum": []}, "enum must be a non-empty list"),
+    ({"type": "object", "properties": {"a": True}}, "boolean schemas are not supported"),
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+     "additionalProperties other than false"),
+    ({"type": ["string", "null"], "maxLength": 3}, "type cannot be combined with maxLength"),
+    ({"type": "string", "pattern": "[a-z]+"}, "pattern must be anchored"),
+    ({"type": "string", "pattern": "^\\d+$"}, "pattern escape '\\\\d' is not supported"),
+    ({"type": "string", "pattern": "^.*$"}, "pattern '.' is not supported"),
+    ({"type": "string", "pattern": "^[^,]+$"}, "no negated classes"),
+    ({"type": "string", "pattern": "^[ -~]+$"}, "characters a JSON string must escape"),
+    ({"type": "strnig"}, "type must be one of"),
+])
+def test_unsupported_schemas_are_refused_naming_the_problem(schema: dict[str, Any],
+                                                            fragment: str) -> None:
+    with pytest.raises(GrammarError) as caught:
+        check_schema(schema)
+    assert fragment in str(caught.value)
+
+
+def test_supported_schemas_convert_and_unsupported_grammar_nesting_is_refused() -> None:
+    for schema in SCHEMAS.values():
+        check_schema(schema)
+        assert "root ::=" in schema_to_gbnf(schema)
+    with pytest.raises(GrammarError, match="deeper than 64"):
+        check_gbnf("root ::= " + "(" * 100 + '"a"' + ")" * 100)
+    check_gbnf('root ::= "((((((((" [(((] # ((((\n')
+
+
+def test_the_converter_is_imported_without_numpy_or_the_high_level_package() -> None:
+    code = ("import sys; import sfcore_daemon.server; from sfcore_daemon import grammar; "
+            "grammar.schema_to_gbnf({'type': 'object'}); "
+            "assert 'llama_cpp.llama_grammar' in sys.modules; "
+            "bad = [m for m in ('numpy', 'llama_cpp.llama') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
+
+
+# --- through the daemon ---------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", SCHEMAS)
+async def test_sampled_outputs_are_valid_against_their_schemas(name: str) -> None:
+    """20 seeds at temperature 1.0, pipelined: each output parses and validates."""
+    schema = SCHEMAS[name]
+    failures = []
+    texts = []
+    async with running_daemon() as daemon, daemon.client() as client:
+        requests = [{"id": seed, "prompt": few_shot(name), "json_schema": schema,
+                     "temperature": 1.0, "seed": seed, "max_tokens": 256, "stream": False}
+                    for seed in SEEDS]
+        for done in await pipelined(client, requests):
+            text = done.get("text", "")
+            texts.append(text)
+            if done["type"] != "done" or done["finish_reason"] != "stop":
+                failures.append((done["id"], done, text))
+                continue
+            try:
+                jsonschema.validate(json.loads(text), schema)
+            except (ValueError, jsonschema.ValidationError) as exc:
+                failures.append((done["id"], str(exc)[:200], text))
+        stats = await client.final({"op": "stats"})
+    assert not failures, failures
+    if name == "text":  # the enum's values and the free note need escapes and non-ASCII
+        assert any("\\" in text for text in texts), texts
+        assert any(any(ord(c) > 127 for c in text) for text in texts), texts
+    grammar = stats["grammar"]
+    assert grammar["requests"] == len(SEEDS)
+    assert 0 <= grammar["resampled"] < grammar["tokens"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(600)
+async def test_gbnf_grammars_and_format_json() -> None:
+    yes_no = 'root ::= ("yes" | "no") "."'
+    items = 'root ::= item{2,3}\nitem ::= "- " [a-z ]{1,20} "\\n"'
+    async with running_daemon() as daemon, daemon.client() as client:
+        answers = await pipelined(client, [
+            {"prompt": "Is the sky blue? Answer:", "grammar": yes_no, "temperature": 1.0,
+             "seed": seed, "max_tokens": 8, "stream": False} for seed in range(5)])
+        for done in answers:
+            assert done["finish_reason"] == "stop", done
+            assert done["text"] in ("yes.", "no."), done
+        lists = await pipelined(client, [
+            {"prompt": "Shopping list:\n", "grammar": items, "temperature": 1.0,
+             "seed": seed, "max_tokens": 96, "stream": False} for seed in range(5)])
+        for done in lists:
+            assert done["finish_reason"] == "stop", done
+            lines = done["text"].split("\n")
+            assert lines[-1] == "" and 2 <= len(lines) - 1 <= 3, done
+            assert all(line.startswith("- ") for line in lines[:-1]), done
+        objects = await pipelined(client, [
+            {"prompt": few_shot("person"), "format": "json", "temperature": 0.7,
+             "seed": seed, "max_tokens": 200, "stream": False} for seed in range(5)])
+        for done in objects:
+            assert done["finish_reason"] == "stop", done
+            assert isinstance(json.loads(done["text"]), dict), done
+        chat = done_of(await client.request(
+            {"op": "chat", "messages": [{"role": "user", "content": "Describe a person in "
+                                         "JSON with name, age and alive."}],
+             "json_schema": PERSON, "temperature": 0, "max_tokens": 200, "stream": False},
+            TIMEOUT_S))
+        assert chat["finish_reason"] == "stop", chat
+        jsonschema.validate(json.loads(chat["text"]), PERSON)
+
+
+@pytest.mark.asyncio
+async def test_bad_schemas_and_grammars_are_invalid_request_and_the_daemon_keeps_serving() \
+        -> None:
+    cases = [
+        ({"json_schema": {"type": "integer", "maximum": 3}},
+         "unsupported JSON Schema keyword 'maximum' - at `$.json_schema`"),
+        ({"json_schema": {"type": "object", "properties": {"a": {"type": "string",
+                                                                  "format": "uri"}}}},
+         "at `$.json_schema.properties.a.format`"),
+        ({"grammar": "root ::= undefined-rule"}, "Undefined rule identifier 'undefined-rule'"),
+        ({"grammar": 'root ::= ("a"'}, "the grammar does not parse: expecting ')'"),
+        ({"grammar": 'start ::= "a"'}, "the grammar does not parse"),
+        ({"grammar": "root ::= root \"a\""}, "the grammar does not parse"),
+        ({"grammar": "root ::= " + "(" * 80 + '"a"' + ")" * 80}, "deeper than 64"),
+        ({"grammar": 'root ::= "a"', "format": "json"}, "exclude each other"),
+        ({"format": "yaml"}, "at `$.format`"),
+        ({"json_schema": "{}"}, "Expected `object | null`, got `str` - at `$.json_schema`"),
+        ({"grammar": ""}, "at `$.grammar`"),
+    ]
+    async with running_daemon() as daemon, daemon.client() as client:
+        for index, (fields, fragment) in enumerate(cases):
+            reply = await client.final({"id": index, "prompt": "x", "max_tokens": 4, **fields})
+            assert reply["type"] == "error" and reply["code"] == "invalid_request", reply
+            assert reply["id"] == index
+            assert fragment in reply["message"], reply
+        done = done_of(await client.request(
+            {"prompt": "x", "grammar": 'root ::= "ok"', "max_tokens": 4, "stream": False}))
+        assert done["text"] == "ok" and done["finish_reason"] == "stop"
+        stats = await client.final({"op": "stats"})
+        assert stats["errors"]["invalid_request"] == len(cases)
+        assert stats["errors"]["internal"] == 0
+        # llama.cpp prints a rejected grammar to stderr; the daemon keeps it out of its log.
+        assert "error parsing grammar" not in daemon.log
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(600)
+async def test_max_tokens_and_stop_sequences_still_apply() -> None:
+    base = {"prompt": few_shot("order"), "json_schema": ORDER, "temperature": 0,
+            "cache_prompt": False, "stream": False, "max_tokens": 256}
+    async with running_daemon() as daemon, daemon.client() as client:
+        full = done_of(await client.request(base, timeout=TIMEOUT_S))
+        assert full["finish_reason"] == "stop", full
+        jsonschema.validate(json.loads(full["text"]), ORDER)
+        # Cut short, the text is the start of the same valid document.
+        cut = done_of(await client.request({**base, "max_tokens": 6}, timeout=TIMEOUT_S))
+        assert cut["finish_reason"] == "length"
+        assert cut["usage"]["completion_tokens"] == 6
+        assert full["text"].startswith(cut["text"]) and cut["text"] != full["text"]
+        stop = '"items"'
+        assert stop in full["text"]
+        stopped = done_of(await client.request({**base, "stop": stop}, timeout=TIMEOUT_S))
+        assert stopped["finish_reason"] == "stop_sequence"
+        assert stopped["text"] == full["text"][: full["text"].find(stop)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(600)
+async def test_greedy_is_deterministic_seeded_is_reproducible_and_streaming_matches() -> None:
+    greedy = {"prompt": few_shot("tags"), "json_schema": TAGS, "temperature": 0,
+              "cache_prompt": False, "max_tokens": 200}
+    seeded = {**greedy, "temperature": 1.0, "seed": 7, "repeat_penalty": 1.3}
+    async with running_daemon() as daemon, daemon.client() as client:
+        for request in (greedy, seeded):
+            first = done_of(await client.request({**request, "stream": False}, TIMEOUT_S))
+            second = done_of(await client.request({**request, "stream": False}, TIMEOUT_S))
+            streamed = await client.request({**request, "stream": True}, TIMEOUT_S)
+            assert first["finish_reason"] == "stop", first
+            assert first["text"] == second["text"] == tokens_text(streamed)
+            assert done_of(streamed)["usage"] == first["usage"]
+            jsonschema.validate(json.loads(first["text"]), TAGS)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(600)
+async def test_cancelled_queued_and_abandoned_grammar_requests_leave_the_daemon_serving() -> None:
+    """The grammar of a request that never runs, and of one whose client leaves mid-run,
+    is freed without upsetting the slot (a double free would crash the daemon)."""
+    request = {"prompt": few_shot("person"), "json_schema": PERSON, "temperature": 1.0,
+               "max_tokens": 200}
+    async with running_daemon() as daemon:
+        async with daemon.client() as leaving:
+            await leaving.start_streaming({**request, "id": "run"}, {**request, "id": "queued"})
+        async with daemon.client() as client:
+            await client.start_streaming({**request, "id": "a"}, {**request, "id": "b"},
+                                         {"op": "cancel", "target": "b"})
+            rest = await client.reply(TIMEOUT_S)
+            assert done_of(rest)["id"] == "a"
+            cancelled = await client.reply(TIMEOUT_S)
+            assert [(line["type"], line["id"]) for line in cancelled] == [("done", "b")]
+            assert cancelled[0]["finish_reason"] == "cancelled"
+            assert (await client.reply())[-1]["found"] is True
+            done = done_of(await client.request({**request, "seed": 1, "stream": False},
+                                                TIMEOUT_S))
+            jsonschema.validate(json.loads(done["text"]), PERSON)
+            stats = await client.final({"op": "stats"})
+            assert stats["errors"]["internal"] == 0
