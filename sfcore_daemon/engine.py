@@ -43,6 +43,8 @@ _SEED_MODULUS = 0xFFFFFFFF
 _PENALTY_LAST_N = 64
 # llama_decode's return value when the abort callback said stop.
 _DECODE_ABORTED = 2
+# Prompt tokens in one step from which the step can be aborted (about 0.25 s of work).
+_ABORTABLE_PREFILL = 128
 
 
 class ModelLoadError(Exception):
@@ -548,10 +550,11 @@ class Engine:
         batch.n_tokens = n
 
         ctx = self._ctx
-        if prefilling:
-            # A prompt batch can take seconds: the abort callback stops it once every
-            # sequence in it is cancelled. Installed for prompt batches only, since
-            # llama.cpp polls it once per graph node, hundreds of times a token.
+        if n - len(outputs) >= _ABORTABLE_PREFILL:
+            # A big prompt batch can take seconds: the abort callback stops it once
+            # every sequence in it is cancelled. Installed for those batches only:
+            # llama.cpp polls it once per graph node (a Python call holding the GIL),
+            # hundreds of times a step, and a small batch ends soon anyway.
             self._abort_jobs = [seq.job for seq in active if seq.job is not None]
             C.llama_set_abort_callback(ctx, self._abort_callback, None)
             try:

@@ -173,7 +173,7 @@ async def test_health_reports_model_and_state() -> None:
         health = await client.final({"op": "health", "id": "h"})
         assert health == {"type": "health", "id": "h", "status": "ok",
                           "model": "Gemma 3 270m", "busy": False, "queue_depth": 0,
-                          "uptime_s": health["uptime_s"], "slots": 4, "slots_busy": 0}
+                          "uptime_s": health["uptime_s"], "slots": 8, "slots_busy": 0}
         assert health["uptime_s"] > 0
         async with daemon.client() as other:
             await other.start_streaming({"prompt": "Tell me a long story.", "max_tokens": 400})
