@@ -10,8 +10,8 @@ Two halves, for two threads:
 - On the decode thread: `GrammarSampler.sample(chain, ctx, idx)` in place of
   `llama_sampler_sample(chain, ctx, idx)`. It keeps the grammar out of the chain, as
   llama.cpp's common sampler does: the chain samples as usual, only the chosen token is
-  tested against the grammar, and only a rejected token costs a pass of the grammar
-  over the whole vocabulary and a second draw.
+  tested against the grammar, and only a rejected token costs a grammar pass over the
+  most likely candidates (the whole vocabulary as a last resort) and a second draw.
 """
 
 from __future__ import annotations
