@@ -113,7 +113,7 @@ async def test_forbidden_uid_is_refused_and_allowed_uid_is_served() -> None:
 
 
 async def test_queue_full_and_nothing_accepted_is_lost() -> None:
-    async with running_daemon({"server": {"max_queue": 1}}) as daemon:
+    async with running_daemon({"server": {"max_queue": 1, "slots": 1}}) as daemon:
         async with daemon.client() as runner, daemon.client() as waiter, \
                 daemon.client() as extra:
             await runner.start_streaming({"id": "run", "prompt": "Tell a story.", "max_tokens": 60})
@@ -129,7 +129,7 @@ async def test_queue_full_and_nothing_accepted_is_lost() -> None:
 
 
 async def test_queue_full_on_a_pipelined_connection_keeps_reply_order() -> None:
-    async with running_daemon({"server": {"max_queue": 0}}) as daemon:
+    async with running_daemon({"server": {"max_queue": 0, "slots": 1}}) as daemon:
         async with daemon.client() as client:
             await client.send({"id": 1, "prompt": "One", "max_tokens": 20},
                               {"id": 2, "prompt": "Two", "max_tokens": 5})

@@ -204,7 +204,7 @@ async def test_context_overflow_generate_and_chat() -> None:
 
 
 async def test_queue_full_with_a_small_max_queue() -> None:
-    async with running_daemon({"server": {"max_queue": 2}}) as daemon:
+    async with running_daemon({"server": {"max_queue": 2, "slots": 1}}) as daemon:
         runner = await daemon.connect()
         await runner.start_streaming({"id": "run", **LONG, "max_tokens": 2000})
         waiters = [await daemon.connect() for _ in range(2)]
@@ -423,7 +423,8 @@ async def test_a_hundred_simultaneous_connections_are_all_served() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 async def test_eight_concurrent_clients_are_served_in_fifo_order() -> None:
-    async with running_daemon() as daemon:
+    # One slot, so that all eight queue: tests/test_slots.py has them decoded together.
+    async with running_daemon({"server": {"slots": 1}}) as daemon:
         clients = [await daemon.connect() for _ in range(8)]
         async with daemon.client() as monitor:
             # Each request is sent only once the previous one is known to be queued, so

@@ -119,7 +119,7 @@ async def test_daemon_pins_itself_and_derives_threads_from_the_pinned_set() -> N
 
 
 async def test_sigterm_drains_the_running_request_and_rejects_queued_ones() -> None:
-    async with running_daemon({"server": {"drain_timeout_s": 60}}) as daemon:
+    async with running_daemon({"server": {"drain_timeout_s": 60, "slots": 1}}) as daemon:
         async with daemon.client() as runner, daemon.client() as waiter, \
                 daemon.client() as watcher:
             await runner.start_streaming(

@@ -112,7 +112,7 @@ async def test_stats_count_requests_outcomes_tokens_errors_and_connections() -> 
 
 
 async def test_cancel_a_queued_request_answers_it_at_once_and_leaves_the_running_one() -> None:
-    async with running_daemon() as daemon, daemon.client() as client:
+    async with running_daemon({"server": {"slots": 1}}) as daemon, daemon.client() as client:
         await client.start_streaming({"id": "running", **LONG},
                                      {"id": "queued", "prompt": "Hi", "max_tokens": 4},
                                      {"id": "c1", "op": "cancel", "target": "queued"})
