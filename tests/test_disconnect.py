@@ -68,7 +68,9 @@ async def test_half_closed_client_still_gets_every_reply() -> None:
 
 
 async def test_a_client_that_stops_reading_is_cut_off_and_never_stalls_anyone() -> None:
-    async with running_daemon({"server": {"max_output_buffer_bytes": 1024}}) as daemon:
+    # One slot: the stalled client's request must be cut off for the next one to run.
+    config = {"server": {"max_output_buffer_bytes": 1024, "slots": 1}}
+    async with running_daemon(config) as daemon:
         # A plain socket that never calls recv (an asyncio reader would keep draining).
         stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

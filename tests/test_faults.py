@@ -723,7 +723,7 @@ async def test_an_idle_connection_is_closed_after_idle_timeout(sent: bytes) -> N
 
 @pytest.mark.slow
 async def test_a_connection_with_a_request_in_flight_is_not_idle() -> None:
-    async with running_daemon({"server": {"idle_timeout_s": 1}}) as daemon:
+    async with running_daemon({"server": {"idle_timeout_s": 1, "slots": 1}}) as daemon:
         async with daemon.client() as runner, daemon.client() as waiter:
             # Running for several idle timeouts, and waiting in the queue behind it.
             await runner.start_streaming({"id": "run", **LONG, "max_tokens": 200})
