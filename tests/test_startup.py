@@ -83,3 +83,4 @@ async def test_the_default_model_is_checked_once_then_found_without_importing_it
         assert await _default_model_in(cache) == (path, False)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
+
