@@ -334,8 +334,11 @@ class Scheduler:
         held += sum(len(self._slot_tokens[s]) for s in idle)
         evict = []
         for other in idle:
-            if held <= pool:
+            if held <= pool and not job.exclusive:
                 break
+            # An exclusive request empties every other slot: where llama.cpp places a
+            # sequence's cells, among other sequences' cells, changes the order its
+            # attention sums in, so only an otherwise empty cache gives cold-run bytes.
             evict.append(other)
             held -= len(self._slot_tokens[other])
         if held > pool:
