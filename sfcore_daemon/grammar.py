@@ -159,11 +159,7 @@ def _check(schema: Any, path: str, root: dict[str, Any], depth: int) -> None:
         return
     if "anyOf" in schema:
         alone("anyOf")
-        alternatives = schema["anyOf"]
-        if not isinstance(alternatives, list) or not alternatives:
-            raise GrammarError(f"anyOf must be a non-empty list - at `{path}.anyOf`")
-        for i, sub in enumerate(alternatives):
-            _check(sub, f"{path}.anyOf[{i}]", root, depth + 1)
+        _check_each(schema, "anyOf", path, root, depth)
         return
     kind = schema.get("type")
     if isinstance(kind, list):
@@ -284,17 +280,23 @@ def _check_object(schema: dict[str, Any], path: str, root: dict[str, Any], depth
             _check(extra, f"{path}.additionalProperties", root, depth + 1)
 
 
+def _check_each(schema: dict[str, Any], key: str, path: str, root: dict[str, Any],
+                depth: int) -> None:
+    """`schema[key]` must be a non-empty list of schemas; check each."""
+    subschemas = schema[key]
+    if not isinstance(subschemas, list) or not subschemas:
+        raise GrammarError(f"{key} must be a non-empty list - at `{path}.{key}`")
+    for i, sub in enumerate(subschemas):
+        _check(sub, f"{path}.{key}[{i}]", root, depth + 1)
+
+
 def _check_array(schema: dict[str, Any], path: str, root: dict[str, Any], depth: int) -> None:
     if "prefixItems" in schema:
         others = sorted(set(schema) & {"items", "minItems", "maxItems"})
         if others:
             raise GrammarError(f"prefixItems cannot be combined with {', '.join(others)} "
                                f"- at `{path}`")
-        items = schema["prefixItems"]
-        if not isinstance(items, list) or not items:
-            raise GrammarError(f"prefixItems must be a non-empty list - at `{path}.prefixItems`")
-        for i, sub in enumerate(items):
-            _check(sub, f"{path}.prefixItems[{i}]", root, depth + 1)
+        _check_each(schema, "prefixItems", path, root, depth)
         return
     if "items" not in schema:
         if "minItems" in schema or "maxItems" in schema:

@@ -59,8 +59,6 @@ log = logging.getLogger(__name__)
 _INLINE_TOKENIZE_BYTES = 32 * 1024
 _CLOSE_GRACE_S = 5.0
 _READ_CHUNK_BYTES = 64 * 1024
-# sun_path is 108 bytes on Linux, one of them the terminating NUL.
-_MAX_SOCKET_PATH_BYTES = 107
 # SO_PEERGROUPS (Linux 4.13+): the peer's supplementary groups at connect time.
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 

@@ -307,6 +307,16 @@ async def spawn_daemon(args: Iterable[str], directory: Path, *,
     return process, notify
 
 
+async def reap(process: asyncio.subprocess.Process, notify: NotifyListener,
+               directory: Path) -> None:
+    """Kill the daemon if it still runs, and remove what spawn_daemon set up."""
+    if process.returncode is None:
+        process.kill()
+        await process.wait()
+    notify.close()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 async def collect_exit(process: asyncio.subprocess.Process, notify: NotifyListener,
                        started: float, timeout: float) -> Exited:
     try:

@@ -37,6 +37,7 @@ from tests.fault_support import (
     parse_reply_lines,
     poll_until,
     read_to_end,
+    reap,
     run_to_exit,
     short_dir,
     spawn_daemon,
@@ -154,11 +155,7 @@ async def test_sigterm_during_the_model_load_exits_at_once_without_ready(
             assert [(r["id"], r.get("code")) for r in replies] == [("early", "shutting_down")], (
                 details)
     finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-        notify.close()
-        shutil.rmtree(directory, ignore_errors=True)
+        await reap(process, notify, directory)
 
 
 @pytest.mark.slow
@@ -346,11 +343,7 @@ async def test_sigint_right_after_start_before_the_event_loop_runs() -> None:
             process.send_signal(signal.SIGINT)
             result = await collect_exit(process, notify, started, 60)
         finally:
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
-            notify.close()
-            shutil.rmtree(directory, ignore_errors=True)
+            await reap(process, notify, directory)
         loop_ran = any(m.startswith("STATUS=loading") for m in result.notifications)
         outcomes.append((loop_ran, result))
         assert "Traceback" not in result.output, result.describe()
