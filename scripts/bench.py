@@ -106,8 +106,8 @@ def ceiling_worker(params: dict[str, Any]) -> None:
     """The child process: prints "ready" once warmed up, then answers one JSON
     command per stdin line with one JSON line, until stdin closes."""
     from sfcore_daemon.config import ModelConfig
-    from sfcore_daemon.engine import context_params
     from sfcore_daemon.llama_c import C
+    from sfcore_daemon.model import context_params
 
     kv_mib: list[float] = []
 

@@ -140,7 +140,9 @@ def _run(config: Config, pinned: list[int]) -> int:
 
 def _serve(config: Config, pinned: list[int], model_path: str, *,
            listening: ListeningSocket, n_threads: int, n_threads_batch: int) -> int:
-    from .engine import Engine, ModelLoadError, route_llama_logs
+    from .engine import Engine
+    from .logs import route_llama_logs
+    from .model import ModelLoadError
     from .socketfile import StartupError
 
     route_llama_logs()

@@ -16,8 +16,10 @@ from collections import deque
 from typing import Protocol, cast
 
 from . import protocol
-from .engine import Engine, Job, Sampling, shared_prefix
+from .engine import Engine
 from .grammar import GrammarSampler
+from .job import Job
+from .kvcache import shared_prefix
 from .protocol import (
     DoneReply,
     ErrorReply,
@@ -28,6 +30,7 @@ from .protocol import (
     TokenReply,
     Usage,
 )
+from .sampling import Sampling
 from .stats import Stats
 from .textstream import TextStream
 

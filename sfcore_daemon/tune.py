@@ -21,23 +21,26 @@ import os
 import statistics
 import sys
 import time
-import tomllib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import IO, Any, NoReturn
 
 import msgspec
-import tomli_w
 
 from . import cpus, models
-from .config import CONFIG_FILE_NAME, Config, ConfigError, apply_overrides, load_config
+from .config import Config, ConfigError, apply_overrides, load_config
+from .tunefile import (
+    EXIT_USAGE,
+    Recommendation,
+    TuneError,
+    check_writable,
+    config_file,
+    write_config,
+)
 
 PROG = "sfcore-daemon tune"
-EXIT_RUNTIME = 1
-EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 UBATCH_CANDIDATES = (128, 256, 512)
@@ -54,14 +57,6 @@ PROMPT_TEXT = (
     "Memory bandwidth bounds token generation, while prompt evaluation is bound "
     "by arithmetic, so the best thread counts for the two often differ. "
 )
-
-
-class TuneError(Exception):
-    """A problem worded for the user; ends the command with `exit_code`."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_RUNTIME) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 # --- command line -----------------------------------------------------------------------
@@ -212,7 +207,7 @@ class Sweep:
 def _silence_llama_logs() -> None:
     """llama.cpp's lines go nowhere; a load failure still reaches the user through
     ModelLoadError, which carries llama.cpp's own reason."""
-    from .engine import route_llama_logs
+    from .logs import route_llama_logs
 
     route_llama_logs()
     llama_log = logging.getLogger("sfcore_daemon.llama_cpp")
@@ -229,8 +224,8 @@ class Bench:
     """
 
     def __init__(self, model_path: str, config: Config, pinned: Sequence[int]) -> None:
-        from .engine import ModelLoadError, load_model
         from .llama_c import C
+        from .model import ModelLoadError, load_model
 
         self.C = C
         self.config = config
@@ -259,7 +254,7 @@ class Bench:
 
     @contextmanager
     def context(self, n_ubatch: int) -> Iterator[Context]:
-        from .engine import context_params
+        from .model import context_params
 
         model_config = msgspec.structs.replace(self.config.model, n_ubatch=n_ubatch)
         ctx = self.C.llama_init_from_model(self.model, context_params(model_config, 1, 1))
@@ -412,13 +407,6 @@ def _busy_seconds(times: Any) -> float:
 # --- output -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Recommendation:
-    n_threads: int
-    n_threads_batch: int
-    n_ubatch: int
-
-
 def recommend(sweep: Sweep) -> Recommendation:
     decode, prefill = best(sweep.decode), best(sweep.prefill)
     return Recommendation(decode.threads, prefill.threads, prefill.n_ubatch)
@@ -470,82 +458,6 @@ def _configured(value: int, effective: int) -> str:
 
 def _describe_cpus(pinned: Sequence[int]) -> str:
     return f"{len(pinned)} CPU{'s' if len(pinned) != 1 else ''} ({','.join(map(str, pinned))})"
-
-
-# --- writing the config -----------------------------------------------------------------
-
-
-def config_file(args: argparse.Namespace) -> Path:
-    """The file --write changes: the given --config, else ./server_config.toml.
-
-    Symlinks are followed, so the file they point at is replaced, not the link.
-    """
-    return Path(os.path.realpath(args.config or CONFIG_FILE_NAME))
-
-
-def check_writable(path: Path) -> None:
-    """Fail before a long sweep rather than after it."""
-    if not path.parent.is_dir():
-        raise TuneError(f"cannot write {path}: directory {path.parent} does not exist")
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        raise TuneError(f"cannot write {path}: directory {path.parent} is not writable")
-
-
-def write_config(path: Path, recommended: Recommendation) -> None:
-    """Set the three tuned keys in `path`, keeping every other key and value.
-
-    The new text is validated with load_config before it atomically replaces the
-    old file, so a reader never sees a half-written or invalid config.
-    """
-    data = _read_toml(path)
-    runtime, model = _table(data, "runtime", path), _table(data, "model", path)
-    runtime["n_threads"] = recommended.n_threads
-    runtime["n_threads_batch"] = recommended.n_threads_batch
-    model["n_ubatch"] = recommended.n_ubatch
-    n_batch = model.get("n_batch", Config().model.n_batch)
-    if isinstance(n_batch, int) and n_batch < recommended.n_ubatch:
-        model["n_batch"] = recommended.n_ubatch
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        _write_new_file(temp, tomli_w.dumps(data).encode(), like=path)
-        load_config(temp)
-        os.replace(temp, path)
-    except OSError as exc:
-        raise TuneError(f"cannot write {path}: {exc.strerror}") from None
-    except ConfigError as exc:
-        raise TuneError(f"not writing {path}: the result would be invalid ({exc})") from None
-    finally:
-        temp.unlink(missing_ok=True)
-
-
-def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        with path.open("rb") as file:
-            return tomllib.load(file)
-    except FileNotFoundError:
-        return {}
-    except OSError as exc:
-        raise TuneError(f"cannot read config {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise TuneError(f"invalid config {path}: not valid TOML ({exc})", EXIT_USAGE) from None
-
-
-def _table(data: dict[str, Any], name: str, path: Path) -> dict[str, Any]:
-    table = data.setdefault(name, {})
-    if not isinstance(table, dict):
-        raise TuneError(f"invalid config {path}: `{name}` is not a table", EXIT_USAGE)
-    return table
-
-
-def _write_new_file(temp: Path, content: bytes, like: Path) -> None:
-    # 0o666 less the umask for a new config, as any editor would create it.
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-    with os.fdopen(fd, "wb") as file:
-        file.write(content)
-        file.flush()
-        os.fsync(file.fileno())
-    if like.exists():
-        os.chmod(temp, like.stat().st_mode & 0o7777)
 
 
 # --- main -------------------------------------------------------------------------------

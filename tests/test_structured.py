@@ -11,7 +11,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from sfcore_daemon.grammar import GrammarError, check_gbnf, check_schema, schema_to_gbnf
+from sfcore_daemon.grammar import GrammarError, check_gbnf
+from sfcore_daemon.schema import check_schema, schema_to_gbnf
 from tests.harness import REPO, Client, done_of, running_daemon, tokens_text
 
 SEEDS = range(20)
@@ -158,8 +159,8 @@ def test_supported_schemas_convert_and_unsupported_grammar_nesting_is_refused() 
 
 
 def test_the_converter_is_imported_without_numpy_or_the_high_level_package() -> None:
-    code = ("import sys; import sfcore_daemon.server; from sfcore_daemon import grammar; "
-            "grammar.schema_to_gbnf({'type': 'object'}); "
+    code = ("import sys; import sfcore_daemon.server; from sfcore_daemon import schema; "
+            "schema.schema_to_gbnf({'type': 'object'}); "
             "assert 'llama_cpp.llama_grammar' in sys.modules; "
             "bad = [m for m in ('numpy', 'llama_cpp.llama') if m in sys.modules]; "
             "assert not bad, bad")

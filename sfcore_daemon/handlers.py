@@ -1,0 +1,331 @@
+"""The ops: what each request asks and how it is answered.
+
+`RequestHandlers.handle` dispatches a decoded request with `match`; generate and chat
+become a `Generation` handed to the scheduler. The server state they read (config,
+engine, scheduler, stats) is the `Server`'s, which inherits these handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar, assert_never
+
+from . import __version__, protocol
+from .chat import ChatTemplate, ChatTemplateError
+from .config import Config
+from .connection import Connection
+from .engine import Engine
+from .grammar import GrammarError, GrammarSampler
+from .model import EngineClosed, TokenIdError
+from .protocol import (
+    CancelledReply,
+    CancelRequest,
+    ChatRequest,
+    DetokenizeRequest,
+    EffectiveConfig,
+    GenerateRequest,
+    GenerationRequest,
+    HealthReply,
+    HealthRequest,
+    InfoReply,
+    InfoRequest,
+    ModelDescription,
+    Request,
+    RequestId,
+    SlotUse,
+    StatsRequest,
+    TextReply,
+    TokenizeRequest,
+    TokensReply,
+    Versions,
+)
+from .sampling import Sampling
+from .scheduler import Generation, QueueFull, Scheduler
+from .schema import request_gbnf
+from .stats import Stats
+
+log = logging.getLogger(__name__)
+
+# Prompts above this size are tokenized off the event loop (about a millisecond of C work).
+_INLINE_TOKENIZE_BYTES = 32 * 1024
+
+
+class RequestHandlers:
+    """The op handlers; mixed into `Server`, whose state they use."""
+
+    config: Config
+    cpus: list[int]
+    engine: Engine | None
+    scheduler: Scheduler | None
+    chat_template: ChatTemplate | None
+    stats: Stats
+    draining: bool
+    ready: asyncio.Event
+    _load_ended: asyncio.Event
+
+    async def handle(self, connection: Connection, request: Request, arrived_ns: int) -> bool:
+        """Answer one decoded request; False when the connection must close after it."""
+        request_id = request.id
+        assert request_id is not None  # decode_request assigns one
+        self.stats.by_op[protocol.op_name(request)] += 1
+        try:
+            match request:
+                case HealthRequest():
+                    connection.reply(protocol.encode_line(self.health(request_id)))
+                case CancelRequest():
+                    connection.reply(protocol.encode_line(self.cancel(connection, request)))
+                case _ if self.draining:
+                    connection.reply_error(
+                        request_id, protocol.SHUTTING_DOWN,
+                        "the daemon is shutting down and takes no new requests")
+                    return False
+                case GenerateRequest() | ChatRequest():
+                    await self.start_generation(connection, request, arrived_ns)
+                case TokenizeRequest():
+                    await self.tokenize(connection, request)
+                case DetokenizeRequest():
+                    await self.detokenize(connection, request)
+                case InfoRequest():
+                    slot = connection.open_slot()
+                    try:
+                        info = await self.info(request_id)
+                    except EngineClosed as exc:
+                        connection.reply_error(request_id, protocol.SHUTTING_DOWN, str(exc), slot)
+                    else:
+                        slot.write(protocol.encode_line(info))
+                        slot.close()
+                case StatsRequest():
+                    stats = self.stats.reply(request_id, self.slot_uses())
+                    connection.reply(protocol.encode_line(stats))
+                case _:
+                    assert_never(request)
+        except Exception:
+            # A bug of ours must not cost the client its connection or other requests.
+            log.exception("request %r failed", request_id)
+            connection.reply_error(request_id, protocol.INTERNAL,
+                                   "unexpected error in the daemon; see its log")
+        return True
+
+    def health(self, request_id: RequestId) -> HealthReply:
+        scheduler = self.scheduler
+        status = "draining" if self.draining else "ok" if self.ready.is_set() else "loading"
+        return HealthReply(
+            id=request_id,
+            status=status,  # type: ignore[arg-type]
+            model=self.engine.info.name if self.engine is not None else "",
+            busy=scheduler.busy if scheduler is not None else False,
+            queue_depth=scheduler.queue_depth if scheduler is not None else 0,
+            uptime_s=round(time.monotonic() - self.stats.started, 3),
+            slots=self.config.server.slots,
+            slots_busy=scheduler.busy_slots if scheduler is not None else 0,
+        )
+
+    def slot_uses(self) -> list[SlotUse]:
+        if self.scheduler is None:
+            return [SlotUse(slot=slot, busy=False, requests=0, cached_tokens=0)
+                    for slot in range(self.config.server.slots)]
+        return self.scheduler.slot_uses()
+
+    def cancel(self, connection: Connection, request: CancelRequest) -> CancelledReply:
+        """Cancel the pending requests with id `target` sent on this connection."""
+        found = False
+        scheduler = self.scheduler
+        if scheduler is not None:
+            for generation in list(connection.generations):
+                if generation.request_id == request.target and not generation.replied:
+                    found = True
+                    scheduler.cancel(generation)
+        assert request.id is not None
+        return CancelledReply(id=request.id, target=request.target, found=found)
+
+    async def _loaded_engine(self) -> Engine:
+        """The engine once loaded; EngineClosed if the load was given up for a stop."""
+        if not self._load_ended.is_set():
+            await self._load_ended.wait()
+        if self.engine is None:
+            raise EngineClosed("the daemon stopped before the model was loaded")
+        return self.engine
+
+    async def info(self, request_id: RequestId) -> InfoReply:
+        engine = await self._loaded_engine()
+        info, model_config = engine.info, self.config.model
+        return InfoReply(
+            id=request_id,
+            model=ModelDescription(
+                path=info.path, name=info.name, architecture=info.architecture,
+                n_params=info.n_params, n_ctx_train=info.n_ctx_train, n_vocab=info.n_vocab,
+                size_bytes=info.size_bytes, has_chat_template=info.chat_template is not None),
+            config=EffectiveConfig(
+                n_ctx=engine.n_ctx, threads=engine.n_threads,
+                threads_batch=engine.n_threads_batch, batch=model_config.n_batch,
+                ubatch=engine.n_ubatch, cpu_affinity=list(self.cpus),
+                mmap=model_config.use_mmap, mlock=model_config.use_mlock,
+                gpu_layers=model_config.n_gpu_layers, flash_attn=model_config.flash_attn,
+                reproducible=model_config.reproducible,
+                slots=engine.slots, prefill_per_step=self.config.server.prefill_per_step,
+                chat_template=self.chat_template.label if self.chat_template else None),
+            system_info=engine.system_info.strip(),
+            versions=_versions(),
+        )
+
+    async def tokenize(self, connection: Connection, request: TokenizeRequest) -> None:
+        request_id = request.id
+        slot = connection.open_slot()
+        try:
+            engine = await self._loaded_engine()
+            tokens = await _off_loop_if_long(
+                len(request.text), engine.tokenize, request.text, request.add_special)
+        except EngineClosed:
+            connection.reply_error(request_id, protocol.SHUTTING_DOWN,
+                                   "the daemon is shutting down", slot)
+            return
+        assert request_id is not None
+        slot.write(protocol.encode_line(TokensReply(id=request_id, tokens=tokens)))
+        slot.close()
+
+    async def detokenize(self, connection: Connection, request: DetokenizeRequest) -> None:
+        request_id = request.id
+        slot = connection.open_slot()
+        try:
+            engine = await self._loaded_engine()
+            text = await _off_loop_if_long(4 * len(request.tokens), engine.detokenize,
+                                           request.tokens)
+        except TokenIdError as exc:
+            connection.reply_error(request_id, protocol.INVALID_REQUEST, str(exc), slot)
+            return
+        except EngineClosed:
+            connection.reply_error(request_id, protocol.SHUTTING_DOWN,
+                                   "the daemon is shutting down", slot)
+            return
+        assert request_id is not None
+        slot.write(protocol.encode_line(TextReply(id=request_id, text=text)))
+        slot.close()
+
+    async def _prompt(self, engine: Engine, request: GenerationRequest) -> list[int]:
+        """The request's prompt tokens; ChatTemplateError if a chat cannot be rendered."""
+        if isinstance(request, GenerateRequest):
+            return await _off_loop_if_long(len(request.prompt), engine.tokenize, request.prompt)
+        template = self.chat_template
+        if template is None:
+            raise ChatTemplateError(
+                f"chat needs a chat template: the model ({engine.info.architecture}) has none "
+                "of its own and model.chat_template names none (set it to a llama.cpp "
+                "built-in name such as \"chatml\", or to a Jinja template)")
+        messages = [(message.role, message.content) for message in request.messages]
+        size = sum(len(content) for _, content in messages)
+        return await _off_loop_if_long(
+            size, lambda: engine.tokenize_segments(template.render(messages)))
+
+    async def start_generation(self, connection: Connection, request: GenerationRequest,
+                               arrived_ns: int) -> None:
+        request_id = request.id
+        assert request_id is not None
+        # The slot comes first: from now on the request holds its place in the reply
+        # order, and a shutdown waits for its answer.
+        slot = connection.open_slot()
+
+        def refuse(code: str, message: str) -> None:
+            self.stats.by_outcome["error"] += 1
+            connection.reply_error(request_id, code, message, slot)
+
+        try:
+            grammar_spec = request_gbnf(request)
+            engine = await self._loaded_engine()
+            prompt = await self._prompt(engine, request)
+            grammar = (GrammarSampler.create(engine.loaded_model(), *grammar_spec, prompt)
+                       if grammar_spec is not None else None)
+        except (ChatTemplateError, GrammarError) as exc:
+            refuse(protocol.INVALID_REQUEST, str(exc))
+            return
+        except EngineClosed:
+            refuse(protocol.SHUTTING_DOWN, "the daemon is shutting down")
+            return
+        if len(prompt) >= engine.n_ctx:
+            refuse(protocol.CONTEXT_OVERFLOW,
+                   f"the prompt is {len(prompt)} tokens and the context holds {engine.n_ctx} "
+                   "(model.n_ctx); no room is left for a reply")
+            return
+        if connection.gone:
+            self.stats.by_outcome["cancelled"] += 1
+            return
+        if self.draining:
+            refuse(protocol.SHUTTING_DOWN, "the daemon is shutting down")
+            return
+        scheduler = self.scheduler
+        assert scheduler is not None
+        defaults = self.config.generation
+        generation = Generation(
+            request_id=request_id,
+            stream=request.stream,
+            stops=request.stop_sequences,
+            prompt=prompt,
+            sampling=Sampling(
+                temperature=_pick(request.temperature, defaults.temperature),
+                top_k=_pick(request.top_k, defaults.top_k),
+                top_p=_pick(request.top_p, defaults.top_p),
+                min_p=_pick(request.min_p, defaults.min_p),
+                repeat_penalty=_pick(request.repeat_penalty, defaults.repeat_penalty),
+                seed=request.seed,
+            ),
+            # Clipped to the room the prompt leaves, so the scheduler can reserve it.
+            max_tokens=min(_pick(request.max_tokens, defaults.max_tokens),
+                           engine.n_ctx - len(prompt)),
+            cache_prompt=request.cache_prompt,
+            sink=slot,
+            arrived_ns=arrived_ns,
+            loop=asyncio.get_running_loop(),
+            stats=self.stats,
+            exclusive=self._exclusive(request),
+            grammar=grammar,
+        )
+        slot.generation = generation
+        connection.generations.add(generation)
+        try:
+            scheduler.submit(generation)
+        except QueueFull:
+            connection.generations.discard(generation)
+            generation.fail(protocol.QUEUE_FULL,
+                            f"every slot is busy and {scheduler.queue_depth} requests are waiting "
+                            "(server.max_queue)")
+
+
+    def _exclusive(self, request: GenerationRequest) -> bool:
+        """Whether a request must have the batch to itself: its tokens must not depend
+        on what else runs (reproducible mode; a cold prompt, which promises the same
+        bytes for the same seed whatever else runs)."""
+        return self.config.model.reproducible or not request.cache_prompt
+
+
+_T = TypeVar("_T")
+
+
+def _pick(value: _T | None, default: _T) -> _T:
+    return default if value is None else value
+
+
+async def _off_loop_if_long(size: int, function: Callable[..., _T], *args: Any) -> _T:
+    """Run a tokenizer call inline, or in a worker thread when `size` (bytes of text)
+    would keep the event loop busy for more than about a millisecond."""
+    if size > _INLINE_TOKENIZE_BYTES:
+        return await asyncio.to_thread(function, *args)
+    return function(*args)
+
+
+_versions_cache: list[Versions] = []
+
+
+def _versions() -> Versions:
+    if not _versions_cache:
+        from .model import llama_cpp_version
+
+        try:
+            bindings = importlib.metadata.version("llama_cpp_python")
+        except importlib.metadata.PackageNotFoundError:
+            bindings = "unknown"
+        _versions_cache.append(Versions(sfcore=__version__, llama_cpp_python=bindings,
+                                        llama_cpp=llama_cpp_version()))
+    return _versions_cache[0]

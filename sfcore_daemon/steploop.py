@@ -1,0 +1,293 @@
+"""The step loop, on the decode thread: one `llama_decode` per step for every active
+sequence, then each output row sampled by its sequence's own chain.
+
+No logits reach Python: per-token Python work is a few C calls, independent of the
+vocabulary size. The loop only evaluates prompts, decodes and samples. It hands each
+token's bytes to the event loop through `Job.pieces` and wakes the loop at most once
+per step; it never logs, encodes JSON or touches a socket.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from typing import Any
+
+from .job import EndReason, Job
+from .kvcache import KVCache, SeqCells
+from .llama_c import C
+from .model import Model
+from .sampling import make_chain
+
+# llama_decode's return value when the abort callback said stop.
+_DECODE_ABORTED = 2
+# Prompt tokens in one step from which the step can be aborted (about 0.25 s of work).
+_ABORTABLE_PREFILL = 128
+
+
+class _Seq(SeqCells):
+    """One slot's sequence and the step loop's state for its job."""
+
+    __slots__ = ("job", "sampler", "next_prompt", "chunk_end", "n_out", "limit",
+                 "generating", "last_token")
+
+    def __init__(self, seq_id: int) -> None:
+        super().__init__(seq_id)
+        self.job: Job | None = None
+        self.sampler: Any = None
+        self.next_prompt = 0  # the first prompt token not yet in the cache
+        self.chunk_end = 0  # the end of the prompt chunk in the current step
+        self.n_out = 0
+        self.limit = 0
+        self.generating = False  # past its prompt: adds one token a step
+        self.last_token = 0  # sampled, not yet decoded
+
+
+def _drain_each(jobs: list[Job]) -> None:
+    for job in jobs:
+        job._wake()
+
+
+class StepLoop:
+    """`slots` sequences of one context, stepped together until the inbox says stop."""
+
+    def __init__(self, model: Model, slots: int, prefill_per_step: int,
+                 reproducible: bool) -> None:
+        self.model = model
+        # Bumped on every step and abort-callback tick (see Engine.progress).
+        self.progress = 0
+        self._ctx = model.ctx
+        self._vocab = model.vocab
+        self.n_ctx = model.n_ctx
+        self._prefill_per_step = prefill_per_step
+        batch = model.n_batch
+        # Reproducible mode cuts prompts at multiples of n_ubatch, so that a chunk
+        # evaluated after a cache hit is cut exactly as in a cold run.
+        self._prefill_chunk = batch - batch % model.n_ubatch if reproducible else batch
+        self._n_batch = batch
+        self._seqs = [_Seq(seq_id) for seq_id in range(slots)]
+        self._cells = KVCache(model.memory, self._seqs, model.n_ubatch, reproducible)
+        self._active: list[_Seq] = []  # sequences with a job, in the order they began
+        # One batch for every step, sized for n_batch tokens of one sequence each.
+        self._batch: Any = C.llama_batch_init(batch, 0, 1)
+        for row in range(batch):
+            self._batch.n_seq_id[row] = 1
+        # The jobs of the prompt batch being decoded, for the abort callback.
+        self._abort_jobs: list[Job] = []
+        self._abort_callback = C.ggml_abort_callback(self._should_abort)
+        self._no_abort_callback = C.ggml_abort_callback()
+        # Fault injection for the watchdog's tests: "decode_hang" makes the decode
+        # thread stop making progress when it starts the next generation.
+        self._failpoint = os.environ.get("SFCORE_FAILPOINT", "")
+
+    def free(self) -> None:
+        """Free the batch; only once the loop has returned."""
+        if self._batch is not None:
+            C.llama_batch_free(self._batch)
+            self._batch = None
+
+    def run(self, inbox: queue.SimpleQueue[Job | None]) -> None:
+        """Serve jobs from `inbox` until it yields None."""
+        active = self._active
+        while True:
+            if not active:
+                job = inbox.get()  # idle: sleep until work comes
+                if job is None:
+                    return
+                self._begin(job)
+            # Whatever arrived meanwhile joins this very step.
+            while True:
+                try:
+                    job = inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    for seq in list(active):
+                        self._end(seq, "cancelled")
+                    return
+                self._begin(job)
+            if not active:
+                continue
+            try:
+                self._step()
+            except BaseException as exc:  # the slots must survive anything; the loop logs it
+                for seq in list(active):
+                    assert seq.job is not None
+                    seq.job.error = exc
+                    self._end(seq, "error")
+
+    def _begin(self, job: Job) -> None:
+        """Put a new job on its slot: drop what the scheduler evicted, reuse the slot's
+        cached prefix, build its sampler. Any failure ends the job, never the thread."""
+        if self._failpoint == "decode_hang":
+            while True:  # a stuck decode thread, for the watchdog's tests
+                time.sleep(3600)
+        job.t_start = time.perf_counter_ns()
+        seq = self._seqs[job.slot]
+        try:
+            for slot in job.evict:
+                self._cells.forget(self._seqs[slot])
+            n_reused = self._cells.reuse_prefix(seq, job.prompt) if job.cache_prompt else 0
+            if n_reused == 0:
+                self._cells.forget(seq)
+            job.n_cached = n_reused
+            seq.next_prompt = n_reused
+            seq.n_out = 0
+            seq.generating = False
+            seq.limit = min(job.max_tokens, self.n_ctx - len(job.prompt))
+            seq.sampler = make_chain(self._vocab, job.sampling, job.prompt)
+        except BaseException as exc:
+            job.error = exc
+            job.end_reason = "error"
+            self._cells.forget(seq)
+            if job.grammar is not None:
+                job.grammar.free()
+            job.loop.call_soon_threadsafe(job._finished)
+            return
+        seq.job = job
+        self._active.append(seq)
+
+    def _step(self) -> None:
+        active = self._active
+        for seq in list(active):
+            assert seq.job is not None
+            if seq.job.stop_requested:
+                self._end(seq, "cancelled")
+        if not active:
+            return
+        batch = self._batch
+        tokens, positions, seq_ids, wants = batch.token, batch.pos, batch.seq_id, batch.logits
+        outputs: list[tuple[_Seq, int]] = []
+        prefilling: list[_Seq] = []
+        n = 0
+        # Every generating sequence first: one token each, each asking for its logits.
+        for seq in active:
+            if seq.generating:
+                tokens[n] = seq.last_token
+                positions[n] = len(seq.cached)
+                seq_ids[n][0] = seq.id
+                wants[n] = 1
+                outputs.append((seq, n))
+                n += 1
+        # Then prompt tokens, oldest request first. Alone, a prompt goes in whole
+        # n_batch chunks; beside streaming sequences, at most prefill_per_step tokens
+        # a step, so their next token is never held up by a whole long prompt.
+        budget = self._n_batch - n if n == 0 else min(self._prefill_per_step, self._n_batch - n)
+        chunk = self._prefill_chunk
+        for seq in active:
+            if budget <= 0:
+                break
+            if seq.generating:
+                continue
+            job = seq.job
+            assert job is not None
+            prompt, pos, sid = job.prompt, seq.next_prompt, seq.id
+            end = min(pos - pos % chunk + chunk, len(prompt), pos + budget)
+            for index in range(pos, end):
+                tokens[n] = prompt[index]
+                positions[n] = index
+                seq_ids[n][0] = sid
+                wants[n] = 0
+                n += 1
+            budget -= end - pos
+            seq.chunk_end = end
+            prefilling.append(seq)
+            if end == len(prompt):
+                wants[n - 1] = 1
+                outputs.append((seq, n - 1))
+        batch.n_tokens = n
+
+        ctx = self._ctx
+        if n - len(outputs) >= _ABORTABLE_PREFILL:
+            # A big prompt batch can take seconds: the abort callback stops it once
+            # every sequence in it is cancelled. Installed for those batches only:
+            # llama.cpp polls it once per graph node (a Python call holding the GIL),
+            # hundreds of times a step, and a small batch ends soon anyway.
+            self._abort_jobs = [seq.job for seq in active if seq.job is not None]
+            C.llama_set_abort_callback(ctx, self._abort_callback, None)
+            try:
+                rc = C.llama_decode(ctx, batch)
+            finally:
+                C.llama_set_abort_callback(ctx, self._no_abort_callback, None)
+                self._abort_jobs = []
+        else:
+            rc = C.llama_decode(ctx, batch)
+        self.progress += 1
+        if rc == _DECODE_ABORTED:
+            # Whole ubatches done before the abort stay in the cache; drop them so
+            # each sequence's cache holds exactly its `cached` tokens.
+            for seq in list(active):
+                self._cells.trim(seq)
+                self._end(seq, "cancelled")
+            return
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed (code {rc}, {n} tokens)")
+
+        for seq in active:
+            if seq.generating:
+                seq.cached.append(seq.last_token)
+        now = time.perf_counter_ns()
+        for seq in prefilling:
+            job = seq.job
+            assert job is not None
+            seq.cached.extend(job.prompt[seq.next_prompt:seq.chunk_end])
+            seq.next_prompt = seq.prompt_rows = seq.chunk_end
+            if seq.chunk_end == len(job.prompt):
+                job.t_prompt_done = now
+
+        sample, is_eog, vocab = C.llama_sampler_sample, C.llama_vocab_is_eog, self._vocab
+        model = self.model
+        pieces, clock = model.pieces, time.perf_counter_ns
+        woken: list[Job] = []
+        for seq, row in outputs:
+            job = seq.job
+            assert job is not None
+            grammar = job.grammar
+            if grammar is None:
+                token = sample(seq.sampler, ctx, row)
+            else:  # checks the chain's choice against the grammar (see grammar.py)
+                token = grammar.sample(seq.sampler, ctx, row)
+            now = clock()
+            if seq.n_out == 0:
+                job.t_first = now
+            if is_eog(vocab, token):
+                self._end(seq, "stop")
+                continue
+            piece = pieces.get(token)
+            if piece is None:
+                piece = model.piece(token)
+            job.pieces.append((piece, now))
+            if not job.wake_pending:
+                job.wake_pending = True
+                woken.append(job)
+            seq.n_out += 1
+            if seq.n_out >= seq.limit:
+                self._end(seq, "length")
+                continue
+            seq.last_token = token
+            seq.generating = True
+        if woken:
+            # One wake-up of the event loop per step, whatever the number of streams.
+            woken[0].loop.call_soon_threadsafe(_drain_each, woken)
+
+    def _end(self, seq: _Seq, reason: EndReason) -> None:
+        job = seq.job
+        assert job is not None
+        job.end_reason = reason
+        if reason == "error":
+            self._cells.forget(seq)
+        if seq.sampler is not None:
+            C.llama_sampler_free(seq.sampler)
+            seq.sampler = None
+        if job.grammar is not None:
+            job.grammar.free()
+        job.kept = list(seq.cached)
+        seq.job = None
+        self._active.remove(seq)
+        job.loop.call_soon_threadsafe(job._finished)
+
+    def _should_abort(self, _data: Any) -> bool:
+        self.progress += 1
+        jobs = self._abort_jobs
+        return bool(jobs) and all(job.stop_requested for job in jobs)
