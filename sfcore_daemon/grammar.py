@@ -34,6 +34,16 @@ class GrammarError(ValueError):
     """The request's schema or grammar cannot be used; the message says why (and where)."""
 
 
+class GrammarDeadEnd(Exception):
+    """The grammar allows no token where the document stands. It ends that request
+    alone: `at_start` (nothing accepted yet) means the grammar itself admits nothing."""
+
+    def __init__(self, at_start: bool) -> None:
+        super().__init__("the grammar allows no token at its start" if at_start else
+                         "the grammar allows no token to continue the document")
+        self.at_start = at_start
+
+
 # llama.cpp's grammar parser recurses once per nested group; deeper text could exhaust
 # the event loop thread's stack before it reports an error.
 MAX_GRAMMAR_NESTING: Final = 64
@@ -146,13 +156,14 @@ class GrammarSampler:
     it is collected.
     """
 
-    __slots__ = ("_grammar", "_one", "_one_array", "_history", "_penalties", "_top",
+    __slots__ = ("_grammar", "_vocab", "_one", "_one_array", "_history", "_penalties", "_top",
                  "_raw", "_array", "_floats", "_ids", "n_vocab", "tokens", "resampled",
-                 "full_passes")
+                 "full_passes", "field")
 
-    def __init__(self, grammar: Any, n_vocab: int, history: Iterable[int],
+    def __init__(self, grammar: Any, vocab: Any, n_vocab: int, history: Iterable[int],
                  history_len: int) -> None:
         self._grammar = grammar
+        self._vocab = vocab
         self.n_vocab = n_vocab
         self._one = C.llama_token_data(0, 0.0, 0.0)
         self._one_array = C.llama_token_data_array(
@@ -170,6 +181,8 @@ class GrammarSampler:
         self.tokens = 0
         self.resampled = 0
         self.full_passes = 0
+        # The request field the grammar came from, for error messages.
+        self.field = "grammar"
 
     @classmethod
     def create(cls, model: Model, text: str, field: str, prompt: list[int]) -> GrammarSampler:
@@ -188,7 +201,10 @@ class GrammarSampler:
             source = "the grammar" if field == "grammar" else "the grammar made from it"
             raise GrammarError(f"{source} does not parse: {reason} - at `$.{field}`")
         _id_template(model.info.n_vocab)  # built once, here rather than mid-generation
-        return cls(grammar, model.info.n_vocab, prompt[-PENALTY_LAST_N:], PENALTY_LAST_N)
+        sampler = cls(grammar, model.vocab, model.info.n_vocab, prompt[-PENALTY_LAST_N:],
+                      PENALTY_LAST_N)
+        sampler.field = field
+        return sampler
 
     def sample(self, chain: Any, ctx: Any, idx: int) -> int:
         """The next token: the chain's choice when the grammar allows it, else a draw
@@ -203,7 +219,7 @@ class GrammarSampler:
         array.selected = -1
         C.llama_sampler_apply(grammar, ctypes.byref(array))
         self.tokens += 1
-        if one.logit != -math.inf:
+        if one.logit != -math.inf and not self._is_hidden(token):
             C.llama_sampler_accept(grammar, token)
             self._history.append(token)
             return token
@@ -232,18 +248,38 @@ class GrammarSampler:
             self.full_passes += 1
             array, floats = self._candidates(ctx, idx)
             C.llama_sampler_apply(self._grammar, ctypes.byref(array))
-        # top_k trusts a sorted flag and would cut the masked array as it stands.
-        array.sorted = False
         self._restore_penalties(chain)
-        C.llama_sampler_apply(chain, ctypes.byref(array))
-        selected = array.selected
-        if not 0 <= selected < array.size or floats[3 * selected + 1] == -math.inf:
-            raise RuntimeError("the grammar allows no token here")
-        token: int = self._ids[3 * selected]
+        size, raw = array.size, self._raw
+        assert raw is not None  # _candidates made it
+        masked = bytes(raw[:12 * size])
+        while True:
+            # top_k trusts a sorted flag and would cut the masked array as it stands.
+            array.sorted = False
+            array.selected = -1
+            C.llama_sampler_apply(chain, ctypes.byref(array))
+            selected = array.selected
+            if not 0 <= selected < array.size or floats[3 * selected + 1] == -math.inf:
+                raise GrammarDeadEnd(at_start=self.tokens == 1)
+            token: int = self._ids[3 * selected]
+            if not self._is_hidden(token):
+                break
+            # A control token matches the grammar by its special text, yet is streamed
+            # as nothing: masked, and the chain draws again from the grammar's choice.
+            raw[:12 * size] = masked
+            array.size = size
+            position = self._ids[0:3 * size:3].tolist().index(token)
+            floats[3 * position + 1] = -math.inf  # type: ignore[call-overload]
+            masked = bytes(raw[:12 * size])
         C.llama_sampler_accept(chain, token)
         C.llama_sampler_accept(self._grammar, token)
         self._history.append(token)
         return token
+
+    def _is_hidden(self, token: int) -> bool:
+        """A control token other than end-of-generation (its piece is empty)."""
+        vocab = self._vocab
+        return bool(C.llama_vocab_is_control(vocab, token)) and not C.llama_vocab_is_eog(
+            vocab, token)
 
     def _candidates(self, ctx: Any, idx: int) -> tuple[Any, memoryview]:
         """Every token with its logit, as llama_sampler_sample builds them, at C speed:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar, assert_never
 from . import __version__, protocol
 from .chat import ChatTemplate, ChatTemplateError
 from .config import Config
-from .connection import Connection
+from .connection import Connection, ReplySlot
 from .engine import Engine
 from .grammar import GrammarError, GrammarSampler
 from .model import EngineClosed, TokenIdError
@@ -72,6 +72,9 @@ class RequestHandlers:
         request_id = request.id
         assert request_id is not None  # decode_request assigns one
         self.stats.by_op[protocol.op_name(request)] += 1
+        # Ops that answer later hold their place in the reply order from here on; an
+        # error of ours is answered in that place, never in a new one behind it.
+        slot: ReplySlot | None = None
         try:
             match request:
                 case HealthRequest():
@@ -84,11 +87,14 @@ class RequestHandlers:
                         "the daemon is shutting down and takes no new requests")
                     return False
                 case GenerateRequest() | ChatRequest():
-                    await self.start_generation(connection, request, arrived_ns)
+                    slot = connection.open_slot()
+                    await self.start_generation(connection, request, arrived_ns, slot)
                 case TokenizeRequest():
-                    await self.tokenize(connection, request)
+                    slot = connection.open_slot()
+                    await self.tokenize(connection, request, slot)
                 case DetokenizeRequest():
-                    await self.detokenize(connection, request)
+                    slot = connection.open_slot()
+                    await self.detokenize(connection, request, slot)
                 case InfoRequest():
                     slot = connection.open_slot()
                     try:
@@ -106,8 +112,9 @@ class RequestHandlers:
         except Exception:
             # A bug of ours must not cost the client its connection or other requests.
             log.exception("request %r failed", request_id)
-            connection.reply_error(request_id, protocol.INTERNAL,
-                                   "unexpected error in the daemon; see its log")
+            if slot is None or not slot.complete:
+                connection.reply_error(request_id, protocol.INTERNAL,
+                                       "unexpected error in the daemon; see its log", slot)
         return True
 
     def health(self, request_id: RequestId) -> HealthReply:
@@ -172,9 +179,9 @@ class RequestHandlers:
             versions=_versions(),
         )
 
-    async def tokenize(self, connection: Connection, request: TokenizeRequest) -> None:
+    async def tokenize(self, connection: Connection, request: TokenizeRequest,
+                       slot: ReplySlot) -> None:
         request_id = request.id
-        slot = connection.open_slot()
         try:
             engine = await self._loaded_engine()
             tokens = await _off_loop_if_long(
@@ -187,9 +194,9 @@ class RequestHandlers:
         slot.write(protocol.encode_line(TokensReply(id=request_id, tokens=tokens)))
         slot.close()
 
-    async def detokenize(self, connection: Connection, request: DetokenizeRequest) -> None:
+    async def detokenize(self, connection: Connection, request: DetokenizeRequest,
+                         slot: ReplySlot) -> None:
         request_id = request.id
-        slot = connection.open_slot()
         try:
             engine = await self._loaded_engine()
             text = await _off_loop_if_long(4 * len(request.tokens), engine.detokenize,
@@ -221,12 +228,9 @@ class RequestHandlers:
             size, lambda: engine.tokenize_segments(template.render(messages)))
 
     async def start_generation(self, connection: Connection, request: GenerationRequest,
-                               arrived_ns: int) -> None:
+                               arrived_ns: int, slot: ReplySlot) -> None:
         request_id = request.id
         assert request_id is not None
-        # The slot comes first: from now on the request holds its place in the reply
-        # order, and a shutdown waits for its answer.
-        slot = connection.open_slot()
 
         def refuse(code: str, message: str) -> None:
             self.stats.by_outcome["error"] += 1

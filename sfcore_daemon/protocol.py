@@ -26,9 +26,11 @@ TOO_MANY_CONNECTIONS: Final = "too_many_connections"
 FORBIDDEN: Final = "forbidden"
 SHUTTING_DOWN: Final = "shutting_down"
 INTERNAL: Final = "internal"
+# A request's grammar allows no token to continue its document: that request ends alone.
+GRAMMAR_DEAD_END: Final = "grammar_dead_end"
 
 ERROR_CODES: Final = (BAD_JSON, INVALID_REQUEST, CONTEXT_OVERFLOW, QUEUE_FULL, LINE_TOO_LONG,
-                      TOO_MANY_CONNECTIONS, FORBIDDEN, SHUTTING_DOWN, INTERNAL)
+                      TOO_MANY_CONNECTIONS, FORBIDDEN, SHUTTING_DOWN, INTERNAL, GRAMMAR_DEAD_END)
 
 FinishReason = Literal["stop", "stop_sequence", "length", "cancelled"]
 FINISH_REASONS: Final = get_args(FinishReason)

@@ -17,7 +17,7 @@ from typing import Protocol, cast
 
 from . import protocol
 from .engine import Engine
-from .grammar import GrammarSampler
+from .grammar import GrammarDeadEnd, GrammarSampler
 from .job import Job
 from .kvcache import shared_prefix
 from .protocol import (
@@ -161,9 +161,7 @@ class Generation:
             job = self.job
             if not self.replied:
                 if job.end_reason == "error":
-                    log.error("generation %r failed", self.request_id, exc_info=job.error)
-                    self.fail(protocol.INTERNAL,
-                              "the model failed while generating; see the daemon log")
+                    self._fail_with(job.error)
                 else:
                     tail = self._text.finish()
                     if tail:
@@ -181,6 +179,21 @@ class Generation:
         finally:
             if self._scheduler is not None:
                 self._scheduler._released(self)
+
+    def _fail_with(self, error: BaseException | None) -> None:
+        if isinstance(error, GrammarDeadEnd):
+            # The request's own grammar, not a fault of the daemon: no traceback.
+            log.info("generation %r: %s", self.request_id, error)
+            if error.at_start:
+                field = self.job.grammar.field if self.job.grammar is not None else "grammar"
+                self.fail(protocol.INVALID_REQUEST, f"{error} - at `$.{field}`")
+            else:
+                self.fail(protocol.GRAMMAR_DEAD_END,
+                          f"{error} after {self.completion_tokens} tokens; the text so far "
+                          "was streamed")
+            return
+        log.error("generation %r failed", self.request_id, exc_info=error)
+        self.fail(protocol.INTERNAL, "the model failed while generating; see the daemon log")
 
     def _write(self, data: bytes | bytearray) -> None:
         if data:

@@ -128,6 +128,9 @@ class Server(RequestHandlers):
         log.info("llama.cpp system info: %s", engine.system_info.strip())
         self.ready.set()
         self._load_ended.set()
+        # The one line a person or a script waits for; systemd gets the same as STATUS.
+        log.info("ready: serving %s on %s with %d slots", info.name, self.socket_path,
+                 engine.slots)
         systemd.notify(f"READY=1\nSTATUS=serving {info.name} on {self.socket_path}")
         return True
 

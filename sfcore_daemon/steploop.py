@@ -244,10 +244,15 @@ class StepLoop:
             job = seq.job
             assert job is not None
             grammar = job.grammar
-            if grammar is None:
-                token = sample(seq.sampler, ctx, row)
-            else:  # checks the chain's choice against the grammar (see grammar.py)
-                token = grammar.sample(seq.sampler, ctx, row)
+            try:
+                if grammar is None:
+                    token = sample(seq.sampler, ctx, row)
+                else:  # checks the chain's choice against the grammar (see grammar.py)
+                    token = grammar.sample(seq.sampler, ctx, row)
+            except Exception as exc:  # one request's failure ends that request alone
+                job.error = exc
+                self._end(seq, "error")
+                continue
             now = clock()
             if seq.n_out == 0:
                 job.t_first = now
