@@ -273,19 +273,28 @@ class Terminal:
         os.write(self.fd, text.encode())
 
     def interrupt_at_prompt(self) -> None:
-        """Ctrl-C at the prompt: "^C", then a new prompt. A SIGINT that lands while
-        Python's readline is between checking for signals and blocking in select() is
-        only noticed at the next key (a CPython race no event reveals), so an unanswered
-        Ctrl-C is sent again; a second one at the prompt does the same as the first."""
-        for _ in range(3):
-            self.send("\x03")
-            try:
-                self.expect(r"\^C", timeout=5.0)
-            except AssertionError:
-                continue
-            self.expect("> ")
-            return
-        raise AssertionError(f"Ctrl-C at the prompt went unanswered after {self.seen[-300:]!r}")
+        """Ctrl-C at the prompt: "^C", then a new prompt.
+
+        CPython's readline checks for signals only when its select() on the terminal is
+        interrupted: a SIGINT that lands while it is still handling the last key is
+        noticed only at the next key. So the key goes only once the process is blocked
+        in select() with every typed key handled (the kernel shows where it waits)."""
+        self.wait_blocked_in_select()
+        self.send("\x03")
+        self.expect(r"\^C")
+        self.expect("> ")
+
+    def wait_blocked_in_select(self, timeout: float = 30.0) -> None:
+        """Until the terminal's process sleeps in select()/poll(): no event reports
+        that, so its kernel wait channel is polled, bounded."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with open(f"/proc/{self.pid}/wchan") as wchan:
+                where = wchan.read()
+            if "poll" in where or "select" in where:
+                return
+            assert time.monotonic() < deadline, f"sfcore chat never waited for a key ({where!r})"
+            time.sleep(0.005)
 
     def ask(self, message: str) -> re.Match[str]:
         """Send a message at the prompt; the figures line after its answer."""
