@@ -36,59 +36,44 @@ import asyncio
 import json
 import math
 import os
-import random
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import uvloop
+from benchlib import (
+    REPO,
+    SAMPLED,
+    SHORT_PROMPT,
+    TIMEOUT_S,
+    Daemon,
+    Stream,
+    cell,
+    filler_text,
+    generation_figures,
+    log,
+    paired_ratio,
+    summary,
+)
 
-REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 DECODE_PROMPT = "The history of the printing press begins"
-SHORT_PROMPT = "Write a haiku about the sea."
 CONCURRENT_PROMPTS = [
     "The history of the printing press begins",
     "A short guide to growing tomatoes:",
     "The main causes of the French Revolution were",
     "Here is a recipe for bread:",
 ]
-SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": 42}
 PREFILL_TOKENS = 512
 PREFIX_TOKENS = 1000
 QUESTIONS = ("\n\nQuestion: what is the first topic above?\nAnswer:",
              "\n\nQuestion: summarise the text above in one line.\nAnswer:")
-FILLER_WORDS = """model token cache socket daemon river mountain garden library engine signal
-window harbor lantern market paper thread kernel memory compass winter summer orbit valley
-bridge castle forest desert ocean island quickly slowly carefully brightly quietly"""
-TIMEOUT_S = 120.0
 RSS_HEADROOM_MB = 100.0
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def filler_text(n_words: int, seed: int) -> str:
-    """Deterministic prose-like text: varied words, so it tokenizes like real input."""
-    words = FILLER_WORDS.split()
-    rng = random.Random(seed)
-    sentences, count = [], 0
-    while count < n_words:
-        length = rng.randint(6, 14)
-        sentence = " ".join(rng.choice(words) for _ in range(length))
-        sentences.append(sentence.capitalize() + ".")
-        count += length
-    return " ".join(sentences)
 
 
 def peak_rss_mb(pid: int | str = "self") -> float:
@@ -210,19 +195,6 @@ def ceiling_worker(params: dict[str, Any]) -> None:
     C.llama_model_free(model)
 
 
-def generation_figures(started: float, first: float, last: float, tokens: int, *,
-                       prompt_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """The same figures for both sides, from the same instants."""
-    return {
-        "first_token_ms": (first - started) * 1e3,
-        "decode_tok_s": (tokens - 1) / (last - first) if tokens > 1 and last > first
-        else float("nan"),
-        "tokens": tokens,
-        "prompt_tokens": prompt_tokens,
-        "cached_tokens": cached_tokens,
-    }
-
-
 def fit_to_tokens(tokenize: Callable[[str], list[int]], target: int, seed: int) -> str:
     """The longest filler text with at most `target` tokens (BOS included)."""
     low, high = 1, target
@@ -315,105 +287,6 @@ def run_peer(params: dict[str, Any]) -> dict[str, Any]:
 
 
 # --- the daemon, through its socket -------------------------------------------------------
-
-
-_decode_reply = msgspec.json.Decoder(dict[str, Any]).decode
-
-
-class Stream:
-    """One NDJSON connection, timed at the arrival of every reply line."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-
-    @classmethod
-    async def open(cls, path: str) -> Stream:
-        reader, writer = await asyncio.open_unix_connection(path, limit=1 << 22)
-        return cls(reader, writer)
-
-    async def request(self, request: dict[str, Any]) -> dict[str, Any]:
-        # A lean client: it shares the CPUs with the daemon, and every microsecond it
-        # spends per token line is taken from llama.cpp's threads. One timeout per
-        # request (not a wait_for per line) and msgspec's decoder cut its cost per
-        # token from ~310 to ~160 us here (the daemon's event loop spends ~140).
-        started = time.perf_counter()
-        self.writer.write(json.dumps(request).encode() + b"\n")
-        first = last = 0.0
-        readline, decode = self.reader.readline, _decode_reply
-        async with asyncio.timeout(TIMEOUT_S):
-            while True:
-                line = await readline()
-                now = time.perf_counter()
-                reply = decode(line)
-                kind = reply["type"]
-                if kind == "token":
-                    first = first or now
-                    last = now
-                elif kind == "done":
-                    # A lone token held back by the UTF-8/stop filter arrives with done.
-                    first = first or now
-                    last = last or now
-                    break
-                else:
-                    raise RuntimeError(f"daemon answered {reply}")
-        usage = reply["usage"]
-        figures = generation_figures(started, first, last, usage["completion_tokens"],
-                                     prompt_tokens=usage["prompt_tokens"],
-                                     cached_tokens=usage["cached_tokens"])
-        figures["done"] = reply
-        return figures
-
-    async def generate(self, text: str, tokens: int, sampled: bool = False,
-                       cache: bool = True) -> dict[str, Any]:
-        sampling = SAMPLED if sampled else {"temperature": 0.0}
-        return await self.request(
-            {"prompt": text, "max_tokens": tokens, "cache_prompt": cache, **sampling})
-
-    async def close(self) -> None:
-        self.writer.close()
-        await self.writer.wait_closed()
-
-
-class Daemon:
-    """A daemon subprocess on a temp socket; `ready_ms` from spawn to READY=1."""
-
-    def __init__(self, process: asyncio.subprocess.Process, workdir: Path,
-                 ready_ms: float) -> None:
-        self.process, self.workdir, self.ready_ms = process, workdir, ready_ms
-        self.socket_path = str(workdir / "s")
-
-    @classmethod
-    async def start(cls, params: dict[str, Any]) -> Daemon:
-        workdir = Path(tempfile.mkdtemp(prefix="sfbench-", dir="/tmp"))
-        config = workdir / "config.toml"
-        server = f'[server]\nslots = {params["slots"]}\n' if params.get("slots") else ""
-        config.write_text(f'{server}[model]\npath = "{params["model"]}"\n'
-                          f'n_ctx = {params["n_ctx"]}\n[log]\nlevel = "warning"\n')
-        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        notify.bind(str(workdir / "n"))
-        notify.setblocking(False)
-        loop = asyncio.get_running_loop()
-        started = time.perf_counter()
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "sfcore_daemon", "--config", str(config),
-            "--socket", str(workdir / "s"), cwd=REPO,
-            env={**os.environ, "NOTIFY_SOCKET": str(workdir / "n")},
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        try:
-            while b"READY=1" not in await asyncio.wait_for(loop.sock_recv(notify, 4096),
-                                                           TIMEOUT_S):
-                pass
-        finally:
-            notify.close()
-        return cls(process, workdir, (time.perf_counter() - started) * 1e3)
-
-    async def stop(self) -> None:
-        self.process.terminate()
-        _, stderr = await asyncio.wait_for(self.process.communicate(), TIMEOUT_S)
-        shutil.rmtree(self.workdir, ignore_errors=True)
-        if self.process.returncode != 0:
-            raise RuntimeError(f"the daemon exited with {self.process.returncode}: "
-                               f"{stderr.decode()}")
 
 
 # --- one run: both sides up, each figure measured on one side right after the other ----------
@@ -644,7 +517,7 @@ async def structured_run(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def structured_peer(params: dict[str, Any]) -> dict[str, Any]:
-    from sfcore_daemon.grammar import schema_to_gbnf
+    from sfcore_daemon.schema import schema_to_gbnf
 
     peer_params = {**params, "prompt": STRUCTURED_PROMPT, "tokens": STRUCTURED_PEER_TOKENS,
                    "grammar": schema_to_gbnf(STRUCTURED_SCHEMA),
@@ -719,19 +592,6 @@ def run_llama_bench(binary: str, params: dict[str, Any]) -> dict[str, float]:
 # --- the table --------------------------------------------------------------------------------
 
 
-def summary(values: list[float]) -> dict[str, float]:
-    finite = [v for v in values if not math.isnan(v)]
-    if not finite:
-        return {"median": float("nan"), "min": float("nan"), "max": float("nan")}
-    return {"median": statistics.median(finite), "min": min(finite), "max": max(finite)}
-
-
-def cell(stats: dict[str, float] | None) -> str:
-    if stats is None:
-        return "-"
-    return f"{stats['median']:.1f} ({stats['min']:.1f}-{stats['max']:.1f})"
-
-
 ROWS = [  # key, label, unit
     ("decode_tok_s", "decode, greedy", "tok/s"),
     ("sampled_tok_s", "decode, sampled", "tok/s"),
@@ -745,15 +605,6 @@ ROWS = [  # key, label, unit
     ("concurrent_4_tok_s", "4 concurrent clients, aggregate", "tok/s"),
     ("peak_rss_mb", "peak RSS", "MB"),
 ]
-
-
-def paired_ratio(top: list[dict[str, Any]], top_key: str, bottom: list[dict[str, Any]],
-                 bottom_key: str) -> float:
-    """Median over runs of top/bottom, each pair measured back to back in one run: on a
-    shared machine this is steadier than a ratio of two medians."""
-    ratios = [a[top_key] / b[bottom_key] for a, b in zip(top, bottom, strict=True)
-              if b[bottom_key] and not math.isnan(a[top_key] / b[bottom_key])]
-    return statistics.median(ratios) if ratios else float("nan")
 
 
 def targets(samples: dict[str, list[dict[str, Any]]], medians: dict[str, dict[str, float]],
@@ -820,11 +671,7 @@ def params_note(key: str) -> str:
 
 
 def concurrency_module() -> Any:
-    """scripts/bench_concurrency.py, which imports this module as `bench`."""
-    sys.modules.setdefault("bench", sys.modules[__name__])
-    scripts = str(Path(__file__).resolve().parent)
-    if scripts not in sys.path:
-        sys.path.insert(0, scripts)
+    """scripts/bench_concurrency.py (imported on use: the other sections do not need it)."""
     import bench_concurrency
 
     return bench_concurrency

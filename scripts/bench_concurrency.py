@@ -41,12 +41,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import (
+from benchlib import (
     SHORT_PROMPT,
     TIMEOUT_S,
     Daemon,
     Stream,
-    _decode_reply,
+    decode_reply,
     filler_text,
     log,
     paired_ratio,
@@ -124,7 +124,7 @@ class Streamer:
             now = time.perf_counter()
             if not line:
                 break
-            reply = _decode_reply(line)
+            reply = decode_reply(line)
             if reply["type"] == "token":
                 self.stamps.append(now)
                 if len(self.stamps) >= self._wanted:
@@ -173,7 +173,7 @@ async def wait_idle(path: str) -> dict[str, Any]:
         async with asyncio.timeout(TIMEOUT_S):
             while True:
                 stream.writer.write(b'{"op": "health"}\n')
-                reply = _decode_reply(await stream.reader.readline())
+                reply = decode_reply(await stream.reader.readline())
                 if not any(reply.get(key) for key in ("busy", "queue_depth", "slots_busy")):
                     return reply
                 await asyncio.sleep(0.02)
@@ -273,7 +273,7 @@ async def fit_prompt(path: str, target: int, seed: int) -> str:
     try:
         async def count(text: str) -> int:
             stream.writer.write(json.dumps({"op": "tokenize", "text": text}).encode() + b"\n")
-            reply = _decode_reply(await stream.reader.readline())
+            reply = decode_reply(await stream.reader.readline())
             return len(reply["tokens"])
 
         low, high = 1, target
