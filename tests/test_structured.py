@@ -13,6 +13,7 @@ import pytest
 
 from sfcore_daemon.grammar import GrammarError, check_gbnf
 from sfcore_daemon.schema import check_schema, schema_to_gbnf
+from tests.fault_support import health, poll_until
 from tests.harness import REPO, Client, done_of, running_daemon, tokens_text
 
 SEEDS = range(20)
@@ -199,7 +200,9 @@ async def test_sampled_outputs_are_valid_against_their_schemas(name: str) -> Non
         assert any(any(ord(c) > 127 for c in text) for text in texts), texts
     grammar = stats["grammar"]
     assert grammar["requests"] == len(SEEDS)
-    assert 0 <= grammar["resampled"] < grammar["tokens"]
+    # Every token was checked against its grammar: each generated one, and the
+    # end-of-generation token that closed each document.
+    assert grammar["tokens"] == stats["tokens"]["generated"] + len(SEEDS), (grammar, stats)
 
 
 @pytest.mark.asyncio
@@ -317,12 +320,17 @@ async def test_cancelled_queued_and_abandoned_grammar_requests_leave_the_daemon_
     is freed without upsetting the slot (a double free would crash the daemon)."""
     request = {"prompt": few_shot("person"), "json_schema": PERSON, "temperature": 1.0,
                "max_tokens": 200}
-    async with running_daemon() as daemon:
+    # One slot: the second request of each pair really waits in the queue.
+    async with running_daemon({"server": {"slots": 1}}) as daemon:
         async with daemon.client() as leaving:
             await leaving.start_streaming({**request, "id": "run"}, {**request, "id": "queued"})
+            await poll_until(lambda: health(daemon), lambda h: h["queue_depth"] == 1,
+                             timeout=30, what="the second grammar request queued")
         async with daemon.client() as client:
-            await client.start_streaming({**request, "id": "a"}, {**request, "id": "b"},
-                                         {"op": "cancel", "target": "b"})
+            await client.start_streaming({**request, "id": "a"}, {**request, "id": "b"})
+            await poll_until(lambda: health(daemon), lambda h: h["queue_depth"] == 1,
+                             timeout=30, what="b queued behind a")
+            await client.send({"op": "cancel", "target": "b"})
             rest = await client.reply(TIMEOUT_S)
             assert done_of(rest)["id"] == "a"
             cancelled = await client.reply(TIMEOUT_S)
