@@ -461,17 +461,28 @@ async def test_eight_concurrent_clients_are_served_in_fifo_order() -> None:
         await assert_serves(daemon)
 
 
-async def _slot_free_within(daemon: Daemon, seconds: float) -> None:
+async def _slot_free(daemon: Daemon) -> None:
     await poll_until(lambda: health(daemon), lambda h: h["busy"] is False,
-                     timeout=seconds, interval=0.02, what="an idle slot")
+                     timeout=60, interval=0.02, what="an idle slot")
+
+
+async def _ubatch_ms(daemon: Daemon) -> float:
+    """What evaluating one 512-token ubatch costs on this machine now."""
+    async with daemon.client() as client:
+        done = done_of(await client.request({"prompt": LONG_PROMPT[:2300], "max_tokens": 1,
+                                             "cache_prompt": False}))
+    return float(done["timings"]["prompt_ms"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("n_batch", [512, 4096])
-async def test_a_client_killed_during_prefill_frees_the_slot_within_a_second(
+async def test_a_client_killed_during_prefill_frees_the_slot_within_a_ubatch(
         n_batch: int) -> None:
-    config = {"model": {"n_ctx": 4096, "n_batch": n_batch, "n_ubatch": 512}}
+    # One slot: the next request runs only once the killed one's prefill has stopped.
+    config = {"model": {"n_ctx": 4096, "n_batch": n_batch, "n_ubatch": 512},
+              "server": {"slots": 1}}
     async with running_daemon(config) as daemon:
+        ubatch = await _ubatch_ms(daemon)
         leaver = connect_raw(daemon.socket_path, 30)
         try:
             leaver.sendall(line({"id": "long-prompt", "prompt": LONG_PROMPT, "max_tokens": 50}))
@@ -482,20 +493,25 @@ async def test_a_client_killed_during_prefill_frees_the_slot_within_a_second(
                 leaver.recv(1)  # nothing streamed yet: still in prefill
         finally:
             leaver.close()
-        await _slot_free_within(daemon, 1.0)
         async with daemon.client() as client:
             done = done_of(await client.request({"prompt": "Hello", "max_tokens": 2}))
-            assert done["timings"]["queued_ms"] < 100, done["timings"]
+        # The ~3300-token prompt (about 7 ubatches) stopped within about one.
+        assert done["timings"]["queued_ms"] < 3 * ubatch, (ubatch, done["timings"])
         await assert_serves(daemon)
 
 
 @pytest.mark.slow
-async def test_a_client_killed_during_decode_frees_the_slot_within_a_second() -> None:
+async def test_a_client_killed_during_decode_frees_the_slot() -> None:
     async with running_daemon() as daemon:
         leaver = await daemon.connect()
         await leaver.start_streaming({"id": "long", **LONG, "max_tokens": 2000})
         await leaver.close()
-        await _slot_free_within(daemon, 1.0)
+        await _slot_free(daemon)
+        async with daemon.client() as client:
+            stats = await client.final({"op": "stats"})
+        # Stopped, not run to its 2000 tokens.
+        assert stats["requests"]["by_outcome"]["cancelled"] == 1, stats["requests"]
+        assert stats["tokens"]["generated"] < 1000, stats["tokens"]
         await assert_serves(daemon)
 
 
@@ -656,10 +672,16 @@ def _finish_and_read(flood: _Flood) -> tuple[bytes, str]:
 async def test_a_pipelining_flood_keeps_memory_flat_and_every_read_request_is_answered(
 ) -> None:
     bound_mb = 50
-    async with running_daemon() as daemon:
+    # One slot, held by a request that ends only when cancelled (its grammar never
+    # completes): the flood's first request waits behind it for as long as the flood
+    # lasts, so everything pipelined after it is held, whatever the machine's speed.
+    async with running_daemon({"server": {"slots": 1}}) as daemon:
         pid = daemon.process.pid
         await assert_serves(daemon)
-        head = line({"id": "long", **LONG, "max_tokens": 400})
+        blocker = await daemon.connect()
+        await blocker.start_streaming({"id": "blocker", **LONG, "max_tokens": 3000,
+                                       "grammar": "root ::= [a-z ] root"})
+        head = line({"id": "long", **LONG, "max_tokens": 16})
         samples: list[tuple[float, float]] = []
         last_sample = [0.0]
 
@@ -680,11 +702,15 @@ async def test_a_pipelining_flood_keeps_memory_flat_and_every_read_request_is_an
                   f"RssAnon {baseline[0]:.1f} -> peak {peak_anon:.1f} MB, "
                   f"VmRSS {baseline[1]:.1f} -> peak {peak_rss:.1f} MB")
             assert peak_anon - baseline[0] < bound_mb, (baseline, peak_anon)
-            # Meaningful only if the long generation still held the head of the line.
-            assert (await health(daemon))["busy"] is True, "the long request ended early"
+            # The head of the line is still waiting behind the blocker.
+            assert (await health(daemon))["queue_depth"] >= 1
+            await blocker.send({"op": "cancel", "target": "blocker"})
+            assert done_of(await blocker.reply())["finish_reason"] == "cancelled"
         except BaseException:
             flood.sock.close()
             raise
+        finally:
+            await blocker.close()
         data, ended = await asyncio.to_thread(_finish_and_read, flood)
         assert ended == "eof", ended
         got = finals(parse_reply_lines(data))

@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.fault_support import poll_until
 from tests.harness import done_of, run_cli, running_daemon
 
 pytestmark = pytest.mark.asyncio
@@ -122,10 +123,16 @@ async def test_sigterm_drains_the_running_request_and_rejects_queued_ones() -> N
     async with running_daemon({"server": {"drain_timeout_s": 60, "slots": 1}}) as daemon:
         async with daemon.client() as runner, daemon.client() as waiter, \
                 daemon.client() as watcher:
+            # Its grammar never completes: it runs to exactly max_tokens, seconds longer
+            # than the signal takes to arrive.
             await runner.start_streaming(
-                {"id": "running", "prompt": "Tell a story.", "max_tokens": 40})
+                {"id": "running", "prompt": "Tell a story.", "max_tokens": 200,
+                 "grammar": "root ::= [a-z ] root"})
             await waiter.send({"id": "queued", "prompt": "Hello", "max_tokens": 4})
-            assert (await watcher.final({"op": "health"}))["queue_depth"] == 1
+            # Another connection: the daemon may read it before the waiter's line.
+            await poll_until(lambda: watcher.final({"op": "health"}),
+                             lambda h: h["queue_depth"] == 1, timeout=30,
+                             what="the second request queued")
             daemon.signal(signal.SIGTERM)
             assert await daemon.notification("STOPPING=1", timeout=30)
             queued = (await waiter.reply(timeout=30))[-1]
@@ -134,7 +141,7 @@ async def test_sigterm_drains_the_running_request_and_rejects_queued_ones() -> N
             # The running request finishes in full.
             done = done_of(await runner.reply())
             assert done["finish_reason"] == "length"
-            assert done["usage"]["completion_tokens"] == 40
+            assert done["usage"]["completion_tokens"] == 200
             await runner.expect_eof()
         assert await daemon.wait_exit() == 0
         assert not os.path.exists(daemon.socket_path)

@@ -43,15 +43,18 @@ def sfcore(*args: str, stdin: str | None = None,
     return result
 
 
-def slot_free_within(path: str, seconds: float = 1.0) -> bool:
-    """Polls health on a separate connection (there is no event for it), bounded."""
-    deadline = time.monotonic() + seconds
+def stopped_and_free(path: str) -> None:
+    """The slot is free and the request left behind ended as cancelled, well before
+    its token budget. Polls health on a separate connection (there is no event for
+    it), bounded."""
+    deadline = time.monotonic() + 60
     with Client(path, timeout=10) as monitor:
-        while time.monotonic() < deadline:
-            if not monitor.health()["busy"]:
-                return True
+        while monitor.health()["busy"]:
+            assert time.monotonic() < deadline, "the slot is still busy"
             time.sleep(0.01)
-    return False
+        stats = monitor.stats()
+    assert stats["requests"]["by_outcome"]["cancelled"] >= 1, stats["requests"]
+    assert stats["requests"]["by_outcome"]["length"] == 0, stats["requests"]
 
 
 def in_thread(function: Any, *args: Any, timeout: float = 300) -> Any:
@@ -194,7 +197,7 @@ def interrupt_generate(path: str) -> None:
         if process.returncode is None:
             process.kill()
             process.wait()
-    assert slot_free_within(path)
+    stopped_and_free(path)
 
 
 @pytest.mark.asyncio
@@ -394,7 +397,7 @@ def repl_interrupt(path: str) -> tuple[dict[str, str], dict[str, str], str]:
             terminal.expect(r"\[cancelled\]")
             answers.append(terminal.expect(FIGURES).groupdict())
             terminal.expect("> ")
-            assert slot_free_within(path), "the slot is still busy a second after Ctrl-C"
+            stopped_and_free(path)
         terminal.send("\x04")  # Ctrl-D leaves
         assert terminal.wait() == 0
     finally:
