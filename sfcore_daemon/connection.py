@@ -170,9 +170,12 @@ class Connection:
         if transport.is_closing():
             self.drop("connection closed")
             return
-        transport.write(data)
+        # Checked before the write: what is still unread from earlier writes says the
+        # client stopped reading; one large reply (a long tokenize) says nothing.
         if transport.get_write_buffer_size() > self.server.config.server.max_output_buffer_bytes:
             self.drop("client stopped reading (unread output over server.max_output_buffer_bytes)")
+            return
+        transport.write(data)
 
     def advance(self) -> None:
         outbox = self.outbox
@@ -180,10 +183,13 @@ class Connection:
             outbox.popleft()
             if outbox and not self.gone:
                 head = outbox[0]
-                for data in head.held:
-                    self.held_bytes -= len(data)
-                    self.send(data)
+                # Held replies go out together (flow control already bounds them), so
+                # a reading client is not mistaken for a stalled one by their size.
+                held = b"".join(head.held)
+                self.held_bytes -= len(held)
                 head.held.clear()
+                if held:
+                    self.send(held)
         if not outbox:
             self.replies_done.set()
             self.last_activity = time.monotonic()

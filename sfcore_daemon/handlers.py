@@ -298,10 +298,11 @@ class RequestHandlers:
 
 
     def _exclusive(self, request: GenerationRequest) -> bool:
-        """Whether a request must have the batch to itself: its tokens must not depend
-        on what else runs (reproducible mode; a cold prompt, which promises the same
-        bytes for the same seed whatever else runs)."""
-        return self.config.model.reproducible or not request.cache_prompt
+        """Whether a request must have the batch to itself: in reproducible mode its
+        bytes must not depend on what else runs. (A `cache_prompt: false` request only
+        skips prefix reuse: letting one client empty the batch and every slot's cache
+        at will would let it serialise the daemon.)"""
+        return self.config.model.reproducible
 
 
 _T = TypeVar("_T")

@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 _WORTHWHILE_PREFIX = 64
 
 
+# How often later requests may start ahead of a waiting one that does not fit yet.
+_MAX_OVERTAKES = 8
+
+
 class ReplySink(Protocol):
     """Where one request's reply lines go (a connection keeps them in request order)."""
 
@@ -90,6 +94,8 @@ class Generation:
         self._last_token_ns = 0
         # True once nothing more may be written: done/error sent, or the client is gone.
         self.replied = False
+        # Times a later request started ahead of this one while it waited for room.
+        self.overtaken = 0
         self._scheduler: Scheduler | None = None
         self._stats = stats
 
@@ -296,6 +302,7 @@ class Scheduler:
         if len(self.waiting) >= self._max_queue:
             raise QueueFull
         self.waiting.append(generation)
+        self._pump()  # it may fit where the head waiting for room does not
 
     def abandon(self, generation: Generation) -> None:
         """The client went away: drop it from the queue, or stop it within one token."""
@@ -303,6 +310,7 @@ class Scheduler:
         if not self._is_running(generation):
             with contextlib.suppress(ValueError):  # already dispatched or answered
                 self.waiting.remove(generation)
+                self._pump()  # it may have been the head that held the others back
 
     def cancel(self, generation: Generation) -> None:
         """The cancel op: a queued request is answered at once, a running one stops
@@ -313,6 +321,7 @@ class Scheduler:
         with contextlib.suppress(ValueError):
             self.waiting.remove(generation)
         generation.cancel_queued()
+        self._pump()
 
     def reject_waiting(self, code: str, message: str) -> None:
         while self.waiting:
@@ -411,6 +420,21 @@ class Scheduler:
             if not self._try_start(head):
                 break
             waiting.popleft()
+        if waiting:
+            self._overtake(waiting[0])
         if not self.running and not waiting:
             self._idle.set()
+
+    def _overtake(self, head: Generation) -> None:
+        """The head waits for room in the KV pool (a large reservation) or for the batch
+        to empty: later requests that fit now start first, at most _MAX_OVERTAKES times
+        in all, so one large request neither holds up the small ones nor waits forever."""
+        for generation in list(self.waiting)[1:]:
+            if head.overtaken >= _MAX_OVERTAKES or len(self.running) >= self.slots:
+                return
+            if generation.replied or generation.job.exclusive:
+                continue
+            if self._try_start(generation):
+                self.waiting.remove(generation)
+                head.overtaken += 1
 

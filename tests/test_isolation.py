@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests.fault_support import health, poll_until
 from tests.harness import Daemon, done_of, running_daemon, tokens_text
 
 pytestmark = pytest.mark.asyncio
@@ -96,3 +97,56 @@ async def test_a_schema_the_converter_chokes_on_is_invalid_request_and_the_conne
         assert "$.json_schema" in first["message"]
         assert second["id"] == "after" and second["type"] == "health", second
         assert "Traceback" not in daemon.log
+
+
+ENDLESS = {"grammar": "root ::= [a-z ] root", "temperature": 0}
+
+
+async def test_a_large_waiting_request_does_not_hold_up_small_ones_behind_it() -> None:
+    # A 4096-cell pool: the running request reserves about 2000 cells, so a request that
+    # asks for 3000 tokens must wait; a small one behind it fits and starts at once.
+    async with running_daemon({"server": {"slots": 3}}) as daemon:
+        runner, large, small = [await daemon.connect() for _ in range(3)]
+        try:
+            await runner.start_streaming({"id": "runner", "prompt": "Write.", **ENDLESS,
+                                          "max_tokens": 2000})
+            await large.send({"id": "large", "prompt": "Write.", "max_tokens": 3000})
+            await poll_until(lambda: health(daemon), lambda h: h["queue_depth"] == 1,
+                             timeout=30, what="the large request waiting")
+            done = done_of(await small.request(
+                {"id": "small", "prompt": "Hi", "max_tokens": 4}, 120))
+            assert done["usage"]["completion_tokens"] == 4
+            async with daemon.client() as watcher:
+                state = await watcher.final({"op": "health"})
+            # The large one still waits, and the runner still runs.
+            assert state["queue_depth"] == 1 and state["slots_busy"] == 1, state
+            # Cancelling the waiting head answers it at once.
+            await large.send({"op": "cancel", "target": "large"})
+            cancelled = await large.reply(60)
+            assert done_of(cancelled)["finish_reason"] == "cancelled"
+            await runner.send({"op": "cancel", "target": "runner"})
+            assert done_of(await runner.reply(60))["finish_reason"] == "cancelled"
+        finally:
+            for client in (runner, large, small):
+                await client.close()
+
+
+async def test_a_reading_client_gets_a_reply_larger_than_the_output_limit() -> None:
+    # 600 KB of text, one token per byte: its token list is 4.8 MB of JSON, far more
+    # than the default max_output_buffer_bytes (1 MiB), in one write.
+    text = "7 " * 300_000
+    async with running_daemon({"model": {"n_ctx": 512}}) as daemon, daemon.client() as client:
+        reply = await client.final({"id": "big", "op": "tokenize", "text": text}, 120)
+        assert reply["type"] == "tokens" and len(reply["tokens"]) > 500_000, reply.get("type")
+        # Several replies held behind a slow one, then flushed at once, are read too.
+        await client.send({"id": "slow", "prompt": "Hi", "max_tokens": 8},
+                          *({"id": f"t{i}", "op": "tokenize", "text": text[:100_000]}
+                            for i in range(4)))
+        lines = [await client.recv(120) for _ in range(5)]
+        finals = [line for line in lines if line is not None and line["type"] != "token"]
+        while len(finals) < 5:
+            line = await client.recv(120)
+            assert line is not None, finals
+            if line["type"] != "token":
+                finals.append(line)
+        assert [line["id"] for line in finals] == ["slow", "t0", "t1", "t2", "t3"], finals

@@ -15,6 +15,8 @@ from tests.harness import Client, Daemon, done_of, running_daemon, tokens_text
 
 pytestmark = pytest.mark.asyncio
 
+# A grammar that never completes: such a request runs until cancelled (or max_tokens).
+ENDLESS_GRAMMAR = "root ::= [a-z ] root"
 TOPICS = ("the ocean", "a desert", "old forests", "a mountain pass", "rivers", "volcanoes",
           "glaciers", "the prairie")
 
@@ -209,16 +211,32 @@ async def test_a_prompt_goes_to_the_slot_that_caches_its_prefix() -> None:
         assert sorted(slot["requests"] for slot in stats["slots"]) == [1, 1, 2]
 
 
-async def test_cold_seeded_requests_give_the_same_bytes_whatever_else_runs() -> None:
+async def test_a_cold_request_runs_beside_others_and_leaves_their_caches_alone() -> None:
     seeded = {"id": "x", "prompt": "Once upon a time in a small village,", "max_tokens": 48,
               "temperature": 0.9, "seed": 11, "cache_prompt": False}
-    async with running_daemon({"server": {"slots": 4}}) as daemon:
+    async with running_daemon({"server": {"slots": 2}}) as daemon:
         async with daemon.client() as client:
             alone = tokens_text(await client.request(seeded))
-        for others in (1, 3):
-            replies = await stream_all(daemon, [story(i, max_tokens=48) for i in range(others)]
-                                       + [seeded])
-            assert tokens_text(replies[-1]) == alone, f"beside {others} others"
+            again = done_of(await client.request(seeded))
+        # Alone, a cold seeded request gives the same bytes every time, reusing nothing.
+        assert again["usage"]["cached_tokens"] == 0
+        async with daemon.client() as client:
+            assert tokens_text(await client.request(seeded)) == alone
+        async with daemon.client() as busy, daemon.client() as cold:
+            # Runs beside a request that cannot end before it is cancelled: it does not
+            # wait for the batch to empty.
+            await busy.start_streaming({**story(0, max_tokens=1500), "id": "busy",
+                                        "grammar": ENDLESS_GRAMMAR})
+            done = done_of(await cold.request(seeded, timeout=120))
+            assert done["usage"]["completion_tokens"] == 48
+            state = await health(daemon)
+            assert state["slots_busy"] == 1, state
+            await busy.send({"op": "cancel", "target": "busy"})
+            await busy.reply(60)
+        # The busy slot's cache survived the cold request.
+        async with daemon.client() as client:
+            slots = (await client.final({"op": "stats"}))["slots"]
+        assert max(slot["cached_tokens"] for slot in slots) > 48, slots
 
 
 async def test_reproducible_mode_equals_a_cold_solo_run_beside_other_requests() -> None:
@@ -269,7 +287,7 @@ async def test_a_prefix_another_slot_is_using_is_shared_not_evaluated_again() ->
             # before it is cancelled (its grammar never completes: no end-of-generation)...
             await busy.start_streaming({"id": "a", "prompt": system + "\nUser: hi\nBot:",
                                         "max_tokens": 1500, "temperature": 0,
-                                        "grammar": "root ::= [a-z ] root"})
+                                        "grammar": ENDLESS_GRAMMAR})
             # ...so this request goes to slot 1 and borrows the running slot's cells.
             done = done_of(await other.request(borrower, timeout=120))
             state = await health(daemon)
