@@ -68,6 +68,12 @@ class KVCache:
         if best is not seq:
             self.forget(seq)
             C.llama_memory_seq_cp(memory, best.id, seq.id, 0, best_n)
+            # As for the own slot below: every row of the prefix must still be there (a
+            # sliding-window cache may have dropped the source's early rows once it ran
+            # past the window); else the prompt is evaluated.
+            if C.llama_memory_seq_pos_min(memory, seq.id) > 0:
+                self.forget(seq)
+                return 0
             seq.cached.extend(best.cached[:best_n])
             seq.prompt_rows = min(best.prompt_rows, best_n)
             return best_n

@@ -288,6 +288,11 @@ async def test_a_prefix_another_slot_is_using_is_shared_not_evaluated_again() ->
             await busy.start_streaming({"id": "a", "prompt": system + "\nUser: hi\nBot:",
                                         "max_tokens": 1500, "temperature": 0,
                                         "grammar": ENDLESS_GRAMMAR})
+            # Past the sliding window (512 tokens for Gemma 3): the source slot's early
+            # rows must still be there for the borrower to reuse them.
+            for _ in range(600):
+                line = await busy.recv(60)
+                assert line is not None and line["type"] == "token", line
             # ...so this request goes to slot 1 and borrows the running slot's cells.
             done = done_of(await other.request(borrower, timeout=120))
             state = await health(daemon)
