@@ -18,6 +18,7 @@ import ctypes
 import math
 import os
 import re
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Final
@@ -38,9 +39,16 @@ class GrammarDeadEnd(Exception):
     """The grammar allows no token where the document stands. It ends that request
     alone: `at_start` (nothing accepted yet) means the grammar itself admits nothing."""
 
-    def __init__(self, at_start: bool) -> None:
-        super().__init__("the grammar allows no token at its start" if at_start else
-                         "the grammar allows no token to continue the document")
+    def __init__(self, at_start: bool, budget_s: float = 0.0) -> None:
+        if budget_s:
+            message = (f"the model keeps choosing tokens the grammar rejects: its wide "
+                       f"checks of the vocabulary used their {budget_s:g} s budget "
+                       f"(server.grammar_budget_s)")
+        elif at_start:
+            message = "the grammar allows no token at its start"
+        else:
+            message = "the grammar allows no token to continue the document"
+        super().__init__(message)
         self.at_start = at_start
 
 
@@ -51,6 +59,10 @@ MAX_GRAMMAR_NESTING: Final = 64
 # before it tries the whole vocabulary. Measured on 262,144 logits: top_k(128) takes
 # 0.2 ms, top_k(32768) 2.7 ms, refilling the candidates 1.6 ms.
 RESAMPLE_TIERS: Final = (128, 2048, 32768)
+# Tiers from this one on, and the whole-vocabulary pass, take 3 ms to 1.5 s each, inside
+# the step that every request shares; a request may spend this much on them in all.
+# `server.grammar_budget_s` bounds the time a request spends on them.
+_WIDE_TIER: Final = 2
 
 
 # --- GBNF text --------------------------------------------------------------------------
@@ -158,7 +170,7 @@ class GrammarSampler:
 
     __slots__ = ("_grammar", "_vocab", "_one", "_one_array", "_history", "_penalties", "_top",
                  "_raw", "_array", "_floats", "_ids", "n_vocab", "tokens", "resampled",
-                 "full_passes", "field")
+                 "full_passes", "field", "wide_ns", "wide_budget_ns")
 
     def __init__(self, grammar: Any, vocab: Any, n_vocab: int, history: Iterable[int],
                  history_len: int) -> None:
@@ -183,9 +195,13 @@ class GrammarSampler:
         self.full_passes = 0
         # The request field the grammar came from, for error messages.
         self.field = "grammar"
+        # Time spent in wide passes, and how much it may be (0: no limit).
+        self.wide_ns = 0
+        self.wide_budget_ns = 0
 
     @classmethod
-    def create(cls, model: Model, text: str, field: str, prompt: list[int]) -> GrammarSampler:
+    def create(cls, model: Model, text: str, field: str, prompt: list[int],
+               budget_s: float = 0.0) -> GrammarSampler:
         """Compile `text` (from the request's `field`) for `model`'s vocabulary;
         GrammarError with llama.cpp's reason if it does not parse. Event loop only (it
         reads the vocabulary)."""
@@ -204,6 +220,7 @@ class GrammarSampler:
         sampler = cls(grammar, model.vocab, model.info.n_vocab, prompt[-PENALTY_LAST_N:],
                       PENALTY_LAST_N)
         sampler.field = field
+        sampler.wide_budget_ns = int(budget_s * 1e9)
         return sampler
 
     def sample(self, chain: Any, ctx: Any, idx: int) -> int:
@@ -238,16 +255,25 @@ class GrammarSampler:
         """
         if self._top is None:
             self._top = [C.llama_sampler_init_top_k(n) for n in RESAMPLE_TIERS]
-        for top in self._top:
+        for tier, top in enumerate(self._top):
+            wide = tier >= _WIDE_TIER
+            if wide:
+                self._check_wide_budget()
+                started = time.perf_counter_ns()
             array, floats = self._candidates(ctx, idx)
             C.llama_sampler_apply(top, ctypes.byref(array))
             C.llama_sampler_apply(self._grammar, ctypes.byref(array))
+            if wide:
+                self.wide_ns += time.perf_counter_ns() - started
             if max(floats[1:3 * array.size:3]) != -math.inf:
                 break
         else:
+            self._check_wide_budget()
+            started = time.perf_counter_ns()
             self.full_passes += 1
             array, floats = self._candidates(ctx, idx)
             C.llama_sampler_apply(self._grammar, ctypes.byref(array))
+            self.wide_ns += time.perf_counter_ns() - started
         self._restore_penalties(chain)
         size, raw = array.size, self._raw
         assert raw is not None  # _candidates made it
@@ -274,6 +300,12 @@ class GrammarSampler:
         C.llama_sampler_accept(self._grammar, token)
         self._history.append(token)
         return token
+
+    def _check_wide_budget(self) -> None:
+        """Wide grammar passes run inside the step every request shares: past a budget
+        the request ends (grammar_dead_end) rather than slow every other stream."""
+        if self.wide_budget_ns and self.wide_ns >= self.wide_budget_ns:
+            raise GrammarDeadEnd(at_start=False, budget_s=self.wide_budget_ns / 1e9)
 
     def _is_hidden(self, token: int) -> bool:
         """A control token other than end-of-generation (its piece is empty)."""

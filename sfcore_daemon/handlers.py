@@ -240,7 +240,8 @@ class RequestHandlers:
             grammar_spec = request_gbnf(request)
             engine = await self._loaded_engine()
             prompt = await self._prompt(engine, request)
-            grammar = (GrammarSampler.create(engine.loaded_model(), *grammar_spec, prompt)
+            grammar = (GrammarSampler.create(engine.loaded_model(), *grammar_spec, prompt,
+                                             self.config.server.grammar_budget_s)
                        if grammar_spec is not None else None)
         except (ChatTemplateError, GrammarError) as exc:
             refuse(protocol.INVALID_REQUEST, str(exc))

@@ -150,3 +150,22 @@ async def test_a_reading_client_gets_a_reply_larger_than_the_output_limit() -> N
             if line["type"] != "token":
                 finals.append(line)
         assert [line["id"] for line in finals] == ["slow", "t0", "t1", "t2", "t3"], finals
+
+
+async def test_a_grammar_the_model_keeps_missing_ends_at_its_budget_alone() -> None:
+    # Control bytes in an order no model predicts: the first token, at least, is found
+    # only by a pass over the whole vocabulary (about 0.1 s on the default model).
+    literal = "".join(f"\\x{byte:02x}" for byte in [3, 7, 1, 5, 2, 8, 4, 6] * 4)
+    hostile = {"id": "rare", "prompt": "Write about the sea.", "grammar": f'root ::= "{literal}"',
+               "max_tokens": 40, "temperature": 0, "stream": False}
+    async with running_daemon({"server": {"slots": 2, "grammar_budget_s": 0.001}}) as daemon:
+        alone = await solo(daemon, STORY)
+        story, reply = await beside_a_story(daemon, hostile)
+        assert reply[-1]["type"] == "error", reply
+        assert reply[-1]["code"] == "grammar_dead_end", reply
+        assert "grammar_budget_s" in reply[-1]["message"], reply
+        await assert_story_intact(daemon, story, alone)
+    # Within the default budget the same request completes.
+    async with running_daemon({"server": {"slots": 2}}) as daemon:
+        done = done_of(await solo(daemon, hostile))
+        assert done["text"] == "".join(chr(byte) for byte in [3, 7, 1, 5, 2, 8, 4, 6] * 4), done
