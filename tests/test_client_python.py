@@ -293,6 +293,37 @@ async def test_leaving_a_stream_while_another_thread_waits_behind_it() -> None:
         await in_thread(leave_while_another_thread_waits, daemon.socket_path)
 
 
+def leave_a_stream_queued_behind_another(path: str) -> None:
+    """Stream B is pipelined behind stream A on one client, so B's lines come only after
+    A's `done`. Closing B while A runs must not wait on B's `done` past a deadline and
+    then give up the connection A streams on."""
+    with Client(path, timeout=60) as client:
+        client.health()
+        before = counters(path)
+        first = client.stream_generate(LONG, max_tokens=600, **GREEDY)
+        first_pieces = iter(first)
+        next(first_pieces)
+        second = client.stream_generate(LONG, max_tokens=2000)
+        reader = threading.Thread(target=lambda: list(second))  # it reads A's lines too
+        reader.start()
+        wait_until_read(path, 2)  # B's request is on the wire behind A's stream
+        second.close()
+        rest = list(first_pieces)  # A streams on, well past CANCEL_DRAIN_S (600 tokens)
+        assert first.result is not None and first.result.usage.completion_tokens == 600
+        assert len(rest) > 0
+        reader.join(120)
+        assert not reader.is_alive()
+        assert client.health()["status"] == "ok"
+        connections, cancels = counters(path)
+        assert (connections, cancels) == (before[0] + 2, before[1] + 1)
+
+
+@pytest.mark.asyncio
+async def test_closing_a_stream_queued_behind_another_keeps_the_connection() -> None:
+    async with running_daemon() as daemon:
+        await in_thread(leave_a_stream_queued_behind_another, daemon.socket_path)
+
+
 # --- the asyncio client against the daemon ---
 
 @pytest.mark.asyncio
@@ -410,6 +441,36 @@ async def test_async_stream_left_while_another_task_waits_behind_it() -> None:
         assert (await client.health())["status"] == "ok"
         connections, cancels = await in_thread(counters, daemon.socket_path)
         # The same connection throughout: only the two monitors' connections are new.
+        assert (connections, cancels) == (before[0] + 2, before[1] + 1)
+
+
+@pytest.mark.asyncio
+async def test_async_stream_queued_behind_another_left_keeps_the_connection() -> None:
+    """Task B's stream is pipelined behind task A's, so B's lines come only after A's
+    `done`. B's task is cancelled while A runs: leaving B must not wait on B's `done`
+    past a deadline and then give up the connection A streams on."""
+    async with running_daemon() as daemon, AsyncClient(daemon.socket_path, timeout=60) as client:
+        await client.health()
+        before = await in_thread(counters, daemon.socket_path)
+        first = client.stream_generate(LONG, max_tokens=600, **GREEDY)
+        first_pieces = aiter(first)
+        await anext(first_pieces)
+
+        async def second_stream() -> None:
+            async with client.stream_generate(LONG, max_tokens=2000) as second:
+                async for _ in second:
+                    pass
+
+        second = asyncio.create_task(second_stream())
+        await in_thread(wait_until_read, daemon.socket_path, 2)  # B is behind A's stream
+        second.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(second, 60)
+        rest = [piece async for piece in first_pieces]  # 600 tokens: past CANCEL_DRAIN_S
+        assert first.result is not None and first.result.usage.completion_tokens == 600
+        assert len(rest) > 0
+        assert (await client.health())["status"] == "ok"
+        connections, cancels = await in_thread(counters, daemon.socket_path)
         assert (connections, cancels) == (before[0] + 2, before[1] + 1)
 
 

@@ -188,6 +188,14 @@ class OutOfStep(Exception):
     """The connection carried something other than the reply the client expects."""
 
 
+def queued_behind(call: Call) -> bool:
+    """The daemon answers a connection's requests in order: while an earlier request is
+    unanswered, `call`'s lines come only after that one's (a stream may run for minutes),
+    so no deadline for `call` should run yet."""
+    calls: deque[Call] = call.conn.calls
+    return bool(calls) and calls[0] is not call
+
+
 def route(calls: deque[Call], reply: Any) -> bool:
     """File one reply line with the call at the head of `calls`.
 

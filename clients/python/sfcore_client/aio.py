@@ -37,6 +37,7 @@ from ._common import (
     generation_request,
     in_finalizer_context,
     new_id,
+    queued_behind,
     resolve_socket_path,
     result_of,
     route,
@@ -227,7 +228,11 @@ class _Connection(asyncio.Protocol):
         self.send(cancel, request)
 
         def check() -> None:
-            if not call.done:
+            if call.done:
+                return
+            if queued_behind(call):  # its lines are not due yet: look again later
+                loop.call_later(CANCEL_DRAIN_S, check)
+            else:
                 self.shutdown(SfcoreTimeoutError(
                     f"a cancelled request on {self.path} did not end within "
                     f"{CANCEL_DRAIN_S} s; closed the connection"))
@@ -487,7 +492,9 @@ class AsyncStream(Generic[T]):
 
     async def aclose(self) -> None:
         """Stop here: cancel the generation if it still runs, and wait (at most
-        CANCEL_DRAIN_S) for its `done`, so that `result` is set."""
+        CANCEL_DRAIN_S) for its `done`, so that `result` is set. Behind another request
+        on the shared connection its `done` comes only after that one's: then this
+        returns at once, and the `done` is filed when it comes."""
         call = self._call
         if call is None:
             self._closed = True
@@ -497,7 +504,7 @@ class AsyncStream(Generic[T]):
         conn: _Connection = call.conn
         try:
             async with asyncio.timeout(CANCEL_DRAIN_S):
-                while not call.done:
+                while not call.done and not queued_behind(call):
                     await conn.wait(None)
         except TimeoutError:
             conn.shutdown(SfcoreTimeoutError(

@@ -42,6 +42,7 @@ from ._common import (
     generation_request,
     in_finalizer_context,
     new_id,
+    queued_behind,
     resolve_socket_path,
     result_of,
     route,
@@ -504,7 +505,8 @@ class Stream(Generic[T]):
                 self._cancel = client._send_cancel(call, lock_timeout=CANCEL_DRAIN_S)
                 self._cancel_sent = True
             cancel = self._cancel
-            while not call.done:
+            # Behind another request its `done` comes after that one's: filed then.
+            while not call.done and not queued_behind(call):
                 client._wait(call, deadline)
             # The `cancelled` reply: read it too when it is next in line, to leave nothing
             # unread. (Behind another request it waits for whoever reads next.)
