@@ -274,6 +274,9 @@ type Client struct {
 	err         error         // why conn ended (nil while it is up)
 	unsolicited *Error        // an error line on conn that came with no request waiting
 	closed      bool          // Close was called
+	// Closed by Close: a reader blocked handing a line to a stream nobody reads (its
+	// buffer full) gives up the line, so it can see the connection close and exit.
+	shut chan struct{}
 }
 
 // Dial connects to the daemon at path; an empty path means $SFCORE_SOCKET, else
@@ -289,7 +292,7 @@ func Dial(ctx context.Context, path string) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &Client{path: path}
+	c := &Client{path: path, shut: make(chan struct{})}
 	c.attach(conn)
 	return c, nil
 }
@@ -354,6 +357,7 @@ func (c *Client) Close() error {
 	}
 	conn, done := c.conn, c.readerDone
 	c.mu.Unlock()
+	close(c.shut)
 	err := conn.Close()
 	<-done
 	if errors.Is(err, net.ErrClosed) {
@@ -770,6 +774,7 @@ func (c *Client) dispatch(l *line) bool {
 		select {
 		case target.lines <- l:
 		case <-target.gone:
+		case <-c.shut:
 		}
 	}
 	for _, cl := range rest {

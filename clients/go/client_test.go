@@ -291,6 +291,38 @@ func TestReconnectAfterTheDaemonClosed(t *testing.T) {
 	}
 }
 
+func TestCloseWithAStreamLeftUnread(t *testing.T) {
+	// More token lines than a call buffers: the reader blocks handing them over until
+	// someone reads the stream, or the client is closed.
+	path := fakeDaemon(t, func(req map[string]any, w *bufio.Writer) bool {
+		for i := 0; i < 500; i++ {
+			reply(w, map[string]any{"type": "token", "id": req["id"], "text": "x"})
+		}
+		return true
+	})
+	c := mustDial(t, path)
+	s, err := c.StartGenerate(context.Background(), "p", nil)
+	if err != nil || !s.Next() {
+		t.Fatalf("no first piece: %v", err)
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- c.Close() }()
+	select {
+	case err := <-closed:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close did not return with a stream left unread")
+	}
+	for s.Next() { // the buffered pieces, then the end
+	}
+	var connErr *ConnError
+	if !errors.As(s.Err(), &connErr) || !errors.Is(s.Err(), ErrClosed) {
+		t.Fatalf("the stream ended with %v", s.Err())
+	}
+}
+
 // BenchmarkTokenLines measures the per-token cost of the real read path: bufio.Reader
 // line reading, JSON decoding, dispatch to the call and the StreamGenerate callback, on
 // token lines served from memory by a fake daemon over a Unix socket.
