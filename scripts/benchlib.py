@@ -123,9 +123,10 @@ class Daemon:
                  ready_ms: float) -> None:
         self.process, self.workdir, self.ready_ms = process, workdir, ready_ms
         self.socket_path = str(workdir / "s")
+        self.log_path: Path | None = None
 
     @classmethod
-    async def start(cls, params: dict[str, Any]) -> Daemon:
+    async def start(cls, params: dict[str, Any], log_path: Path | None = None) -> Daemon:
         workdir = Path(tempfile.mkdtemp(prefix="sfbench-", dir="/tmp"))
         config = workdir / "config.toml"
         server = f'[server]\nslots = {params["slots"]}\n' if params.get("slots") else ""
@@ -135,27 +136,34 @@ class Daemon:
         notify.bind(str(workdir / "n"))
         notify.setblocking(False)
         loop = asyncio.get_running_loop()
+        # A log file, not a pipe, when the daemon may log much before stop() reads it.
+        stderr = log_path.open("wb") if log_path is not None else subprocess.PIPE
         started = time.perf_counter()
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "sfcore_daemon", "--config", str(config),
             "--socket", str(workdir / "s"), cwd=REPO,
             env={**os.environ, "NOTIFY_SOCKET": str(workdir / "n")},
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
         try:
             while b"READY=1" not in await asyncio.wait_for(loop.sock_recv(notify, 4096),
                                                            TIMEOUT_S):
                 pass
         finally:
             notify.close()
-        return cls(process, workdir, (time.perf_counter() - started) * 1e3)
+        daemon = cls(process, workdir, (time.perf_counter() - started) * 1e3)
+        daemon.log_path = log_path
+        return daemon
 
-    async def stop(self) -> None:
+    async def stop(self) -> str:
+        """Stop the daemon; its log."""
         self.process.terminate()
-        _, stderr = await asyncio.wait_for(self.process.communicate(), TIMEOUT_S)
+        _, piped = await asyncio.wait_for(self.process.communicate(), TIMEOUT_S)
         shutil.rmtree(self.workdir, ignore_errors=True)
+        log = (self.log_path.read_bytes() if self.log_path is not None else piped).decode(
+            errors="replace")
         if self.process.returncode != 0:
-            raise RuntimeError(f"the daemon exited with {self.process.returncode}: "
-                               f"{stderr.decode()}")
+            raise RuntimeError(f"the daemon exited with {self.process.returncode}: {log}")
+        return log
 
 
 def summary(values: list[float]) -> dict[str, float]:

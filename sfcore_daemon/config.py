@@ -54,7 +54,7 @@ class ServerConfig(_Section, frozen=True):
     # closed; 0 never closes idle connections.
     idle_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 300.0
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
-    # Time one request may spend in grammar passes over 32768 or more candidates
+    # CPU time one request may spend in grammar passes over 32768 or more candidates
     # (each takes milliseconds to over a second inside the step every stream shares);
     # past it the request ends with grammar_dead_end. 0: no limit.
     grammar_budget_s: Annotated[float, msgspec.Meta(ge=0)] = 3.0

@@ -7,7 +7,8 @@
   `llama_sampler_sample(chain, ctx, idx)`. It keeps the grammar out of the chain, as
   llama.cpp's common sampler does: the chain samples as usual, only the chosen token is
   tested against the grammar, and only a rejected token costs a grammar pass over the
-  most likely candidates (the whole vocabulary as a last resort) and a second draw.
+  most likely candidates and a second draw. A draw that needs a pass over 32768 tokens
+  or the whole vocabulary is finished by `sample_wide` on a thread beside the steps.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ MAX_GRAMMAR_NESTING: Final = 64
 # before it tries the whole vocabulary. Measured on 262,144 logits: top_k(128) takes
 # 0.2 ms, top_k(32768) 2.7 ms, refilling the candidates 1.6 ms.
 RESAMPLE_TIERS: Final = (128, 2048, 32768)
-# Tiers from this one on, and the whole-vocabulary pass, take 3 ms to 1.5 s each, inside
-# the step that every request shares; a request may spend this much on them in all.
-# `server.grammar_budget_s` bounds the time a request spends on them.
+# Tiers from this one on, and the whole-vocabulary pass, take 3 ms to 1.5 s each: too
+# long for the step every request shares, so they run on a thread of their own, and
+# `server.grammar_budget_s` bounds the CPU time one request spends on them.
 _WIDE_TIER: Final = 2
 
 
@@ -170,7 +171,7 @@ class GrammarSampler:
 
     __slots__ = ("_grammar", "_vocab", "_one", "_one_array", "_history", "_penalties", "_top",
                  "_raw", "_array", "_floats", "_ids", "n_vocab", "tokens", "resampled",
-                 "full_passes", "field", "wide_ns", "wide_budget_ns")
+                 "full_passes", "field", "wide_ns", "wide_budget_ns", "_kept_logits")
 
     def __init__(self, grammar: Any, vocab: Any, n_vocab: int, history: Iterable[int],
                  history_len: int) -> None:
@@ -195,9 +196,12 @@ class GrammarSampler:
         self.full_passes = 0
         # The request field the grammar came from, for error messages.
         self.field = "grammar"
-        # Time spent in wide passes, and how much it may be (0: no limit).
+        # CPU time of the decode thread spent in wide passes (not wall time, which a
+        # loaded machine stretches), and how much it may be (0: no limit).
         self.wide_ns = 0
         self.wide_budget_ns = 0
+        # The logits of a draw that only a wide pass can finish (see sample_wide).
+        self._kept_logits = b""
 
     @classmethod
     def create(cls, model: Model, text: str, field: str, prompt: list[int],
@@ -223,9 +227,11 @@ class GrammarSampler:
         sampler.wide_budget_ns = int(budget_s * 1e9)
         return sampler
 
-    def sample(self, chain: Any, ctx: Any, idx: int) -> int:
+    def sample(self, chain: Any, ctx: Any, idx: int) -> int | None:
         """The next token: the chain's choice when the grammar allows it, else a draw
-        from the tokens the grammar allows. Decode thread only."""
+        from the tokens the grammar allows among the likeliest. None when only a wider
+        pass can find one: the logits are kept, and `sample_wide` finishes the draw
+        (off the decode thread). Decode thread only."""
         token: int = C.llama_sampler_sample(chain, ctx, idx)
         one: Any = self._one
         grammar = self._grammar
@@ -241,39 +247,53 @@ class GrammarSampler:
             self._history.append(token)
             return token
         self.resampled += 1
-        return self._resample(chain, ctx, idx)
-
-    def _resample(self, chain: Any, ctx: Any, idx: int) -> int:
-        """The slow path: mask what the grammar rejects, then run the chain again.
-
-        A grammar pass costs about 0.2 us per candidate token where the grammar expects
-        structure, and up to 6 us inside a JSON string (each token's text is walked
-        through the grammar): 50 ms to 1.5 s over this model's 262,144 tokens, against
-        15 ms for a decode step. So the pass covers the most likely tokens first, in
-        growing tiers (RESAMPLE_TIERS), and the whole vocabulary only when the grammar
-        allows none of those; the draw is then among the allowed tokens of that tier.
-        """
+        # The slow path: mask what the grammar rejects, then run the chain again.
+        #
+        # A grammar pass costs about 0.2 us per candidate token where the grammar
+        # expects structure, and up to 6 us inside a JSON string (each token's text is
+        # walked through the grammar): 50 ms to 1.5 s over this model's 262,144 tokens,
+        # against 15 ms for a decode step. So the pass covers the most likely tokens
+        # first, in growing tiers (RESAMPLE_TIERS), and the whole vocabulary only when
+        # the grammar allows none of those; the draw is then among the allowed tokens
+        # of that tier. The narrow tiers run here, in the step; the wide ones would
+        # hold up every other sequence, so the step loop runs them on another thread.
+        logits = ctypes.string_at(C.llama_get_logits_ith(ctx, idx), 4 * self.n_vocab)
         if self._top is None:
             self._top = [C.llama_sampler_init_top_k(n) for n in RESAMPLE_TIERS]
-        for tier, top in enumerate(self._top):
-            wide = tier >= _WIDE_TIER
-            if wide:
-                self._check_wide_budget()
-                started = time.perf_counter_ns()
-            array, floats = self._candidates(ctx, idx)
+        for top in self._top[:_WIDE_TIER]:
+            array, floats = self._candidates(logits)
+            C.llama_sampler_apply(top, ctypes.byref(array))
+            C.llama_sampler_apply(grammar, ctypes.byref(array))
+            if max(floats[1:3 * array.size:3]) != -math.inf:
+                return self._draw(chain, array, floats)
+        self._kept_logits = logits
+        return None
+
+    def sample_wide(self, chain: Any) -> int:
+        """Finish a draw `sample` left: the wide tiers, then the whole vocabulary, over
+        the kept logits. Runs while the sequence sits out of the steps, on a thread of
+        its own; bounded by the request's budget of this thread's CPU time."""
+        logits, self._kept_logits = self._kept_logits, b""
+        assert self._top is not None and logits
+        for top in self._top[_WIDE_TIER:]:
+            self._check_wide_budget()
+            started = time.thread_time_ns()
+            array, floats = self._candidates(logits)
             C.llama_sampler_apply(top, ctypes.byref(array))
             C.llama_sampler_apply(self._grammar, ctypes.byref(array))
-            if wide:
-                self.wide_ns += time.perf_counter_ns() - started
+            self.wide_ns += time.thread_time_ns() - started
             if max(floats[1:3 * array.size:3]) != -math.inf:
-                break
-        else:
-            self._check_wide_budget()
-            started = time.perf_counter_ns()
-            self.full_passes += 1
-            array, floats = self._candidates(ctx, idx)
-            C.llama_sampler_apply(self._grammar, ctypes.byref(array))
-            self.wide_ns += time.perf_counter_ns() - started
+                return self._draw(chain, array, floats)
+        self._check_wide_budget()
+        started = time.thread_time_ns()
+        self.full_passes += 1
+        array, floats = self._candidates(logits)
+        C.llama_sampler_apply(self._grammar, ctypes.byref(array))
+        self.wide_ns += time.thread_time_ns() - started
+        return self._draw(chain, array, floats)
+
+    def _draw(self, chain: Any, array: Any, floats: memoryview) -> int:
+        """Run the chain over the grammar-masked candidates; accept its choice."""
         self._restore_penalties(chain)
         size, raw = array.size, self._raw
         assert raw is not None  # _candidates made it
@@ -313,7 +333,7 @@ class GrammarSampler:
         return bool(C.llama_vocab_is_control(vocab, token)) and not C.llama_vocab_is_eog(
             vocab, token)
 
-    def _candidates(self, ctx: Any, idx: int) -> tuple[Any, memoryview]:
+    def _candidates(self, logits: bytes) -> tuple[Any, memoryview]:
         """Every token with its logit, as llama_sampler_sample builds them, at C speed:
         one copy of the ids, then the logits' bytes into their strided slots (measured
         1.5-3 ms for 262,144 tokens; a Python loop would take 100 ms)."""
@@ -328,7 +348,6 @@ class GrammarSampler:
         else:
             self._raw[:] = _id_template(n)
         raw, array = self._raw, self._array
-        logits = ctypes.string_at(C.llama_get_logits_ith(ctx, idx), 4 * n)
         stride = ctypes.sizeof(C.llama_token_data)
         for byte in range(4):
             raw[4 + byte::stride] = logits[byte::4]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import queue
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from .job import EndReason, Job
@@ -24,13 +25,16 @@ from .sampling import make_chain
 _DECODE_ABORTED = 2
 # Prompt tokens in one step from which the step can be aborted (about 0.25 s of work).
 _ABORTABLE_PREFILL = 128
+# When every active sequence waits for a wide grammar pass: how long to wait for one
+# before looking at the inbox again.
+_PARKED_WAIT_S = 0.005
 
 
 class _Seq(SeqCells):
     """One slot's sequence and the step loop's state for its job."""
 
     __slots__ = ("job", "sampler", "next_prompt", "chunk_end", "n_out", "limit",
-                 "generating", "last_token")
+                 "generating", "last_token", "parked")
 
     def __init__(self, seq_id: int) -> None:
         super().__init__(seq_id)
@@ -42,6 +46,9 @@ class _Seq(SeqCells):
         self.limit = 0
         self.generating = False  # past its prompt: adds one token a step
         self.last_token = 0  # sampled, not yet decoded
+        # Its next token is being drawn by a wide grammar pass on another thread; the
+        # sequence sits out of the steps until then.
+        self.parked: Future[int] | None = None
 
 
 def _drain_each(jobs: list[Job]) -> None:
@@ -80,9 +87,13 @@ class StepLoop:
         # Fault injection for the watchdog's tests: "decode_hang" makes the decode
         # thread stop making progress when it starts the next generation.
         self._failpoint = os.environ.get("SFCORE_FAILPOINT", "")
+        # Wide grammar passes (grammar.py) take 3 ms to over a second: they run here,
+        # beside the steps, instead of inside the step every sequence shares.
+        self._wide_passes = ThreadPoolExecutor(1, thread_name_prefix="sfcore-grammar")
 
     def free(self) -> None:
         """Free the batch; only once the loop has returned."""
+        self._wide_passes.shutdown(wait=True)
         if self._batch is not None:
             C.llama_batch_free(self._batch)
             self._batch = None
@@ -104,6 +115,7 @@ class StepLoop:
                     break
                 if job is None:
                     for seq in list(active):
+                        self._unpark(seq)
                         self._end(seq, "cancelled")
                     return
                 self._begin(job)
@@ -114,6 +126,7 @@ class StepLoop:
             except BaseException as exc:  # the slots must survive anything; the loop logs it
                 for seq in list(active):
                     assert seq.job is not None
+                    self._unpark(seq)
                     seq.job.error = exc
                     self._end(seq, "error")
 
@@ -150,26 +163,41 @@ class StepLoop:
 
     def _step(self) -> None:
         active = self._active
+        woken: list[Job] = []
+        for seq in list(active):
+            parked = seq.parked
+            if parked is not None and parked.done():
+                seq.parked = None
+                try:
+                    token = parked.result()
+                except Exception as exc:  # one request's failure ends that request alone
+                    assert seq.job is not None
+                    seq.job.error = exc
+                    self._end(seq, "error")
+                    continue
+                self._take(seq, token, woken)
         for seq in list(active):
             assert seq.job is not None
-            if seq.job.stop_requested:
+            # A parked sequence ends once its pass returns: the pass uses its samplers.
+            if seq.job.stop_requested and seq.parked is None:
                 self._end(seq, "cancelled")
+        self._wake(woken)
         if not active:
             return
         batch = self._batch
         tokens, positions, seq_ids, wants = batch.token, batch.pos, batch.seq_id, batch.logits
         outputs: list[tuple[_Seq, int]] = []
         prefilling: list[_Seq] = []
+        stepping = [seq for seq in active if seq.generating and seq.parked is None]
         n = 0
         # Every generating sequence first: one token each, each asking for its logits.
-        for seq in active:
-            if seq.generating:
-                tokens[n] = seq.last_token
-                positions[n] = len(seq.cached)
-                seq_ids[n][0] = seq.id
-                wants[n] = 1
-                outputs.append((seq, n))
-                n += 1
+        for seq in stepping:
+            tokens[n] = seq.last_token
+            positions[n] = len(seq.cached)
+            seq_ids[n][0] = seq.id
+            wants[n] = 1
+            outputs.append((seq, n))
+            n += 1
         # Then prompt tokens, oldest request first. Alone, a prompt goes in whole
         # n_batch chunks; beside streaming sequences, at most prefill_per_step tokens
         # a step, so their next token is never held up by a whole long prompt.
@@ -178,7 +206,7 @@ class StepLoop:
         for seq in active:
             if budget <= 0:
                 break
-            if seq.generating:
+            if seq.generating or seq.parked is not None:
                 continue
             job = seq.job
             assert job is not None
@@ -197,6 +225,11 @@ class StepLoop:
                 wants[n - 1] = 1
                 outputs.append((seq, n - 1))
         batch.n_tokens = n
+        if n == 0:  # every sequence is parked: wait for a pass (or for a new job)
+            wait([seq.parked for seq in active if seq.parked is not None], _PARKED_WAIT_S,
+                 FIRST_COMPLETED)
+            self.progress += 1
+            return
 
         ctx = self._ctx
         if n - len(outputs) >= _ABORTABLE_PREFILL:
@@ -224,9 +257,8 @@ class StepLoop:
         if rc != 0:
             raise RuntimeError(f"llama_decode failed (code {rc}, {n} tokens)")
 
-        for seq in active:
-            if seq.generating:
-                seq.cached.append(seq.last_token)
+        for seq in stepping:
+            seq.cached.append(seq.last_token)
         now = time.perf_counter_ns()
         for seq in prefilling:
             job = seq.job
@@ -236,10 +268,7 @@ class StepLoop:
             if seq.chunk_end == len(job.prompt):
                 job.t_prompt_done = now
 
-        sample, is_eog, vocab = C.llama_sampler_sample, C.llama_vocab_is_eog, self._vocab
-        model = self.model
-        pieces, clock = model.pieces, time.perf_counter_ns
-        woken: list[Job] = []
+        sample = C.llama_sampler_sample
         for seq, row in outputs:
             job = seq.job
             assert job is not None
@@ -248,33 +277,57 @@ class StepLoop:
                 if grammar is None:
                     token = sample(seq.sampler, ctx, row)
                 else:  # checks the chain's choice against the grammar (see grammar.py)
-                    token = grammar.sample(seq.sampler, ctx, row)
+                    drawn = grammar.sample(seq.sampler, ctx, row)
+                    if drawn is None:
+                        seq.parked = self._wide_passes.submit(grammar.sample_wide,
+                                                              seq.sampler)
+                        continue
+                    token = drawn
             except Exception as exc:  # one request's failure ends that request alone
                 job.error = exc
                 self._end(seq, "error")
                 continue
-            now = clock()
-            if seq.n_out == 0:
-                job.t_first = now
-            if is_eog(vocab, token):
-                self._end(seq, "stop")
-                continue
-            piece = pieces.get(token)
-            if piece is None:
-                piece = model.piece(token)
-            job.pieces.append((piece, now))
-            if not job.wake_pending:
-                job.wake_pending = True
-                woken.append(job)
-            seq.n_out += 1
-            if seq.n_out >= seq.limit:
-                self._end(seq, "length")
-                continue
-            seq.last_token = token
-            seq.generating = True
+            self._take(seq, token, woken)
+        self._wake(woken)
+
+    def _take(self, seq: _Seq, token: int, woken: list[Job]) -> None:
+        """A sampled token: the end of the job, or a piece of its output and the
+        sequence's next input."""
+        job = seq.job
+        assert job is not None
+        now = time.perf_counter_ns()
+        if seq.n_out == 0:
+            job.t_first = now
+        if C.llama_vocab_is_eog(self._vocab, token):
+            self._end(seq, "stop")
+            return
+        model = self.model
+        piece = model.pieces.get(token)
+        if piece is None:
+            piece = model.piece(token)
+        job.pieces.append((piece, now))
+        if not job.wake_pending:
+            job.wake_pending = True
+            woken.append(job)
+        seq.n_out += 1
+        if seq.n_out >= seq.limit:
+            self._end(seq, "length")
+            return
+        seq.last_token = token
+        seq.generating = True
+
+    @staticmethod
+    def _wake(woken: list[Job]) -> None:
         if woken:
             # One wake-up of the event loop per step, whatever the number of streams.
             woken[0].loop.call_soon_threadsafe(_drain_each, woken)
+
+    @staticmethod
+    def _unpark(seq: _Seq) -> None:
+        """Wait for the sequence's wide grammar pass (it uses the samplers _end frees)."""
+        if seq.parked is not None:
+            wait([seq.parked])
+            seq.parked = None
 
     def _end(self, seq: _Seq, reason: EndReason) -> None:
         job = seq.job

@@ -750,17 +750,27 @@ async def test_an_idle_connection_is_closed_after_idle_timeout(sent: bytes) -> N
 @pytest.mark.slow
 async def test_a_connection_with_a_request_in_flight_is_not_idle() -> None:
     async with running_daemon({"server": {"idle_timeout_s": 1, "slots": 1}}) as daemon:
-        async with daemon.client() as runner, daemon.client() as waiter:
-            # Running for several idle timeouts, and waiting in the queue behind it.
-            await runner.start_streaming({"id": "run", **LONG, "max_tokens": 200})
+        async with daemon.client() as runner:
+            # One runs and one waits in the queue behind it for several idle timeouts.
+            # The runner's grammar never completes: it ends only when cancelled.
+            await runner.start_streaming({"id": "run", **LONG, "max_tokens": 100_000,
+                                          "grammar": "root ::= [a-z ] root"})
+            # Connected only now, and its request sent at once: a connection opened
+            # before the runner's prompt was read could sit idle past 1 s on a loaded
+            # machine and rightly be closed.
+            waiter = await daemon.connect()
             await waiter.send({"id": "wait", "prompt": "Hello", "max_tokens": 2})
-            done = done_of(await runner.reply(timeout=120))
-            assert done["usage"]["completion_tokens"] == 200
-            assert done["timings"]["total_ms"] > 2000  # longer than the idle timeout
+            await asyncio.sleep(3)  # the span under test: three idle timeouts
+            await runner.send({"op": "cancel", "target": "run"})
+            done = done_of(await runner.reply(timeout=60))
+            assert done["finish_reason"] == "cancelled", done
+            assert done["timings"]["total_ms"] > 3000
+            assert (await runner.recv(60) or {}).get("type") == "cancelled"
             waited = done_of(await waiter.reply(timeout=60))
-            assert waited["timings"]["queued_ms"] > 1000, waited["timings"]
+            assert waited["timings"]["queued_ms"] > 3000, waited["timings"]
             # Idle again once answered: closed about a second later.
             started = time.monotonic()
             await runner.expect_eof(timeout=10)
             assert time.monotonic() - started < 5
+            await waiter.close()
         await assert_serves(daemon)
