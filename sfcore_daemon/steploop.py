@@ -182,6 +182,7 @@ class StepLoop:
             if seq.job.stop_requested and seq.parked is None:
                 self._end(seq, "cancelled")
         self._wake(woken)
+        woken = []
         if not active:
             return
         batch = self._batch
@@ -251,6 +252,7 @@ class StepLoop:
             # Whole ubatches done before the abort stay in the cache; drop them so
             # each sequence's cache holds exactly its `cached` tokens.
             for seq in list(active):
+                self._unpark(seq)
                 self._cells.trim(seq)
                 self._end(seq, "cancelled")
             return
