@@ -115,6 +115,15 @@ async def never_read(path: str) -> str:
         line.close()
 
 
+async def hang_up(path: str, request: dict[str, Any]) -> str:
+    """Send `request` and hang up at once (its grammar pass may be running by then)."""
+    line = await Line.open(path)
+    line.send(request)
+    await line.writer.drain()
+    line.close()
+    return "abandoned"
+
+
 async def flood(path: str) -> str:
     """Pipeline 200 requests in one write and hang up without reading."""
     line = await Line.open(path)
@@ -145,6 +154,9 @@ def hostile_kinds(path: str) -> list[tuple[str, str, Callable[[], Awaitable[str]
         ("grammar found by whole-vocabulary passes", "stop",
          lambda: ask(path, {"prompt": "Write about the sea.", "temperature": 0,
                             "grammar": f'root ::= "{CONTROL_LITERAL}"', "max_tokens": 40})),
+        ("the same, hung up at once", "abandoned",
+         lambda: hang_up(path, {"prompt": "Write about the sea.", "max_tokens": 40,
+                                "grammar": f'root ::= "{CONTROL_LITERAL}"'})),
         ("prompt over the context", "context_overflow",
          lambda: ask(path, {"prompt": huge_prompt, "max_tokens": 1})),
         ("line over max_line_bytes", "line_too_long",

@@ -41,5 +41,5 @@ async def test_well_behaved_clients_are_served_beside_a_hostile_one() -> None:
     # Every one of the four clients was served, and the hostile client went through
     # every kind of request at least once.
     assert min(hostile["per_client"]) >= 1, table
-    assert hostile["cycles"] >= 1 and len(hostile["outcomes"]) == 13, table
+    assert hostile["cycles"] >= 1 and len(hostile["outcomes"]) == 14, table
     assert not results["traceback_in_log"], log_path.read_text()[-3000:]
