@@ -131,6 +131,41 @@ async def test_a_large_waiting_request_does_not_hold_up_small_ones_behind_it() -
                 await client.close()
 
 
+@pytest.mark.parametrize("goes", ["cancelled", "hung up"])
+async def test_a_head_overtaken_to_its_limit_holds_the_queue_until_it_goes(goes: str) -> None:
+    # As above; eight small requests overtake the large one, the ninth must wait behind
+    # it (a large request is not starved). Cancelling the large one, or its client
+    # hanging up, starts the ninth at once, while the runner still runs.
+    async with running_daemon({"server": {"slots": 3}}) as daemon:
+        runner, large, small = [await daemon.connect() for _ in range(3)]
+        try:
+            await runner.start_streaming({"id": "runner", "prompt": "Write.", **ENDLESS,
+                                          "max_tokens": 2000})
+            await large.send({"id": "large", "prompt": "Write.", "max_tokens": 3000})
+            await poll_until(lambda: health(daemon), lambda h: h["queue_depth"] == 1,
+                             timeout=30, what="the large request waiting")
+            for index in range(8):
+                done = done_of(await small.request(
+                    {"id": f"small{index}", "prompt": "Hi", "max_tokens": 2}, 120))
+                assert done["usage"]["completion_tokens"] == 2
+            await small.send({"id": "ninth", "prompt": "Hi", "max_tokens": 2})
+            await poll_until(lambda: health(daemon), lambda h: h["queue_depth"] == 2,
+                             timeout=30, what="the ninth request waiting behind the large one")
+            if goes == "cancelled":
+                await large.send({"op": "cancel", "target": "large"})
+                assert done_of(await large.reply(60))["finish_reason"] == "cancelled"
+            else:
+                await large.close()
+            done = done_of(await small.reply(60))
+            assert done["id"] == "ninth" and done["usage"]["completion_tokens"] == 2
+            await runner.send({"op": "cancel", "target": "runner"})
+            # The runner ran throughout: it ends by the cancel, not by its 2000 tokens.
+            assert done_of(await runner.reply(60))["finish_reason"] == "cancelled"
+        finally:
+            for client in (runner, large, small):
+                await client.close()
+
+
 async def test_a_reading_client_gets_a_reply_larger_than_the_output_limit() -> None:
     # 600 KB of text, one token per byte: its token list is 4.8 MB of JSON, far more
     # than the default max_output_buffer_bytes (1 MiB), in one write.
@@ -169,3 +204,17 @@ async def test_a_grammar_the_model_keeps_missing_ends_at_its_budget_alone() -> N
     async with running_daemon({"server": {"slots": 2}}) as daemon:
         done = done_of(await solo(daemon, hostile))
         assert done["text"] == "".join(chr(byte) for byte in [3, 7, 1, 5, 2, 8, 4, 6] * 4), done
+
+
+async def test_a_grammar_never_takes_a_control_token_for_its_text() -> None:
+    # Gemma's <start_of_turn> and <end_of_turn> are control tokens whose special text
+    # the grammar's literal matches; the daemon streams control tokens as nothing, so
+    # taking one would drop the literal from the output. It is spelled out instead.
+    prompt = "<start_of_turn>user\nHi<end_of_turn>\n"
+    async with running_daemon({"server": {"slots": 1}}) as daemon, \
+            daemon.client() as client:
+        for marker in ("<start_of_turn>", "<end_of_turn>"):
+            done = done_of(await client.request(
+                {"prompt": prompt, "grammar": f'root ::= "{marker}" [a-z]{{3}}',
+                 "max_tokens": 30, "temperature": 0, "stream": False}, 120))
+            assert done["text"].startswith(marker) and len(done["text"]) == len(marker) + 3, done
