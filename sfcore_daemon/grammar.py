@@ -322,8 +322,8 @@ class GrammarSampler:
         return token
 
     def _check_wide_budget(self) -> None:
-        """Wide grammar passes run inside the step every request shares: past a budget
-        the request ends (grammar_dead_end) rather than slow every other stream."""
+        """Wide passes run on the one grammar thread, which every grammar request
+        shares: past a budget the request ends (grammar_dead_end) rather than hold it."""
         if self.wide_budget_ns and self.wide_ns >= self.wide_budget_ns:
             raise GrammarDeadEnd(at_start=False, budget_s=self.wide_budget_ns / 1e9)
 
