@@ -173,6 +173,82 @@ def test_usage_mistakes_exit_2_and_an_unreachable_daemon_exits_3(tmp_path: Path)
     assert env_gone.returncode == 3 and missing in env_gone.stderr
 
 
+# --- structured output: what a pipe hands to jq ---
+
+PERSON_SCHEMA = {"type": "object",
+                 "properties": {"name": {"type": "string", "maxLength": 24},
+                                "age": {"type": "integer"}, "alive": {"type": "boolean"}},
+                 "required": ["name", "age", "alive"]}
+PERSON_PROMPT = ('JSON records, one per line.\n'
+                 'Example: {"name": "Ada Lovelace", "age": 36, "alive": false}\n'
+                 'Example: {"name": "Linus", "age": 54, "alive": true}\nExample: ')
+
+
+def structured_session(path: str, tmp_path: Path) -> None:
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON_SCHEMA))
+    person = sfcore("generate", "--socket", path, "--max-tokens", "200", *GREEDY,
+                    "--json-schema", str(schema), PERSON_PROMPT)
+    assert person.returncode == 0, person
+    document = json.loads(person.stdout)  # all of stdout, as `| jq` reads it
+    assert set(document) == {"name", "age", "alive"}, document
+    assert isinstance(document["age"], int) and isinstance(document["alive"], bool)
+    # The library takes the same fields by their protocol names.
+    with Client(path, timeout=RUN_TIMEOUT_S) as client:
+        result = client.generate(PERSON_PROMPT, json_schema=PERSON_SCHEMA, max_tokens=200,
+                                 temperature=0, cache_prompt=False)
+    assert result.finish_reason == "stop" and json.loads(result.text) == document
+    # The schema on stdin, the prompt as an argument.
+    piped = sfcore("generate", "--socket", path, "--max-tokens", "200", *GREEDY,
+                   "--json-schema", "-", PERSON_PROMPT, stdin=json.dumps(PERSON_SCHEMA))
+    assert piped.stdout == person.stdout
+    anything = sfcore("generate", "--socket", path, "--max-tokens", "200", *GREEDY,
+                      "--format", "json", PERSON_PROMPT)
+    assert anything.returncode == 0, anything
+    assert isinstance(json.loads(anything.stdout), dict)
+    grammar = tmp_path / "answer.gbnf"
+    grammar.write_text('root ::= "yes" | "no"\n')
+    answer = sfcore("generate", "--socket", path, "--max-tokens", "8", *GREEDY,
+                    "--grammar", str(grammar), "Is the sky blue? Answer:")
+    assert answer.returncode == 0 and answer.stdout in ("yes\n", "no\n"), answer
+    # The same through chat.
+    chat = sfcore("chat", "--socket", path, "--max-tokens", "200", *GREEDY,
+                  "--json-schema", str(schema), stdin="Describe a person.\n")
+    assert chat.returncode == 0, chat
+    assert set(json.loads(chat.stdout)) == {"name", "age", "alive"}, chat.stdout
+    # A schema the daemon refuses is its error, exit 1, naming the keyword.
+    schema.write_text(json.dumps({"type": "integer", "minimum": 3}))
+    refused = sfcore("generate", "--socket", path, "--json-schema", str(schema), "Hi")
+    assert refused.returncode == 1 and refused.stdout == "", refused
+    assert re.fullmatch(r"sfcore: invalid_request: .*minimum.*\n", refused.stderr), refused
+
+
+@pytest.mark.asyncio
+async def test_structured_output_flags_print_what_a_pipe_hands_to_jq(tmp_path: Path) -> None:
+    async with running_daemon() as daemon:
+        await in_thread(structured_session, daemon.socket_path, tmp_path)
+
+
+def test_structured_output_flag_mistakes_exit_2_before_connecting(tmp_path: Path) -> None:
+    missing = str(tmp_path / "none.sock")  # never reached: each mistake is found first
+    not_json = tmp_path / "schema.json"
+    not_json.write_text("{type: object}")
+    not_utf8 = tmp_path / "grammar.gbnf"
+    not_utf8.write_bytes(b"root ::= \"\xff\"")
+    for args, stdin, words in (
+            (["--json-schema", str(tmp_path / "absent.json"), "Hi"], None, "absent.json"),
+            (["--json-schema", str(not_json), "Hi"], None, "not JSON"),
+            (["--grammar", str(not_utf8), "Hi"], None, "not UTF-8"),
+            (["--json-schema", str(not_json), "--format", "json", "Hi"], None, "not allowed"),
+            (["--format", "yaml", "Hi"], None, "invalid choice"),
+            (["--grammar", "-"], "root ::= \"a\"", "give the prompt as an argument")):
+        result = sfcore("generate", "--socket", missing, *args, stdin=stdin)
+        assert result.returncode == 2, (args, result)
+        assert words in result.stderr and result.stdout == "", (args, result)
+    chat = sfcore("chat", "--socket", missing, "--json-schema", "-", stdin="{}")
+    assert chat.returncode == 2 and "as a file" in chat.stderr, chat
+
+
 def test_the_console_script_is_installed() -> None:
     script = REPO / ".venv" / "bin" / "sfcore"
     assert script.exists(), "scripts/bootstrap.sh installs clients/python into .venv"

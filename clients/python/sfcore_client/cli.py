@@ -56,6 +56,15 @@ def _parser() -> argparse.ArgumentParser:
                           const=False, help="evaluate the prompt afresh (cache_prompt=false)")
     sampling.add_argument("--system", metavar="TEXT",
                           help="system message (chat only; generate rejects it)")
+    structured = sampling.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="FILE",
+                            help="the output is a JSON document valid against this JSON "
+                                 "Schema (a file; '-' reads stdin)")
+    structured.add_argument("--format", choices=["json"],
+                            help="json: the output is a JSON object")
+    structured.add_argument("--grammar", metavar="FILE",
+                            help="the output matches this GBNF grammar (a file; '-' reads "
+                                 "stdin)")
     sampling.add_argument("-v", "--verbose", action="store_true",
                           help="generate: print token counts and speed to stderr at the end")
 
@@ -91,6 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.timeout is not None and args.timeout <= 0:
             raise UsageError("--timeout must be positive")
+        if args.command in ("generate", "chat"):
+            # Files named by flags are read (and a bad one reported) before connecting.
+            args.options = _options(args)
         with Client(args.socket, timeout=args.timeout) as client:
             return _run(client, args)
     except UsageError as exc:
@@ -131,10 +143,45 @@ def _run(client: Client, args: argparse.Namespace) -> int:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
+    if "-" in (args.json_schema, args.grammar):
+        if args.command == "chat":
+            raise UsageError("chat reads its messages from stdin: give the schema or "
+                             "grammar as a file")
+        if args.prompt in ("-", None):
+            raise UsageError("stdin is the schema or grammar here: give the prompt as an "
+                             "argument")
     return {"max_tokens": args.max_tokens, "temperature": args.temperature,
             "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
             "repeat_penalty": args.repeat_penalty, "seed": args.seed, "stop": args.stop,
-            "cache_prompt": args.cache_prompt}
+            "cache_prompt": args.cache_prompt, "format": args.format,
+            "json_schema": _json_schema(args.json_schema), "grammar": _grammar(args.grammar)}
+
+
+def _read_file(flag: str, path: str) -> str:
+    """The text of a flag's FILE argument ('-': stdin); a usage error if unreadable."""
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{flag} {path}: not UTF-8 text") from None
+
+
+def _json_schema(path: str | None) -> Any:
+    if path is None:
+        return None
+    text = _read_file("--json-schema", path)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--json-schema {path}: not JSON: {exc}") from None
+
+
+def _grammar(path: str | None) -> str | None:
+    return None if path is None else _read_file("--grammar", path)
 
 
 def _json(reply: Any) -> str:
@@ -158,7 +205,7 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
         raise UsageError("no prompt: give one, or pipe it on stdin")
     if not prompt:
         raise UsageError("the prompt is empty")
-    request = generation_request("generate", "prompt", prompt, True, _options(args))
+    request = generation_request("generate", "prompt", prompt, True, args.options)
     out = sys.stdout
     text, result, interrupted = _stream(client.request(request), args.json, out)
     if not args.json and not text.endswith("\n"):
@@ -238,7 +285,7 @@ def _chat(client: Client, args: argparse.Namespace) -> int:
         print(f"sfcore chat ({HELP_CHAT})", file=sys.stderr)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, str]] = list(system)
-    options = _options(args)
+    options = args.options
     out = sys.stdout
     while True:
         line = _read_message(interactive)
