@@ -37,7 +37,7 @@ class ServerConfig(_Section, frozen=True):
     allowed_uids: tuple[NonNegInt, ...] = ()
     allowed_gids: tuple[NonNegInt, ...] = ()
     # Requests decoded together, each on its own sequence of one shared KV pool
-    # (model.n_ctx cells); see README, "Parallel slots".
+    # (model.n_ctx cells); see docs/performance.md, "Parallel slots".
     slots: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
     # Prompt tokens evaluated per decode step while other requests stream: bounds
     # their inter-token gap while a long prompt is read (alone, a prompt goes in

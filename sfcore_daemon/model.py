@@ -234,7 +234,7 @@ def context_params(model_config: ModelConfig, n_threads: int, n_threads_batch: i
     params.n_ubatch = model_config.n_ubatch
     params.n_seq_max = slots
     # One KV pool shared by every slot: a request may use as much of n_ctx as the
-    # others leave, and no slot's share sits idle (see README, "Parallel slots").
+    # others leave, and no slot's share sits idle (docs/performance.md, "Parallel slots").
     params.kv_unified = True
     # Only logits of a prompt's last token and of each generating sequence are ever
     # read, at most one row per slot a step. Without this llama.cpp reserves logits

@@ -1,4 +1,4 @@
-"""The wire protocol: NDJSON messages as msgspec Structs (see README, "Protocol").
+"""The wire protocol: NDJSON messages as msgspec Structs (docs/protocol.md).
 
 Requests are a tagged union on `op`, decoded by one reused typed Decoder; replies
 are tagged on `type` and encoded by one reused Encoder. Nothing here touches a
