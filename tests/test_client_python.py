@@ -42,6 +42,9 @@ from tests.harness import REPO, running_daemon
 LONG = "Write a very long story about a lighthouse keeper."
 GREEDY: dict[str, Any] = {"temperature": 0, "cache_prompt": False}
 SLOT_FREE_TIMEOUT_S = 60.0
+# A hang bound, not a speed limit, for a reply line that comes only after hundreds of
+# tokens: beside a CPU-heavy process the model runs at a few tokens a second.
+LONG_REPLY_TIMEOUT_S = 240.0
 
 
 def slot_freed(path: str) -> dict[str, Any]:
@@ -267,7 +270,8 @@ def leave_while_another_thread_waits(path: str) -> None:
     """Thread B waits on a long request queued behind thread A's stream on the same
     client (B reads A's lines for it). A leaves early: its cancel goes out and its drain
     completes without closing the shared connection, and B gets its answer."""
-    with Client(path, timeout=60) as client:
+    # B's one reply line comes after its 300 tokens: on a loaded machine that is minutes.
+    with Client(path, timeout=LONG_REPLY_TIMEOUT_S) as client:
         client.health()
         before = counters(path)
         stream = client.stream_generate(LONG, max_tokens=2000)
@@ -280,7 +284,7 @@ def leave_while_another_thread_waits(path: str) -> None:
         wait_until_read(path, 2)  # B's request is on the wire behind A's stream
         del pieces  # A leaves: cancel, then drain up to the stream's `done`
         assert stream.result is not None and stream.result.finish_reason == "cancelled"
-        waiting.join(120)
+        waiting.join(LONG_REPLY_TIMEOUT_S)
         assert answer and answer[0].usage.completion_tokens == 300
         connections, cancels = counters(path)
         # The same connection throughout: only the two monitors' connections are new.
@@ -425,7 +429,8 @@ async def test_async_stream_left_while_another_task_waits_behind_it() -> None:
     """Task B's long request is queued behind task A's stream; A leaves early. The cancel
     frees the slot at once; the `cancelled` reply comes only after B's answer (> 3 s),
     and that must not make the client give the shared connection up."""
-    async with running_daemon() as daemon, AsyncClient(daemon.socket_path, timeout=60) as client:
+    async with running_daemon() as daemon, \
+            AsyncClient(daemon.socket_path, timeout=LONG_REPLY_TIMEOUT_S) as client:
         await client.health()
         before = await in_thread(counters, daemon.socket_path)
         stream = client.stream_generate(LONG, max_tokens=2000)
@@ -435,7 +440,7 @@ async def test_async_stream_left_while_another_task_waits_behind_it() -> None:
         # B's request is on the wire behind A's stream.
         await in_thread(wait_until_read, daemon.socket_path, 2)
         del pieces  # A leaves
-        result = await asyncio.wait_for(waiting, 120)
+        result = await asyncio.wait_for(waiting, LONG_REPLY_TIMEOUT_S)
         assert result.usage.completion_tokens == 300
         assert stream.result is not None and stream.result.finish_reason == "cancelled"
         assert (await client.health())["status"] == "ok"
