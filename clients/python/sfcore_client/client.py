@@ -432,6 +432,8 @@ class Stream(Generic[T]):
             if self._closed:
                 return
             call = self._call = client._start(self._request, self._raw)
+            if self._cancel_deferred:  # left or cancelled while the request was sent
+                self.cancel()
         pieces = call.pieces
         wait = client._wait
         try:
@@ -491,7 +493,9 @@ class Stream(Generic[T]):
     def _leave(self) -> None:
         call = self._call
         if call is None:
-            self._closed = True
+            # Not sent, or being sent right now by an iteration in another thread: that
+            # iteration sends the cancel as soon as its request is out (see _run).
+            self._closed = self._cancel_deferred = True
             return
         if not call.done:
             call.abandoned = True
