@@ -328,6 +328,46 @@ async def test_closing_a_stream_queued_behind_another_keeps_the_connection() -> 
         await in_thread(leave_a_stream_queued_behind_another, daemon.socket_path)
 
 
+class PausingClient(Client):
+    """Holds the thread that sent a request between sending it and returning it: the
+    moment in which another thread may close the stream (seen on a loaded machine)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, timeout=60)
+        self.sent = threading.Event()
+        self.go_on = threading.Event()
+
+    def _start(self, request: Any, raw: bool = False) -> Any:
+        call = super()._start(request, raw)
+        if request.get("op") == "generate":
+            self.sent.set()
+            assert self.go_on.wait(60)
+        return call
+
+
+def close_while_another_thread_sends(path: str) -> None:
+    with PausingClient(path) as client:
+        client.health()
+        before = counters(path)
+        stream = client.stream_generate(LONG, max_tokens=2000)
+        reader = threading.Thread(target=lambda: list(stream))
+        reader.start()
+        assert client.sent.wait(60)
+        stream.close()  # the request is out, but the reader has not recorded it yet
+        client.go_on.set()
+        reader.join(120)
+        assert not reader.is_alive()
+        assert stream.result is not None and stream.result.finish_reason == "cancelled"
+        assert stream.result.usage.completion_tokens < 1000
+        assert counters(path)[1] == before[1] + 1
+
+
+@pytest.mark.asyncio
+async def test_closing_a_stream_while_another_thread_sends_it_cancels_it() -> None:
+    async with running_daemon() as daemon:
+        await in_thread(close_while_another_thread_sends, daemon.socket_path)
+
+
 # --- the asyncio client against the daemon ---
 
 @pytest.mark.asyncio
