@@ -277,12 +277,15 @@ func TestReconnectAfterTheDaemonClosed(t *testing.T) {
 	})
 	c := mustDial(t, path)
 	for i := 0; i < 3; i++ {
-		c.mu.Lock()
-		readerDone := c.readerDone
-		c.mu.Unlock()
 		if h, err := c.Health(context.Background()); err != nil || h.Status != "ok" {
 			t.Fatalf("call %d: %+v %v", i, h, err)
 		}
+		// The reader of the connection this call used (taken before the call, it was the
+		// previous connection's: then the next call could write on this one just as the
+		// daemon closed it, and fail with "connection reset by peer").
+		c.mu.Lock()
+		readerDone := c.readerDone
+		c.mu.Unlock()
 		select {
 		case <-readerDone: // the client has seen the daemon close the connection
 		case <-time.After(10 * time.Second):
