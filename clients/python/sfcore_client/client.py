@@ -432,8 +432,6 @@ class Stream(Generic[T]):
             if self._closed:
                 return
             call = self._call = client._start(self._request, self._raw)
-            if self._cancel_deferred:  # left or cancelled while the request was sent
-                self.cancel()
         pieces = call.pieces
         wait = client._wait
         try:
@@ -494,7 +492,7 @@ class Stream(Generic[T]):
         call = self._call
         if call is None:
             # Not sent, or being sent right now by an iteration in another thread: that
-            # iteration sends the cancel as soon as its request is out (see _run).
+            # iteration sends the cancel before its first wait (as after cancel()).
             self._closed = self._cancel_deferred = True
             return
         if not call.done:
