@@ -144,12 +144,14 @@ def _serve(config: Config, pinned: list[int], model_path: str, *,
     from .logs import route_llama_logs
     from .model import ModelLoadError
     from .socketfile import StartupError
+    from .speculative import draft_settings
 
     route_llama_logs()
     try:
         engine = Engine(model_path, config.model, n_threads, n_threads_batch,
                         slots=config.server.slots,
-                        prefill_per_step=config.server.prefill_per_step)
+                        prefill_per_step=config.server.prefill_per_step,
+                        drafts=draft_settings(config.speculative))
     except ModelLoadError as exc:
         log.error("%s", exc)
         return EXIT_STARTUP

@@ -115,6 +115,28 @@ class GenerationConfig(_Section, frozen=True):
     repeat_penalty: Annotated[float, msgspec.Meta(gt=0, le=1e6)] = 1.0
 
 
+class SpeculativeConfig(_Section, frozen=True):
+    # "ngram": a generating request proposes the tokens that followed the last
+    # occurrence of its latest n-gram in its own text, and one decode step verifies
+    # them (docs/performance.md, "Speculative decoding"); "off": one token a step.
+    mode: Literal["ngram", "off"] = "ngram"
+    # Tokens one draft may propose; a sequence starts at draft_start and doubles while
+    # its drafts are accepted whole.
+    draft_max: Annotated[int, msgspec.Meta(ge=2, le=256)] = 64
+    draft_start: Annotated[int, msgspec.Meta(ge=2, le=256)] = 8
+    # N-gram lengths matched, the longest first.
+    ngram_max: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
+    ngram_min: Annotated[int, msgspec.Meta(ge=1, le=16)] = 2
+
+    def __post_init__(self) -> None:
+        if self.draft_start > self.draft_max:
+            raise ValueError(f"draft_start ({self.draft_start}) must not exceed "
+                             f"draft_max ({self.draft_max})")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed "
+                             f"ngram_max ({self.ngram_max})")
+
+
 class LogConfig(_Section, frozen=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -124,6 +146,7 @@ class Config(_Section, frozen=True):
     model: ModelConfig = ModelConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     generation: GenerationConfig = GenerationConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     log: LogConfig = LogConfig()
 
     def __post_init__(self) -> None:

@@ -17,6 +17,7 @@ from .config import ModelConfig
 from .job import Job
 from .llama_c import C
 from .model import EngineClosed, LoadAborted, Model, ModelLoadError
+from .speculative import DraftSettings
 from .steploop import StepLoop
 
 
@@ -40,6 +41,7 @@ class Engine:
         *,
         slots: int = 1,
         prefill_per_step: int = 512,
+        drafts: DraftSettings | None = None,
     ) -> None:
         if not os.path.isfile(model_path):
             raise ModelLoadError(f"model file not found: {model_path}")
@@ -49,6 +51,7 @@ class Engine:
         self.n_threads_batch = n_threads_batch
         self.slots = slots
         self._prefill_per_step = prefill_per_step
+        self.drafts = drafts
         # Resolved once the model is loaded and warmed up, or fails with ModelLoadError.
         self.ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.model: Model | None = None
@@ -90,7 +93,8 @@ class Engine:
         try:
             model = self.model = Model.load(
                 self.model_path, self.config, self.n_threads, self.n_threads_batch,
-                slots=self.slots, progress=self._load_progress)
+                slots=self.slots, draft_rows=self._draft_rows(),
+                progress=self._load_progress)
         except ModelLoadError:
             if self._abort_load:
                 raise LoadAborted("the model load was stopped") from None
@@ -102,7 +106,12 @@ class Engine:
         self.system_info = model.system_info
         self.bos_text, self.eos_text = model.bos_text, model.eos_text
         self._loop = StepLoop(model, self.slots, self._prefill_per_step,
-                              self.config.reproducible)
+                              self.config.reproducible, self.drafts)
+
+    def _draft_rows(self) -> int:
+        if self.drafts is None or self.config.reproducible:
+            return 0
+        return min(self.drafts.step_rows, self.config.n_batch - self.slots)
 
     # --- used from the event loop -----------------------------------------------------
 

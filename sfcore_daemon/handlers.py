@@ -37,6 +37,7 @@ from .protocol import (
     Request,
     RequestId,
     SlotUse,
+    SpeculativeSettings,
     StatsRequest,
     TextReply,
     TokenizeRequest,
@@ -174,6 +175,7 @@ class RequestHandlers:
                 gpu_layers=model_config.n_gpu_layers, flash_attn=model_config.flash_attn,
                 reproducible=model_config.reproducible,
                 slots=engine.slots, prefill_per_step=self.config.server.prefill_per_step,
+                speculative=self._speculative_settings(),
                 chat_template=self.chat_template.label if self.chat_template else None),
             system_info=engine.system_info.strip(),
             versions=_versions(),
@@ -286,6 +288,7 @@ class RequestHandlers:
             stats=self.stats,
             exclusive=self._exclusive(request),
             grammar=grammar,
+            speculative=request.speculative and self._speculates,
         )
         slot.generation = generation
         connection.generations.add(generation)
@@ -297,6 +300,17 @@ class RequestHandlers:
                             f"every slot is busy and {scheduler.queue_depth} requests are waiting "
                             "(server.max_queue)")
 
+
+    @property
+    def _speculates(self) -> bool:
+        return self.config.speculative.mode != "off" and not self.config.model.reproducible
+
+    def _speculative_settings(self) -> SpeculativeSettings:
+        settings = self.config.speculative
+        return SpeculativeSettings(
+            mode=settings.mode if self._speculates else "off",
+            draft_max=settings.draft_max, draft_start=settings.draft_start,
+            ngram_max=settings.ngram_max, ngram_min=settings.ngram_min)
 
     def _exclusive(self, request: GenerationRequest) -> bool:
         """Whether a request must have the batch to itself: in reproducible mode its

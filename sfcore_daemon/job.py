@@ -27,7 +27,8 @@ class Job:
         "prompt", "sampling", "max_tokens", "cache_prompt", "stop_requested",
         "pieces", "wake_pending", "_wake", "_finished", "loop",
         "n_cached", "t_start", "t_prompt_done", "t_first", "end_reason", "error",
-        "slot", "evict", "exclusive", "kept", "grammar",
+        "slot", "evict", "exclusive", "kept", "grammar", "speculative", "drafted",
+        "accepted",
     )
 
     def __init__(
@@ -41,6 +42,7 @@ class Job:
         on_pieces: Callable[[], None],
         on_finished: Callable[[], None],
         grammar: GrammarSampler | None = None,
+        speculative: bool = False,
     ) -> None:
         self.prompt = prompt
         self.sampling = sampling
@@ -62,6 +64,11 @@ class Job:
         # Owned by the job: the decode thread frees it when the job ends; one that never
         # reaches the decode thread frees itself when collected.
         self.grammar = grammar
+        # Whether the decode thread may draft tokens for this job (speculative.py), and
+        # how many it drafted and how many of those were accepted (thread-written).
+        self.speculative = speculative
+        self.drafted = 0
+        self.accepted = 0
         # Set by the scheduler before submit: the sequence (slot) to run on, the idle
         # slots whose cached tokens must be dropped first to make room, and whether
         # the job must have the batch to itself (reproducible results).

@@ -80,13 +80,13 @@ class Model:
 
     @classmethod
     def load(cls, path: str, config: ModelConfig, n_threads: int, n_threads_batch: int, *,
-             slots: int, progress: Any = None) -> Model:
+             slots: int, draft_rows: int = 0, progress: Any = None) -> Model:
         """The model with its context; ModelLoadError (with llama.cpp's reason) if either
         cannot be made. `progress`: a llama_progress_callback that may stop the load."""
         started = time.perf_counter()
         model = load_model(path, config, progress)
         ctx = C.llama_init_from_model(model, context_params(
-            config, n_threads, n_threads_batch, slots))
+            config, n_threads, n_threads_batch, slots, draft_rows))
         if not ctx:
             C.llama_model_free(model)
             C.llama_backend_free()
@@ -226,7 +226,7 @@ def load_model(model_path: str, model_config: ModelConfig, progress: Any = None)
 
 
 def context_params(model_config: ModelConfig, n_threads: int, n_threads_batch: int,
-                   slots: int = 1) -> Any:
+                   slots: int = 1, draft_rows: int = 0) -> Any:
     """The daemon's llama_context_params; the tuner and the benchmark use the same."""
     params = C.llama_context_default_params()
     params.n_ctx = model_config.n_ctx
@@ -236,10 +236,11 @@ def context_params(model_config: ModelConfig, n_threads: int, n_threads_batch: i
     # One KV pool shared by every slot: a request may use as much of n_ctx as the
     # others leave, and no slot's share sits idle (docs/performance.md, "Parallel slots").
     params.kv_unified = True
-    # Only logits of a prompt's last token and of each generating sequence are ever
-    # read, at most one row per slot a step. Without this llama.cpp reserves logits
-    # for n_ubatch outputs: 512 x 262k floats, a 514 MiB buffer.
-    params.n_outputs_max = slots
+    # Only logits of a prompt's last token, of each generating sequence and of its
+    # draft tokens are ever read: at most one row per slot a step plus the step's
+    # draft rows. Without this llama.cpp reserves logits for n_ubatch outputs: 512 x
+    # 262k floats, a 514 MiB buffer. (Pages are touched only as rows are written.)
+    params.n_outputs_max = slots + draft_rows
     params.n_threads = n_threads
     params.n_threads_batch = n_threads_batch
     params.flash_attn_type = _flash_attn_type(model_config.flash_attn)

@@ -66,6 +66,9 @@ class _GenerationOptions(_Request):
     json_schema: dict[str, Any] | None = None
     format: Literal["json"] | None = None
     grammar: Annotated[str, Meta(min_length=1)] | None = None
+    # false: never draft tokens for this request (see speculative.py); the output is
+    # the same either way, only its speed differs.
+    speculative: bool = True
 
     @property
     def stop_sequences(self) -> tuple[str, ...]:
@@ -135,6 +138,9 @@ class Usage(Struct, kw_only=True):
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    # Tokens proposed by speculative decoding, and how many of them were emitted.
+    drafted_tokens: int
+    accepted_tokens: int
 
 
 class Timings(Struct, kw_only=True):
@@ -209,9 +215,18 @@ class EffectiveConfig(Struct, kw_only=True):
     reproducible: bool
     slots: int
     prefill_per_step: int
+    speculative: SpeculativeSettings
     # Which template `chat` renders: "model" (the GGUF's own), a llama.cpp built-in
     # name, "jinja" (a configured template text), or None (chat is unavailable).
     chat_template: str | None
+
+
+class SpeculativeSettings(Struct, kw_only=True):
+    mode: Literal["ngram", "off"]
+    draft_max: int
+    draft_start: int
+    ngram_max: int
+    ngram_min: int
 
 
 class Versions(Struct, kw_only=True):
@@ -258,6 +273,12 @@ class GrammarCounts(Struct, kw_only=True):
     resampled: int
 
 
+class SpeculativeCounts(Struct, kw_only=True):
+    requests: int  # generations that drafted at least one token
+    drafted: int
+    accepted: int
+
+
 class StatsReply(_Reply, tag="stats", kw_only=True):
     uptime_s: float
     requests: RequestCounts
@@ -267,6 +288,7 @@ class StatsReply(_Reply, tag="stats", kw_only=True):
     decode_tok_s: float
     slots: list[SlotUse]
     grammar: GrammarCounts
+    speculative: SpeculativeCounts
 
 
 Reply = (TokenReply | DoneReply | ErrorReply | HealthReply | TokensReply | TextReply

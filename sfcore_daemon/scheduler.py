@@ -78,6 +78,7 @@ class Generation:
         stats: Stats,
         exclusive: bool = False,
         grammar: GrammarSampler | None = None,
+        speculative: bool = False,
     ) -> None:
         self.request_id = request_id
         self.stream = stream
@@ -86,6 +87,7 @@ class Generation:
         self.job = Job(
             prompt, sampling, max_tokens, cache_prompt,
             loop=loop, on_pieces=self._drain, on_finished=self._finished, grammar=grammar,
+            speculative=speculative,
         )
         self.job.exclusive = exclusive
         self._text = TextStream(stops)
@@ -213,6 +215,10 @@ class Generation:
             self._stats.grammar_requests += 1
             self._stats.grammar_tokens += job.grammar.tokens
             self._stats.grammar_resampled += job.grammar.resampled
+        if job.drafted:
+            self._stats.speculative_requests += 1
+            self._stats.drafted_tokens += job.drafted
+            self._stats.accepted_tokens += job.accepted
 
     def _decode_ns(self) -> int:
         return self._last_token_ns - self.job.t_first if self.completion_tokens > 1 else 0
@@ -229,6 +235,8 @@ class Generation:
                 prompt_tokens=len(self.job.prompt),
                 cached_tokens=self.job.n_cached,
                 completion_tokens=self.completion_tokens,
+                drafted_tokens=self.job.drafted,
+                accepted_tokens=self.job.accepted,
             ),
             timings=self._timings(),
         )))

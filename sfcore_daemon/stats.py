@@ -15,6 +15,7 @@ from .protocol import (
     RequestCounts,
     RequestId,
     SlotUse,
+    SpeculativeCounts,
     StatsReply,
     TokenCounts,
 )
@@ -43,6 +44,10 @@ class Stats:
         self.grammar_requests = 0
         self.grammar_tokens = 0
         self.grammar_resampled = 0
+        # Speculative decoding: generations that drafted, tokens drafted and accepted.
+        self.speculative_requests = 0
+        self.drafted_tokens = 0
+        self.accepted_tokens = 0
 
     def generation_ended(self, outcome: str, prompt_tokens: int, cached_tokens: int,
                          completion_tokens: int, decode_ns: int) -> None:
@@ -71,4 +76,7 @@ class Stats:
             slots=slots,
             grammar=GrammarCounts(requests=self.grammar_requests, tokens=self.grammar_tokens,
                                   resampled=self.grammar_resampled),
+            speculative=SpeculativeCounts(requests=self.speculative_requests,
+                                          drafted=self.drafted_tokens,
+                                          accepted=self.accepted_tokens),
         )

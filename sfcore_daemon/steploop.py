@@ -20,6 +20,7 @@ from .kvcache import KVCache, SeqCells
 from .llama_c import C
 from .model import Model
 from .sampling import make_chain
+from .speculative import DraftSettings, NgramDrafter
 
 # llama_decode's return value when the abort callback said stop.
 _DECODE_ABORTED = 2
@@ -34,7 +35,7 @@ class _Seq(SeqCells):
     """One slot's sequence and the step loop's state for its job."""
 
     __slots__ = ("job", "sampler", "next_prompt", "chunk_end", "n_out", "limit",
-                 "generating", "last_token", "parked")
+                 "generating", "last_token", "parked", "drafter", "draft")
 
     def __init__(self, seq_id: int) -> None:
         super().__init__(seq_id)
@@ -49,6 +50,9 @@ class _Seq(SeqCells):
         # Its next token is being drawn by a wide grammar pass on another thread; the
         # sequence sits out of the steps until then.
         self.parked: Future[int] | None = None
+        # Speculative decoding (speculative.py): None when the job does not speculate.
+        self.drafter: NgramDrafter | None = None
+        self.draft: list[int] = []  # the tokens after last_token in this step's batch
 
 
 def _drain_each(jobs: list[Job]) -> None:
@@ -60,7 +64,7 @@ class StepLoop:
     """`slots` sequences of one context, stepped together until the inbox says stop."""
 
     def __init__(self, model: Model, slots: int, prefill_per_step: int,
-                 reproducible: bool) -> None:
+                 reproducible: bool, drafts: DraftSettings | None = None) -> None:
         self.model = model
         # Bumped on every step and abort-callback tick (see Engine.progress).
         self.progress = 0
@@ -68,6 +72,12 @@ class StepLoop:
         self._vocab = model.vocab
         self.n_ctx = model.n_ctx
         self._prefill_per_step = prefill_per_step
+        # Verified drafts change float summation order (rows decoded together), so
+        # reproducible mode never speculates.
+        self._drafts = None if reproducible else drafts
+        self._draft_rows = 0 if self._drafts is None else min(
+            self._drafts.step_rows, model.n_batch - slots)
+        self._memory = model.memory
         batch = model.n_batch
         # Reproducible mode cuts prompts at multiples of n_ubatch, so that a chunk
         # evaluated after a cache hit is cut exactly as in a cold run.
@@ -150,6 +160,9 @@ class StepLoop:
             seq.generating = False
             seq.limit = min(job.max_tokens, self.n_ctx - len(job.prompt))
             seq.sampler = make_chain(self._vocab, job.sampling, job.prompt)
+            seq.drafter = (NgramDrafter(self._drafts, job.prompt)
+                           if job.speculative and self._drafts is not None else None)
+            seq.draft = []
         except BaseException as exc:
             job.error = exc
             job.end_reason = "error"
@@ -191,14 +204,33 @@ class StepLoop:
         prefilling: list[_Seq] = []
         stepping = [seq for seq in active if seq.generating and seq.parked is None]
         n = 0
-        # Every generating sequence first: one token each, each asking for its logits.
+        spare = self._draft_rows  # draft rows left in this step
+        sharing = len(stepping)  # sequences still to get a share of them
+        # Every generating sequence first: its pending token and its draft, if any,
+        # each row asking for logits.
         for seq in stepping:
+            pos, sid = len(seq.cached), seq.id
             tokens[n] = seq.last_token
-            positions[n] = len(seq.cached)
-            seq_ids[n][0] = seq.id
+            positions[n] = pos
+            seq_ids[n][0] = sid
             wants[n] = 1
             outputs.append((seq, n))
             n += 1
+            drafter = seq.drafter
+            share = spare // sharing
+            sharing -= 1
+            if drafter is not None and share > 0:
+                # Never past max_tokens: the last token sampled is never decoded, so
+                # the draft cells stay within the job's KV reservation.
+                draft = seq.draft = drafter.draft(min(seq.limit - seq.n_out - 1, share))
+                for token in draft:
+                    pos += 1
+                    tokens[n] = token
+                    positions[n] = pos
+                    seq_ids[n][0] = sid
+                    wants[n] = 1
+                    n += 1
+                spare -= len(draft)
         # Then prompt tokens, oldest request first. Alone, a prompt goes in whole
         # n_batch chunks; beside streaming sequences, at most prefill_per_step tokens
         # a step, so their next token is never held up by a whole long prompt.
@@ -270,27 +302,67 @@ class StepLoop:
             if seq.chunk_end == len(job.prompt):
                 job.t_prompt_done = now
 
-        sample = C.llama_sampler_sample
         for seq, row in outputs:
-            job = seq.job
-            assert job is not None
-            grammar = job.grammar
-            try:
-                if grammar is None:
-                    token = sample(seq.sampler, ctx, row)
-                else:  # checks the chain's choice against the grammar (see grammar.py)
-                    drawn = grammar.sample(seq.sampler, ctx, row)
-                    if drawn is None:
-                        seq.parked = self._wide_passes.submit(grammar.sample_wide,
-                                                              seq.sampler)
-                        continue
-                    token = drawn
-            except Exception as exc:  # one request's failure ends that request alone
-                job.error = exc
-                self._end(seq, "error")
+            if seq.draft:
+                self._verify(seq, row, woken)
                 continue
-            self._take(seq, token, woken)
+            drawn = self._sample(seq, row)
+            if drawn is not None:
+                self._take(seq, drawn, woken)
         self._wake(woken)
+
+    def _sample(self, seq: _Seq, row: int) -> int | None:
+        """The sequence's next token from the logits of `row`; None when a wide grammar
+        pass will draw it (the sequence is parked) or the job ended with an error."""
+        job = seq.job
+        assert job is not None
+        grammar = job.grammar
+        try:
+            if grammar is None:
+                token: int = C.llama_sampler_sample(seq.sampler, self._ctx, row)
+                return token
+            # Checks the chain's choice against the grammar (see grammar.py).
+            drawn = grammar.sample(seq.sampler, self._ctx, row)
+            if drawn is None:
+                seq.parked = self._wide_passes.submit(grammar.sample_wide, seq.sampler)
+            return drawn
+        except Exception as exc:  # one request's failure ends that request alone
+            job.error = exc
+            self._end(seq, "error")
+            return None
+
+    def _verify(self, seq: _Seq, row: int, woken: list[Job]) -> None:
+        """Sample the rows of the pending token and its draft in order, exactly as one
+        token a step would: each draft token is kept while it equals what the chain
+        drew from the row before it; the first that differs ends the run, and the
+        drawn token is the next one. The rejected tokens' cells are removed."""
+        draft, seq.draft = seq.draft, []
+        taken: list[int] = []
+        accepted = 0
+        vocab = self._vocab
+        for index in range(len(draft) + 1):
+            token = self._sample(seq, row + index)
+            if token is None:  # parked after `accepted` tokens, or ended
+                break
+            taken.append(token)
+            if (index == len(draft) or token != draft[index]
+                    or C.llama_vocab_is_eog(vocab, token)):
+                break
+            accepted += 1
+        job = seq.job
+        if job is None:  # ended with an error: its cells are gone
+            return
+        seq.cached.extend(draft[:accepted])
+        if accepted < len(draft):
+            C.llama_memory_seq_rm(self._memory, seq.id, len(seq.cached), -1)
+        job.drafted += len(draft)
+        job.accepted += accepted
+        assert seq.drafter is not None
+        seq.drafter.verified(len(draft), accepted)
+        for token in taken:
+            self._take(seq, token, woken)
+            if seq.job is None:
+                break
 
     def _take(self, seq: _Seq, token: int, woken: list[Job]) -> None:
         """A sampled token: the end of the job, or a piece of its output and the
@@ -312,6 +384,8 @@ class StepLoop:
             job.wake_pending = True
             woken.append(job)
         seq.n_out += 1
+        if seq.drafter is not None:
+            seq.drafter.append(token)
         if seq.n_out >= seq.limit:
             self._end(seq, "length")
             return
@@ -343,6 +417,8 @@ class StepLoop:
         if job.grammar is not None:
             job.grammar.free()
         job.kept = list(seq.cached)
+        seq.drafter = None
+        seq.draft = []
         seq.job = None
         self._active.remove(seq)
         job.loop.call_soon_threadsafe(job._finished)

@@ -52,6 +52,17 @@ def test_out_of_range_and_cross_field_errors(tmp_path: Path) -> None:
         load_config(write(tmp_path, "[model]\nn_batch = 256\nn_ubatch = 512\n"))
 
 
+def test_speculative_settings_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"`speculative\.mode`"):
+        load_config(write(tmp_path, '[speculative]\nmode = "eagle"\n'))
+    with pytest.raises(ConfigError, match=r"`speculative\.draft_max`"):
+        load_config(write(tmp_path, "[speculative]\ndraft_max = 1\n"))
+    with pytest.raises(ConfigError, match="draft_start"):
+        load_config(write(tmp_path, "[speculative]\ndraft_max = 8\ndraft_start = 16\n"))
+    with pytest.raises(ConfigError, match="ngram_min"):
+        load_config(write(tmp_path, "[speculative]\nngram_max = 2\nngram_min = 3\n"))
+
+
 def test_not_toml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(write(tmp_path, "[server\n"))

@@ -22,7 +22,7 @@ DEFAULT_SOCKET = "/tmp/sfcore-ai.sock"
 DEFAULT_TIMEOUT = 60.0
 GENERATION_OPTIONS = frozenset({"max_tokens", "temperature", "top_k", "top_p", "min_p",
                                 "repeat_penalty", "seed", "stop", "cache_prompt",
-                                "json_schema", "format", "grammar"})
+                                "json_schema", "format", "grammar", "speculative"})
 # Error codes after which the daemon closes the connection (PROTOCOL.md).
 CLOSING_CODES = frozenset({"line_too_long", "too_many_connections", "forbidden",
                            "shutting_down"})

@@ -1,0 +1,135 @@
+"""Draftless speculative decoding: a sequence's next tokens guessed from its own text.
+
+When the last few tokens of a sequence (prompt and output so far) occurred before, the
+tokens that followed them then are proposed as a draft. The step loop puts the draft
+into the step beside the sequence's pending token, each row asking for logits, and the
+sequence's own sampler chain samples the rows in order: a draft token is kept while it
+equals what the chain drew (see StepLoop._verify). So the output is what the chain
+would have produced one token a step; only the number of steps changes.
+
+Everything here runs on the decode thread, a few dictionary operations a step: each
+n-gram is indexed once, when its continuation token arrives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import SpeculativeConfig
+
+# A sequence whose drafts keep failing stops drafting for this many of its tokens at
+# first, twice as many after each further failure, at most _MAX_PAUSE.
+_FIRST_PAUSE = 4
+_MAX_PAUSE = 256
+# The shortest draft worth a step: llama.cpp decodes one row through a faster path than
+# several, so one row plus one draft row took 2.1x one row here (13.3 -> 27.9 ms), one
+# plus two 2.05x, one plus four 3.5x: a one-token draft never pays, two pay when both
+# are accepted (docs/performance.md, "Speculative decoding").
+MIN_DRAFT = 2
+
+
+@dataclass(frozen=True, slots=True)
+class DraftSettings:
+    """How long drafts may be and which n-grams find them (config [speculative])."""
+
+    draft_max: int  # tokens one draft may propose
+    draft_start: int  # a sequence's first drafts; grows while drafts are accepted whole
+    ngram_max: int  # the longest n-gram matched (tried first)
+    ngram_min: int  # the shortest
+
+    @property
+    def step_rows(self) -> int:
+        """Draft rows one step may verify, all sequences together: each costs a row
+        of logits (1 MiB with this vocabulary) in llama.cpp's output buffer."""
+        return 2 * self.draft_max
+
+
+def draft_settings(config: SpeculativeConfig) -> DraftSettings | None:
+    """The drafts `config` asks for; None when speculation is off."""
+    if config.mode == "off":
+        return None
+    return DraftSettings(draft_max=config.draft_max, draft_start=config.draft_start,
+                         ngram_max=config.ngram_max, ngram_min=config.ngram_min)
+
+
+class NgramDrafter:
+    """One sequence's n-gram index and its adaptive draft length."""
+
+    __slots__ = ("_tokens", "_indexed", "_maps", "_settings", "_limit", "_pause",
+                 "_next_pause", "drafted", "accepted")
+
+    def __init__(self, settings: DraftSettings, tokens: list[int]) -> None:
+        self._settings = settings
+        self._tokens = list(tokens)
+        # Continuation positions below this have their n-grams in the maps.
+        self._indexed = 0
+        # For each n, longest first: the n tokens before a position -> that position
+        # (the latest occurrence: a text that repeats itself repeats its latest form).
+        self._maps: list[tuple[int, dict[tuple[int, ...], int]]] = [
+            (n, {}) for n in range(settings.ngram_max, settings.ngram_min - 1, -1)]
+        self._limit = settings.draft_start
+        self._pause = 0  # tokens to go before the next draft
+        self._next_pause = _FIRST_PAUSE
+        self.drafted = 0
+        self.accepted = 0
+
+    def append(self, token: int) -> None:
+        """A token the sequence emitted."""
+        self._tokens.append(token)
+        if self._pause:
+            self._pause -= 1
+
+    def draft(self, room: int) -> list[int]:
+        """Up to `room` tokens likely to follow the sequence's text; [] when nothing
+        matches or drafting has not paid lately."""
+        if room < MIN_DRAFT or self._pause:
+            return []
+        tokens = self._tokens
+        length = len(tokens)
+        self._index(tokens, length)
+        want = max(min(room, self._limit), MIN_DRAFT)
+        for n, positions in self._maps:
+            if length <= n:
+                continue
+            start = positions.get(tuple(tokens[length - n:]))
+            if start is not None:
+                draft = tokens[start:start + want]
+                if len(draft) < want:
+                    # The match runs into the end of the text: the text is periodic
+                    # with period length - start there, so the draft repeats.
+                    draft = (draft * (want // len(draft) + 1))[:want]
+                return draft
+        return []
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """How many tokens of a draft of `drafted` were accepted: adapts the next ones."""
+        self.drafted += drafted
+        self.accepted += accepted
+        settings = self._settings
+        if accepted == drafted:
+            self._limit = min(self._limit * 2, settings.draft_max)
+            self._next_pause = _FIRST_PAUSE
+        elif accepted == 0:
+            # Rows that verify nothing cost time every other sequence in the step
+            # waits for: back off exponentially.
+            self._limit = max(self._limit // 2, MIN_DRAFT)
+            self._pause = self._next_pause
+            self._next_pause = min(self._next_pause * 2, _MAX_PAUSE)
+        else:
+            # Each rejected row cost about a quarter of a step: aim at what was accepted.
+            self._limit = max(accepted + 1, MIN_DRAFT)
+            self._next_pause = _FIRST_PAUSE
+
+    def _index(self, tokens: list[int], length: int) -> None:
+        # Positions [start, length) get their preceding n-grams; `length` itself has no
+        # continuation yet. zip builds the keys in C: no Python loop per token.
+        start = self._indexed
+        if start >= length:
+            return
+        for n, positions in self._maps:
+            first = max(start, n)
+            if first >= length:
+                continue
+            keys = zip(*(tokens[first - n + i:length - n + i] for i in range(n)), strict=True)
+            positions.update(zip(keys, range(first, length), strict=True))
+        self._indexed = length

@@ -1,0 +1,267 @@
+"""Speculative decoding: drafts from a sequence's own text, verified in the shared step.
+
+The pure drafter is tested alone; everything else runs the real daemon on its socket.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from sfcore_daemon.speculative import DraftSettings, NgramDrafter
+from tests.fault_support import health, poll_until
+from tests.harness import Daemon, done_of, running_daemon, tokens_text
+
+SETTINGS = DraftSettings(draft_max=16, draft_start=4, ngram_max=3, ngram_min=2)
+
+MODULE = '''import json
+from dataclasses import dataclass
+
+
+@dataclass
+class Item:
+    name: str
+    price: float
+    quantity: int
+
+
+def total_price(items):
+    return sum(item.price * item.quantity for item in items)
+
+
+def cheapest(items):
+    return min(items, key=lambda item: item.price)
+'''
+RECORD = '{"name": "Ada Lovelace", "born": 1815, "fields": ["mathematics", "computing"]}'
+# Prompts whose answers copy from the prompt (drafts are accepted) and one that does not.
+COPY_CODE = {"op": "chat", "messages": [
+    {"role": "user", "content": f"Copy this code exactly:\n```python\n{MODULE}```"}]}
+COPY_JSON = {"op": "chat", "messages": [
+    {"role": "user", "content": f"Repeat this JSON exactly: {RECORD}"}]}
+FREE = {"prompt": "The history of the city of"}
+RECORD_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "born": {"type": "integer"},
+                   "fields": {"type": "array", "items": {"type": "string"}}},
+    "required": ["name", "born", "fields"],
+}
+
+
+# --- the drafter alone ----------------------------------------------------------------
+
+
+def test_a_repeated_ngram_drafts_what_followed_it_last_time() -> None:
+    drafter = NgramDrafter(SETTINGS, [1, 2, 3, 4, 5, 6, 9, 1, 2])
+    assert drafter.draft(16) == [3, 4, 5, 6]  # draft_start tokens
+    drafter.append(7)  # "1 2 7": the latest occurrence of "2 7"... none; "7" alone is too short
+    assert drafter.draft(16) == []
+
+
+def test_the_latest_occurrence_wins_and_room_clips_the_draft() -> None:
+    drafter = NgramDrafter(SETTINGS, [5, 6, 1, 1, 5, 6, 2, 2, 8, 5, 6])
+    assert drafter.draft(16) == [2, 2, 8, 5]
+    assert drafter.draft(3) == [2, 2, 8]
+    assert drafter.draft(1) == []  # a one-token draft never pays
+
+
+def test_a_match_at_the_end_repeats_its_period() -> None:
+    drafter = NgramDrafter(SETTINGS, [7, 8, 9, 7, 8, 9, 7, 8])
+    assert drafter.draft(16) == [9, 7, 8, 9]
+
+
+def test_whole_acceptance_doubles_the_draft_and_failure_pauses_it() -> None:
+    tokens = list(range(100, 140)) + list(range(100, 103))
+    drafter = NgramDrafter(SETTINGS, tokens)
+    assert len(drafter.draft(64)) == 4
+    drafter.verified(4, 4)
+    assert len(drafter.draft(64)) == 8
+    drafter.verified(8, 8)
+    assert len(drafter.draft(64)) == 16  # draft_max
+    drafter.verified(16, 0)
+    assert drafter.draft(64) == []  # paused after a draft that verified nothing
+    for token in (1, 2, 3, 4):
+        drafter.append(token)
+    drafter.append(100)
+    drafter.append(101)
+    # The pause is over: "100 101" last continued with 102 (then the appended 1 ...).
+    assert drafter.draft(64)[:2] == [102, 1]
+    assert (drafter.drafted, drafter.accepted) == (28, 12)
+
+
+# --- the daemon -----------------------------------------------------------------------
+
+# Outputs compared across requests come from one slot: with several, a request's cells
+# land among the cells other slots keep, which changes the order attention sums in and
+# can flip a near-tie with or without speculation (docs/protocol.md, cache_prompt).
+ONE_SLOT = {"server": {"slots": 1}}
+
+# Marked one by one: the drafter tests above are plain functions.
+pytest_asyncio_mark = pytest.mark.asyncio
+
+
+async def generate(daemon: Daemon, request: dict[str, Any], **options: Any) -> dict[str, Any]:
+    async with daemon.client() as client:
+        lines = await client.request({"temperature": 0, "cache_prompt": False, "stream": False,
+                                      **request, **options}, timeout=180)
+    return done_of(lines)
+
+
+async def stats(daemon: Daemon) -> dict[str, Any]:
+    async with daemon.client() as client:
+        return await client.final({"op": "stats"})
+
+
+@pytest_asyncio_mark
+async def test_greedy_with_speculation_equals_greedy_without_on_copying_prompts() -> None:
+    # One slot: every request's cells land where the one before it had them, so
+    # only speculation differs between the runs (see ONE_SLOT).
+    async with running_daemon(ONE_SLOT) as daemon:
+        drafted = accepted = 0
+        for request, tokens in ((COPY_CODE, 96), (COPY_JSON, 48)):
+            plain = await generate(daemon, request, max_tokens=tokens, speculative=False)
+            fast = await generate(daemon, request, max_tokens=tokens)
+            assert fast["text"] == plain["text"]
+            assert plain["usage"]["drafted_tokens"] == 0
+            assert fast["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+            assert 0 < fast["usage"]["accepted_tokens"] <= fast["usage"]["drafted_tokens"]
+            drafted += fast["usage"]["drafted_tokens"]
+            accepted += fast["usage"]["accepted_tokens"]
+        counts = (await stats(daemon))["speculative"]
+        assert counts == {"requests": 2, "drafted": drafted, "accepted": accepted}
+
+
+@pytest_asyncio_mark
+async def test_seeded_sampling_with_speculation_gives_the_same_bytes_twice() -> None:
+    # Not the bytes of a run without it: llama.cpp computes a row decoded beside
+    # others through other kernels than a lone row (logits up to 0.4 apart here), and
+    # at temperature 0.8 that moves a draw within a few dozen tokens. The draws
+    # themselves are the same: one per emitted token.
+    async with running_daemon(ONE_SLOT) as daemon:
+        sampled = {"temperature": 0.8, "seed": 1234, "max_tokens": 64}
+        first = await generate(daemon, COPY_CODE, **sampled)
+        second = await generate(daemon, COPY_CODE, **sampled)
+        assert first["text"] == second["text"]
+        assert first["usage"] == second["usage"]
+        assert first["usage"]["accepted_tokens"] > 0
+
+
+@pytest_asyncio_mark
+async def test_max_tokens_inside_an_accepted_draft_is_never_exceeded() -> None:
+    async with running_daemon() as daemon:
+        whole = await generate(daemon, COPY_CODE, max_tokens=64)
+        assert whole["usage"]["accepted_tokens"] >= 16
+        for limit in (2, 3, 5, 9, 17, 33):
+            done = await generate(daemon, COPY_CODE, max_tokens=limit)
+            assert done["finish_reason"] == "length"
+            assert done["usage"]["completion_tokens"] == limit
+            assert whole["text"].startswith(done["text"]), (limit, done["text"])
+
+
+@pytest_asyncio_mark
+async def test_a_stop_sequence_inside_an_accepted_draft_cuts_there() -> None:
+    async with running_daemon() as daemon:
+        whole = await generate(daemon, COPY_CODE, max_tokens=96)
+        stop = "import dataclass"  # copied from the prompt, so drafted and accepted
+        assert stop in whole["text"] and whole["usage"]["accepted_tokens"] > 0
+        async with daemon.client() as client:
+            lines = await client.request({**COPY_CODE, "temperature": 0, "cache_prompt": False,
+                                          "max_tokens": 96, "stop": stop}, timeout=180)
+        done = done_of(lines)
+        assert done["finish_reason"] == "stop_sequence" and done["stop_sequence"] == stop
+        assert tokens_text(lines) == whole["text"][:whole["text"].index(stop)]
+        assert done["usage"]["accepted_tokens"] > 0
+
+
+@pytest_asyncio_mark
+async def test_cancel_and_disconnect_in_the_middle_of_speculative_streams() -> None:
+    # Room for replies long enough to outlast the test at any speed: a small model
+    # repeating itself is drafted and accepted dozens of tokens a step.
+    async with running_daemon({"server": {"slots": 2}, "model": {"n_ctx": 32768}}) as daemon:
+        endless = {**FREE, "temperature": 0, "max_tokens": 16000}
+        async with daemon.client() as client:
+            await client.start_streaming({**endless, "id": "c"})
+            leaving = await daemon.connect()
+            await leaving.start_streaming({**endless, "id": "d"})
+            await leaving.close()  # gone in the middle of a stream
+            await client.send({"op": "cancel", "target": "c"})
+            lines = await client.reply(120)
+            done = next(line for line in lines if line["type"] == "done")
+            assert done["finish_reason"] == "cancelled"
+            assert done["usage"]["completion_tokens"] < 16000
+        await poll_until(lambda: health(daemon), lambda state: state["slots_busy"] == 0,
+                         timeout=60, what="both slots free")
+        after = await generate(daemon, COPY_JSON, max_tokens=8)
+        assert after["usage"]["completion_tokens"] == 8
+
+
+@pytest_asyncio_mark
+async def test_four_slots_two_speculating_two_not_and_every_cell_accounted() -> None:
+    async with running_daemon({"server": {"slots": 4}}) as daemon:
+        requests = [
+            {**COPY_CODE, "id": "a", "max_tokens": 80},
+            {**COPY_CODE, "id": "b", "max_tokens": 80, "speculative": False},
+            {**COPY_JSON, "id": "c", "max_tokens": 48},
+            {**COPY_JSON, "id": "d", "max_tokens": 48, "speculative": False},
+        ]
+        clients = [await daemon.connect() for _ in requests]
+        try:
+            for client, request in zip(clients, requests, strict=True):
+                await client.send({"temperature": 0, "stream": False, **request})
+            dones = [done_of(await client.reply(240)) for client in clients]
+        finally:
+            for client in clients:
+                await client.close()
+        by_id = {done["id"]: done for done in dones}
+        for done in dones:
+            assert done["finish_reason"] in ("length", "stop"), done
+        assert by_id["a"]["usage"]["accepted_tokens"] > 0
+        assert by_id["c"]["usage"]["accepted_tokens"] > 0
+        assert by_id["b"]["usage"]["drafted_tokens"] == by_id["d"]["usage"]["drafted_tokens"] == 0
+        counts = (await stats(daemon))["speculative"]
+        assert counts["drafted"] == sum(done["usage"]["drafted_tokens"] for done in dones)
+        assert counts["accepted"] == sum(done["usage"]["accepted_tokens"] for done in dones)
+        # Each idle slot holds exactly the tokens its request emitted (but the last,
+        # never decoded): rejected draft cells were removed, not kept.
+        slots = (await stats(daemon))["slots"]
+        held = sorted(slot["cached_tokens"] for slot in slots)
+        expected = sorted(done["usage"]["prompt_tokens"] + done["usage"]["completion_tokens"] - 1
+                          for done in dones)
+        assert held == expected
+        # And a follow-up with the same prompt reuses all of it but the last token.
+        again = await generate(daemon, COPY_CODE, max_tokens=4, cache_prompt=True)
+        assert again["usage"]["cached_tokens"] == again["usage"]["prompt_tokens"] - 1
+
+
+@pytest_asyncio_mark
+async def test_a_grammar_request_speculates_and_stays_valid_json() -> None:
+    async with running_daemon() as daemon:
+        done = await generate(daemon, COPY_JSON, max_tokens=96, json_schema=RECORD_SCHEMA)
+        document = json.loads(done["text"])
+        assert set(document) == {"name", "born", "fields"}
+        assert isinstance(document["born"], int)
+        assert done["usage"]["accepted_tokens"] > 0
+        counts = (await stats(daemon))
+        assert counts["speculative"]["accepted"] == done["usage"]["accepted_tokens"]
+        assert counts["grammar"]["requests"] == 1
+
+
+@pytest_asyncio_mark
+async def test_speculation_is_reported_and_can_be_refused() -> None:
+    async with running_daemon() as daemon:
+        async with daemon.client() as client:
+            info = await client.final({"op": "info"})
+            assert info["config"]["speculative"] == {
+                "mode": "ngram", "draft_max": 64, "draft_start": 8, "ngram_max": 4,
+                "ngram_min": 2}
+            bad = await client.final({"id": "x", "prompt": "hi", "speculative": "yes"})
+            assert bad["type"] == "error" and bad["code"] == "invalid_request"
+            assert "speculative" in bad["message"] and bad["id"] == "x"
+            assert (await client.final({"op": "health"}))["status"] == "ok"
+    async with running_daemon({"model": {"reproducible": True}}) as daemon:
+        async with daemon.client() as client:
+            info = await client.final({"op": "info"})
+        assert info["config"]["speculative"]["mode"] == "off"
+        done = await generate(daemon, COPY_JSON, max_tokens=32)
+        assert done["usage"]["drafted_tokens"] == 0
