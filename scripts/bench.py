@@ -688,7 +688,8 @@ def main() -> int:
     parser.add_argument("--no-peer", action="store_true", help="skip llama-cpp-python's Llama")
     parser.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"),
                         help="path of llama.cpp's llama-bench (default: $LLAMA_BENCH)")
-    parser.add_argument("--only", choices=("figures", "concurrency", "structured"),
+    parser.add_argument("--only", choices=("figures", "concurrency", "structured",
+                                           "speculative"),
                         help="run one section: the single-client figures, the concurrent "
                              "clients or structured output (default: all)")
     parser.add_argument("--slots", type=int,
@@ -753,6 +754,8 @@ def main() -> int:
         results["structured"] = {"section": section, "targets": [
             {"target": label, "measured": value, "met": met}
             for label, value, met in structured_checks]}
+    if args.only == "speculative":
+        results["speculative"] = run_speculative(params, args.runs, args.llama_server, header)
     if concurrency is not None:
         if figures:
             print()
@@ -771,6 +774,25 @@ def main() -> int:
     Path(args.json).write_text(json.dumps(results, indent=2))
     log(f"bench: {elapsed:.0f} s; results in {args.json}")
     return 0
+
+
+def run_speculative(params: dict[str, Any], runs: int, llama_server: str | None,
+                    header: str) -> dict[str, Any]:
+    """scripts/bench_speculative.py against one daemon started here."""
+    import bench_speculative
+
+    async def start() -> Daemon:
+        return await Daemon.start(params)
+
+    daemon = uvloop.run(start())
+    try:
+        samples = bench_speculative.run(params, daemon.socket_path, runs, llama_server)
+    finally:
+        uvloop.run(daemon.stop())
+    spec_header = f"{header}; llama-server -np {bench_speculative.EDIT_CLIENTS}"
+    targets = bench_speculative.print_table(samples, spec_header)
+    return {"samples": samples, "medians": bench_speculative.medians(samples),
+            "targets": targets}
 
 
 def run_figures(args: argparse.Namespace, params: dict[str, Any], header: str) -> dict[str, Any]:

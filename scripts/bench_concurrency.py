@@ -308,21 +308,23 @@ class LlamaServer:
         self.process, self.port, self.logfile = process, port, logfile
 
     @staticmethod
-    def command(binary: str, params: dict[str, Any], slots: int, port: int) -> list[str]:
+    def command(binary: str, params: dict[str, Any], slots: int, port: int,
+                extra: tuple[str, ...] | list[str] = ()) -> list[str]:
         unified = params.get("llama_server_kv") == "unified"
         kv = ["-kvu", "-c", str(params["n_ctx"])] if unified else [
             "-c", str(params["n_ctx"] * slots)]
         return [binary, "-m", params["model"], "--host", "127.0.0.1", "--port", str(port),
                 "-np", str(slots), *kv,
                 "-t", str(params["n_threads"]), "-tb", str(params["n_threads_batch"]),
-                "-b", "512", "-ub", "512", "--swa-full"]
+                "-b", "512", "-ub", "512", "--swa-full", *extra]
 
     @classmethod
-    def start(cls, binary: str, params: dict[str, Any], slots: int) -> LlamaServer:
+    def start(cls, binary: str, params: dict[str, Any], slots: int,
+              extra: tuple[str, ...] | list[str] = ()) -> LlamaServer:
         port = free_port()
         logfile = Path(tempfile.mkstemp(prefix="sfbench-llama-server-", suffix=".log")[1])
         with logfile.open("wb") as out:
-            process = subprocess.Popen(cls.command(binary, params, slots, port),
+            process = subprocess.Popen(cls.command(binary, params, slots, port, extra),
                                        stdin=subprocess.DEVNULL, stdout=out,
                                        stderr=subprocess.STDOUT)
         server = cls(process, port, logfile)

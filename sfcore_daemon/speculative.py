@@ -40,8 +40,9 @@ class DraftSettings:
     @property
     def step_rows(self) -> int:
         """Draft rows one step may verify, all sequences together: each costs a row
-        of logits (1 MiB with this vocabulary) in llama.cpp's output buffer."""
-        return 2 * self.draft_max
+        of logits (1 MiB with the default model's vocabulary) in llama.cpp's output
+        buffer, touched the first time a step uses it."""
+        return self.draft_max
 
 
 def draft_settings(config: SpeculativeConfig) -> DraftSettings | None:

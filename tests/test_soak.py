@@ -46,15 +46,19 @@ pytestmark = pytest.mark.asyncio
 
 # idle_timeout_s 0: the monitor connection sits idle for a whole phase (idle timeouts
 # have their own tests in test_faults.py).
+# Speculation on, with short drafts: its rows' logits (1 MiB each, at most draft_max
+# rows a step) are touched as drafts first reach a length, a bounded one-time growth.
+DRAFT_MAX = 8
 CONFIG = {"server": {"max_queue": 256, "max_connections": 64, "idle_timeout_s": 0},
-          "model": {"n_ctx": 4096}, "generation": {"max_tokens": 96}}
+          "model": {"n_ctx": 4096}, "generation": {"max_tokens": 96},
+          "speculative": {"draft_max": DRAFT_MAX, "draft_start": 4}}
 SEED = 20_251_122
 WORKERS = 4
 TOKEN_TARGET = 10_000
 WARMUP_TOKENS = 1_500
 MAX_ITERATIONS = 3_000  # per worker and phase; the token target ends a phase long before
 PHASE_DEADLINE_S = 300.0
-RSS_GROWTH_LIMIT_MB = 20.0
+RSS_GROWTH_LIMIT_MB = 20.0 + DRAFT_MAX
 MAX_TOKENS_AFTER_VANISH = 64
 REPLY_TIMEOUT_S = 120.0
 

@@ -16,7 +16,7 @@ import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 DEFAULT_SOCKET = "/tmp/sfcore-ai.sock"
 DEFAULT_TIMEOUT = 60.0
@@ -61,6 +61,9 @@ class Usage:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    # Speculative decoding: tokens drafted, and those accepted (0 from older daemons).
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,9 +149,19 @@ def chat_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, str]]
 def result_of(done: Mapping[str, Any], text: str) -> Result:
     return Result(
         id=done["id"], text=text, finish_reason=done["finish_reason"],
-        stop_sequence=done.get("stop_sequence"), usage=Usage(**done["usage"]),
-        timings=Timings(**done["timings"]),
+        stop_sequence=done.get("stop_sequence"), usage=_known(Usage, done["usage"]),
+        timings=_known(Timings, done["timings"]),
     )
+
+
+_T = TypeVar("_T")
+
+
+def _known(kind: type[_T], fields: Mapping[str, Any]) -> _T:
+    """`kind` from the fields it knows: a newer daemon may add fields to a reply, and an
+    older client must still read it."""
+    names = kind.__dataclass_fields__  # type: ignore[attr-defined]
+    return kind(**{name: value for name, value in fields.items() if name in names})
 
 
 class Call:

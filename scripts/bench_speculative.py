@@ -1,0 +1,292 @@
+"""The speculative-decoding section of scripts/bench.py (`--only speculative`).
+
+Workloads, each request greedy unless said otherwise, `--tokens` tokens:
+
+- edit: a Python module in the prompt, asked for again with one function renamed, so
+  most of the answer can copy the prompt (what editors and agents send all day);
+- free: a short prompt continued (a small model repeats itself, so n-grams pay there);
+- sampled: temperature 0.8 on a prompt with nothing to copy (drafting must not cost);
+- edit x4: four different edit requests at once, aggregate tokens/s.
+
+Sides, all up together, measured one right after the other in each run (the order
+rotates by run): the daemon with speculation (requests as sent) and without it
+(`"speculative": false`, the same process); llama-server (`--llama-server PATH` or
+LLAMA_SERVER) plain and with each `--spec-type ngram-*`, each its own process with
+`-np 4`. Every run uses prompts no earlier run used (each side sees the same ones), so no
+side answers from n-grams it learned from the same request before.
+
+Single-client rates are the generation rate each server reports for itself (the daemon:
+`timings.decode_tok_s`, first to last token; llama-server: `timings.predicted_per_second`);
+edit x4 is completion tokens over the wall-clock time from the first send to the last
+reply, seen by the client. Acceptance = accepted / drafted tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import threading
+import time
+from typing import Any
+
+from bench_concurrency import LlamaServer
+from benchlib import TIMEOUT_S, log, summary
+
+SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod")
+EDIT_CLIENTS = 4
+
+MODULE = '''import json
+import os
+from dataclasses import dataclass
+
+
+@dataclass
+class Item:
+    name: str
+    price: float
+    quantity: int
+
+
+def load_items(path):
+    with open(path) as handle:
+        data = json.load(handle)
+    return [Item(**entry) for entry in data]
+
+
+def total_price(items):
+    return sum(item.price * item.quantity for item in items)
+
+
+def cheapest(items):
+    return min(items, key=lambda item: item.price)
+
+
+def save_items(path, items):
+    with open(path, "w") as handle:
+        json.dump([item.__dict__ for item in items], handle, indent=2)
+'''
+RENAMES = [("total_price", "order_total"), ("cheapest", "lowest_priced"),
+           ("load_items", "read_items"), ("save_items", "write_items"),
+           ("total_price", "sum_prices"), ("cheapest", "find_cheapest"),
+           ("load_items", "items_from_file"), ("save_items", "items_to_file"),
+           ("total_price", "grand_total"), ("cheapest", "min_price_item"),
+           ("load_items", "parse_items"), ("save_items", "dump_items")]
+FREE_STARTS = ["The history of the city of", "The river that runs through the valley",
+               "In the year 1850, the small town of", "The old lighthouse keeper",
+               "Scientists have long wondered why", "The recipe for a perfect loaf",
+               "Every morning, the market square", "The first computers were",
+               "Deep in the forest there", "The rules of the game are",
+               "On the coast of Norway", "The museum's newest exhibit"]
+SAMPLED_TOPICS = ["a fox who learns to sing", "the last train of the night", "a lost kite",
+                  "a robot gardener", "a storm at sea", "a village baker", "a clockmaker",
+                  "two rival chess players", "a hidden staircase", "a winter festival",
+                  "an astronaut's first day", "a talking river"]
+SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+
+
+def turn(text: str) -> str:
+    """A user turn in the default model's (Gemma) chat format, as raw prompt text: both
+    servers get the same text through their plain completion endpoints."""
+    return f"<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n"
+
+
+def edit_prompt(variant: int) -> str:
+    old, new = RENAMES[variant % len(RENAMES)]
+    return turn(f"Here is a Python module:\n```python\n{MODULE}```\nRewrite this module with "
+                f"the function `{old}` renamed to `{new}`. Output the whole module.")
+
+
+def workloads(variant: int) -> dict[str, tuple[str, dict[str, Any]]]:
+    topic = SAMPLED_TOPICS[variant % len(SAMPLED_TOPICS)]
+    return {
+        "edit": (edit_prompt(variant), {"temperature": 0.0}),
+        "free": (FREE_STARTS[variant % len(FREE_STARTS)], {"temperature": 0.0}),
+        "sampled": (turn(f"Write a short story about {topic}."), {**SAMPLED, "seed": variant}),
+    }
+
+
+# --- the two kinds of server ---------------------------------------------------------------
+
+
+class DaemonSide:
+    def __init__(self, path: str, speculative: bool) -> None:
+        self.path, self.speculative = path, speculative
+
+    def generate(self, prompt: str, tokens: int, sampling: dict[str, Any]) -> dict[str, Any]:
+        request = {"prompt": prompt, "max_tokens": tokens, "stream": False,
+                   "speculative": self.speculative, **sampling}
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(TIMEOUT_S)
+            sock.connect(self.path)
+            sock.sendall(json.dumps(request).encode() + b"\n")
+            reply = json.loads(sock.makefile("rb").readline())
+        if reply.get("type") != "done":
+            raise RuntimeError(f"daemon answered {reply}")
+        usage, timings = reply["usage"], reply["timings"]
+        return {"tokens": usage["completion_tokens"], "tok_s": timings["decode_tok_s"],
+                "first_token_ms": timings["first_token_ms"],
+                "drafted": usage["drafted_tokens"], "accepted": usage["accepted_tokens"]}
+
+
+class ServerSide:
+    def __init__(self, server: LlamaServer) -> None:
+        self.server = server
+
+    def generate(self, prompt: str, tokens: int, sampling: dict[str, Any]) -> dict[str, Any]:
+        body = {"prompt": prompt, "n_predict": tokens, "stream": False, **sampling}
+        if sampling.get("temperature", 0.0) == 0.0:
+            body["top_k"] = 1
+        status, reply = self.server.call("POST", "/completion", body)
+        if status != 200:
+            raise RuntimeError(f"llama-server answered {status}: {reply}")
+        timings = reply.get("timings", {})
+        return {"tokens": int(reply["tokens_predicted"]),
+                "tok_s": float(timings.get("predicted_per_second", float("nan"))),
+                "first_token_ms": float(timings.get("prompt_ms", float("nan"))),
+                "drafted": int(timings.get("draft_n", 0)),
+                "accepted": int(timings.get("draft_n_accepted", 0))}
+
+
+def aggregate(side: DaemonSide | ServerSide, prompts: list[str], tokens: int) -> float:
+    """Completion tokens/s of len(prompts) greedy requests sent at once."""
+    go = threading.Event()
+    results: list[Any] = [None] * len(prompts)
+
+    def client(index: int) -> None:
+        go.wait()
+        try:
+            results[index] = (side.generate(prompts[index], tokens, {"temperature": 0.0}),
+                              time.perf_counter())
+        except BaseException as error:  # reported below
+            results[index] = error
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    started = time.perf_counter()
+    go.set()
+    for thread in threads:
+        thread.join(TIMEOUT_S)
+    for result in results:
+        if not isinstance(result, tuple):
+            raise RuntimeError(f"a client failed: {result!r}")
+    total = sum(reply["tokens"] for reply, _ in results)
+    return float(total / (max(at for _, at in results) - started))
+
+
+# --- the section ---------------------------------------------------------------------------
+
+
+def run(params: dict[str, Any], daemon_path: str, runs: int,
+        llama_server: str | None) -> dict[str, list[dict[str, Any]]]:
+    """Every run's figures, per side."""
+    sides: dict[str, DaemonSide | ServerSide] = {
+        "daemon": DaemonSide(daemon_path, True), "daemon, speculation off":
+        DaemonSide(daemon_path, False)}
+    servers: list[LlamaServer] = []
+    try:
+        if llama_server:
+            for spec in (None, *SPEC_TYPES):
+                extra = ["--spec-type", spec] if spec else []
+                server = LlamaServer.start(llama_server, params, EDIT_CLIENTS, extra)
+                servers.append(server)
+                sides["llama-server" + (f" {spec}" if spec else "")] = ServerSide(server)
+        tokens = params["tokens"]
+        samples: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
+        names = list(sides)
+        # Variant 0 warms every side up (first-touch costs, prompt caches) unmeasured.
+        for index in range(runs + 1):
+            order = names[index % len(names):] + names[:index % len(names)]
+            variant_work = workloads(index)
+            edit_prompts = [edit_prompt(index * EDIT_CLIENTS + i + 100)
+                            for i in range(EDIT_CLIENTS)]
+            figures: dict[str, dict[str, Any]] = {name: {} for name in names}
+            for workload, (prompt, sampling) in variant_work.items():
+                for name in order:
+                    reply = sides[name].generate(prompt, tokens, sampling)
+                    figures[name][workload] = reply["tok_s"]
+                    figures[name][f"{workload} acceptance"] = (
+                        reply["accepted"] / reply["drafted"] if reply["drafted"] else None)
+                    if workload == "edit":
+                        figures[name]["first token ms"] = reply["first_token_ms"]
+            for name in order:
+                figures[name]["edit x4"] = aggregate(sides[name], edit_prompts, tokens)
+            if index == 0:
+                continue
+            for name in names:
+                samples[name].append(figures[name])
+            log(f"speculative: run {index}/{runs} " + ", ".join(
+                f"{name} {figures[name]['edit']:.1f}" for name in names))
+        return samples
+    finally:
+        for server in servers:
+            server.stop()
+
+
+ROWS = ("edit", "free", "sampled", "edit x4")
+
+
+def medians(samples: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    result: dict[str, dict[str, float]] = {}
+    for side, runs in samples.items():
+        result[side] = {}
+        for key in (*ROWS, "first token ms", *(f"{row} acceptance" for row in ROWS[:3])):
+            values = [run[key] for run in runs if run.get(key) is not None]
+            result[side][key] = statistics.median(values) if values else float("nan")
+    return result
+
+
+def print_table(samples: dict[str, list[dict[str, Any]]], header: str) -> list[dict[str, Any]]:
+    """The table and the targets; returns the targets."""
+    stats = medians(samples)
+    print(f"Speculative decoding: {header}")
+    print()
+    print("| side | edit tok/s | free tok/s | sampled tok/s | edit x4 aggregate tok/s | "
+          "acceptance edit / free / sampled | edit first token ms |")
+    print("|---|---|---|---|---|---|---|")
+    for side, runs in samples.items():
+        cells = [f"{summary([run[row] for run in runs])['median']:.1f} "
+                 f"({min(run[row] for run in runs):.1f}-{max(run[row] for run in runs):.1f})"
+                 for row in ROWS]
+        acceptance = " / ".join(
+            "-" if stats[side][f"{row} acceptance"] != stats[side][f"{row} acceptance"]
+            else f"{stats[side][f'{row} acceptance']:.2f}" for row in ROWS[:3])
+        print(f"| {side} | " + " | ".join(cells) + f" | {acceptance} | "
+              f"{stats[side]['first token ms']:.1f} |")
+    print()
+    daemon, off = stats["daemon"], stats["daemon, speculation off"]
+    spec_sides = [side for side in stats if side.startswith("llama-server ")]
+    targets: list[dict[str, Any]] = []
+
+    def target(label: str, measured: float, bound: float) -> None:
+        targets.append({"target": label, "measured": round(measured, 3),
+                        "met": measured >= bound})
+
+    def best(row: str) -> tuple[str, float]:
+        side = max(spec_sides, key=lambda s: stats[s][row])
+        return side, stats[side][row]
+
+    if spec_sides:
+        side, value = best("edit")
+        target(f"edit, 1 client >= 1.2 x best llama-server ngram ({side})",
+               daemon["edit"] / value, 1.2)
+    target("edit, 1 client >= 2 x daemon with speculation off", daemon["edit"] / off["edit"], 2.0)
+    if spec_sides:
+        side, value = best("free")
+        target(f"free, 1 client >= 1.0 x best llama-server ngram ({side})",
+               daemon["free"] / value, 1.0)
+    target("sampled >= 0.97 x daemon with speculation off", daemon["sampled"] / off["sampled"],
+           0.97)
+    if spec_sides:
+        side, value = best("edit x4")
+        target(f"edit, 4 clients >= 1.2 x llama-server -np 4 best ngram ({side})",
+               daemon["edit x4"] / value, 1.2)
+    ratio = daemon["first token ms"] / off["first token ms"]
+    targets.append({"target": "first token with speculation <= 1.05 x without",
+                    "measured": round(ratio, 3), "met": ratio <= 1.05})
+    print("| target | measured | met |")
+    print("|---|---|---|")
+    for row in targets:
+        print(f"| {row['target']} | {row['measured']:.3f} | {'yes' if row['met'] else 'NO'} |")
+    return targets
