@@ -781,14 +781,17 @@ def run_speculative(params: dict[str, Any], runs: int, llama_server: str | None,
     """scripts/bench_speculative.py against one daemon started here."""
     import bench_speculative
 
-    async def start() -> Daemon:
-        return await Daemon.start(params)
+    async def measure() -> dict[str, list[dict[str, Any]]]:
+        # One event loop for the daemon's whole life: its process belongs to the loop
+        # that started it. The section itself is synchronous (threads, blocking sockets).
+        daemon = await Daemon.start(params)
+        try:
+            return await asyncio.to_thread(bench_speculative.run, params, daemon.socket_path,
+                                           runs, llama_server)
+        finally:
+            await daemon.stop()
 
-    daemon = uvloop.run(start())
-    try:
-        samples = bench_speculative.run(params, daemon.socket_path, runs, llama_server)
-    finally:
-        uvloop.run(daemon.stop())
+    samples = uvloop.run(measure())
     spec_header = f"{header}; llama-server -np {bench_speculative.EDIT_CLIENTS}"
     targets = bench_speculative.print_table(samples, spec_header)
     return {"samples": samples, "medians": bench_speculative.medians(samples),

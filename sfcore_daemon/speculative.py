@@ -13,6 +13,7 @@ n-gram is indexed once, when its continuation token arrives.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 from .config import SpeculativeConfig
@@ -53,14 +54,69 @@ def draft_settings(config: SpeculativeConfig) -> DraftSettings | None:
                          ngram_max=config.ngram_max, ngram_min=config.ngram_min)
 
 
+class NgramStore:
+    """What earlier requests generated, shared by every sequence: a request whose own
+    text has no match may continue the way an earlier answer did (the same edit asked
+    again, a template the model fills the same way each time).
+
+    Keyed by the last `ngram_max` tokens; the tokens live in one array (4 bytes each),
+    emptied whole when it reaches _STORE_TOKENS, as llama.cpp's ngram-mod resets its
+    table.
+    """
+
+    __slots__ = ("_n", "_tokens", "_positions")
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+        self._tokens = array("i")
+        self._positions: dict[tuple[int, ...], int] = {}
+
+    def add(self, tokens: list[int], start: int) -> None:
+        """Learn `tokens[start:]`, the output of a request (with the n tokens before it
+        as the first key)."""
+        n = self._n
+        first = max(start - n, 0)
+        if len(tokens) - first <= n:
+            return
+        if len(self._tokens) + len(tokens) - first > _STORE_TOKENS:
+            self._tokens = array("i")
+            self._positions.clear()
+        stored = self._tokens
+        base = len(stored) - first
+        stored.extend(tokens[first:])
+        stored.append(_SEPARATOR)
+        keys = zip(*(tokens[first + i:len(tokens) - n + i] for i in range(n)), strict=True)
+        self._positions.update(zip(keys, range(base + first + n, base + len(tokens)),
+                                   strict=True))
+
+    def draft(self, tokens: list[int], want: int) -> list[int]:
+        if len(tokens) < self._n:
+            return []
+        start = self._positions.get(tuple(tokens[-self._n:]))
+        if start is None:
+            return []
+        draft = self._tokens[start:start + want].tolist()
+        if _SEPARATOR in draft:
+            del draft[draft.index(_SEPARATOR):]
+        return draft
+
+
+# The store's capacity in tokens (a MiB of them, and a dictionary entry each).
+_STORE_TOKENS = 1 << 18
+_SEPARATOR = -1  # between two requests' texts in the store: no draft runs across it
+
+
 class NgramDrafter:
     """One sequence's n-gram index and its adaptive draft length."""
 
     __slots__ = ("_tokens", "_indexed", "_maps", "_settings", "_limit", "_pause",
-                 "_next_pause", "drafted", "accepted")
+                 "_next_pause", "drafted", "accepted", "_store", "prompt_length")
 
-    def __init__(self, settings: DraftSettings, tokens: list[int]) -> None:
+    def __init__(self, settings: DraftSettings, tokens: list[int],
+                 store: NgramStore | None = None) -> None:
         self._settings = settings
+        self._store = store
+        self.prompt_length = len(tokens)
         self._tokens = list(tokens)
         # Continuation positions below this have their n-grams in the maps.
         self._indexed = 0
@@ -100,7 +156,16 @@ class NgramDrafter:
                     # with period length - start there, so the draft repeats.
                     draft = (draft * (want // len(draft) + 1))[:want]
                 return draft
+        if self._store is not None:
+            draft = self._store.draft(tokens, want)
+            if len(draft) >= MIN_DRAFT:
+                return draft
         return []
+
+    def learn(self) -> None:
+        """Give the shared store what this sequence generated (as its request ends)."""
+        if self._store is not None:
+            self._store.add(self._tokens, self.prompt_length)
 
     def verified(self, drafted: int, accepted: int) -> None:
         """How many tokens of a draft of `drafted` were accepted: adapts the next ones."""

@@ -20,7 +20,7 @@ from .kvcache import KVCache, SeqCells
 from .llama_c import C
 from .model import Model
 from .sampling import make_chain
-from .speculative import DraftSettings, NgramDrafter
+from .speculative import DraftSettings, NgramDrafter, NgramStore
 
 # llama_decode's return value when the abort callback said stop.
 _DECODE_ABORTED = 2
@@ -77,6 +77,8 @@ class StepLoop:
         self._drafts = None if reproducible else drafts
         self._draft_rows = 0 if self._drafts is None else min(
             self._drafts.step_rows, model.n_batch - slots)
+        # What finished requests generated, for drafts of later ones (any slot).
+        self._learned = None if self._drafts is None else NgramStore(self._drafts.ngram_max)
         self._memory = model.memory
         batch = model.n_batch
         # Reproducible mode cuts prompts at multiples of n_ubatch, so that a chunk
@@ -160,7 +162,7 @@ class StepLoop:
             seq.generating = False
             seq.limit = min(job.max_tokens, self.n_ctx - len(job.prompt))
             seq.sampler = make_chain(self._vocab, job.sampling, job.prompt)
-            seq.drafter = (NgramDrafter(self._drafts, job.prompt)
+            seq.drafter = (NgramDrafter(self._drafts, job.prompt, self._learned)
                            if job.speculative and self._drafts is not None else None)
             seq.draft = []
         except BaseException as exc:
@@ -417,6 +419,8 @@ class StepLoop:
         if job.grammar is not None:
             job.grammar.free()
         job.kept = list(seq.cached)
+        if seq.drafter is not None and reason != "error":
+            seq.drafter.learn()
         seq.drafter = None
         seq.draft = []
         seq.job = None

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from sfcore_daemon.speculative import DraftSettings, NgramDrafter
+from sfcore_daemon.speculative import DraftSettings, NgramDrafter, NgramStore
 from tests.fault_support import health, poll_until
 from tests.harness import Daemon, done_of, running_daemon, tokens_text
 
@@ -90,6 +90,23 @@ def test_whole_acceptance_doubles_the_draft_and_failure_pauses_it() -> None:
     assert (drafter.drafted, drafter.accepted) == (28, 12)
 
 
+def test_a_later_request_drafts_what_an_earlier_one_generated() -> None:
+    store = NgramStore(3)
+    earlier = NgramDrafter(SETTINGS, [1, 2, 3], store)
+    for token in (40, 41, 42, 43, 44, 45):
+        earlier.append(token)
+    earlier.learn()
+    # Its own text has no match; the store has: "2 3 40" was followed by 41 ...
+    later = NgramDrafter(SETTINGS, [9, 2, 3, 40], store)
+    assert later.draft(16) == [41, 42, 43, 44]
+    # Never across the end of the learned text.
+    tail = NgramDrafter(SETTINGS, [7, 43, 44, 45], store)
+    assert tail.draft(16) == []
+    # The prompt itself is not learned (a later request's own text has it).
+    prompt_only = NgramDrafter(SETTINGS, [5, 1, 2], store)
+    assert prompt_only.draft(16) == []
+
+
 # --- the daemon -----------------------------------------------------------------------
 
 # Outputs compared across requests come from one slot: with several, a request's cells
@@ -133,18 +150,21 @@ async def test_greedy_with_speculation_equals_greedy_without_on_copying_prompts(
 
 
 @pytest_asyncio_mark
-async def test_seeded_sampling_with_speculation_gives_the_same_bytes_twice() -> None:
-    # Not the bytes of a run without it: llama.cpp computes a row decoded beside
-    # others through other kernels than a lone row (logits up to 0.4 apart here), and
-    # at temperature 0.8 that moves a draw within a few dozen tokens. The draws
-    # themselves are the same: one per emitted token.
-    async with running_daemon(ONE_SLOT) as daemon:
-        sampled = {"temperature": 0.8, "seed": 1234, "max_tokens": 64}
-        first = await generate(daemon, COPY_CODE, **sampled)
-        second = await generate(daemon, COPY_CODE, **sampled)
-        assert first["text"] == second["text"]
-        assert first["usage"] == second["usage"]
-        assert first["usage"]["accepted_tokens"] > 0
+async def test_seeded_sampling_with_speculation_gives_the_same_bytes_from_the_same_state() -> None:
+    # Not the bytes of a run without speculation: llama.cpp computes a row decoded
+    # beside others through other kernels than a lone row (logits up to 0.4 apart
+    # here), and at temperature 0.8 that moves a draw within a few dozen tokens. Nor
+    # of a second run in the same daemon: the first one's answer is in the shared
+    # n-gram store then, so the second drafts differently. Two fresh daemons do agree.
+    sampled = {"temperature": 0.8, "seed": 1234, "max_tokens": 64}
+    dones = []
+    for _ in range(2):
+        async with running_daemon(ONE_SLOT) as daemon:
+            dones.append(await generate(daemon, COPY_CODE, **sampled))
+    first, second = dones
+    assert first["text"] == second["text"]
+    assert first["usage"] == second["usage"]
+    assert first["usage"]["accepted_tokens"] > 0
 
 
 @pytest_asyncio_mark

@@ -95,6 +95,8 @@ type Options struct {
 	Seed          *int64   `json:"seed,omitempty"`
 	Stop          []string `json:"stop,omitempty"`
 	CachePrompt   *bool    `json:"cache_prompt,omitempty"`
+	// Speculative set to Bool(false) stops the daemon from drafting tokens for the request.
+	Speculative *bool `json:"speculative,omitempty"`
 }
 
 // Int returns a pointer to n, for Options.
@@ -114,6 +116,9 @@ type Usage struct {
 	PromptTokens     int `json:"prompt_tokens"`
 	CachedTokens     int `json:"cached_tokens"`
 	CompletionTokens int `json:"completion_tokens"`
+	// Tokens drafted by speculative decoding, and those of them accepted.
+	DraftedTokens  int `json:"drafted_tokens"`
+	AcceptedTokens int `json:"accepted_tokens"`
 }
 
 // Timings of a request, in milliseconds and tokens per second.

@@ -40,6 +40,8 @@ export interface GenerationOptions {
   stop?: string | string[] | null;
   cache_prompt?: boolean | null;
   cachePrompt?: boolean | null;
+  /** false: the daemon drafts no tokens for this request (speculative decoding). */
+  speculative?: boolean | null;
   /** The request's id (default: a number counting up on this connection). */
   id?: RequestId;
   /** Aborting sends `cancel` for the request; the call rejects (or the iteration throws)
@@ -62,6 +64,9 @@ export interface Usage {
   promptTokens: number;
   cachedTokens: number;
   completionTokens: number;
+  /** Tokens drafted by speculative decoding, and those of them accepted. */
+  draftedTokens: number;
+  acceptedTokens: number;
 }
 
 export interface Timings {

@@ -277,6 +277,9 @@ pub struct Options {
     pub stop: Vec<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache_prompt: Option<bool>,
+    /// `Some(false)`: the daemon drafts no tokens for this request.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculative: Option<bool>,
 }
 
 impl Options {
@@ -318,6 +321,10 @@ impl Options {
     }
     pub fn cache_prompt(mut self, cache: bool) -> Self {
         self.cache_prompt = Some(cache);
+        self
+    }
+    pub fn speculative(mut self, speculative: bool) -> Self {
+        self.speculative = Some(speculative);
         self
     }
 }
@@ -435,6 +442,10 @@ pub struct Usage {
     /// Prompt tokens reused from the KV cache.
     pub cached_tokens: u64,
     pub completion_tokens: u64,
+    /// Tokens drafted by speculative decoding (0 from daemons without it).
+    pub drafted_tokens: u64,
+    /// Drafted tokens the model's own sampling confirmed.
+    pub accepted_tokens: u64,
 }
 
 /// Timings of a generation, in milliseconds and tokens per second.
@@ -1215,7 +1226,8 @@ mod tests {
             Usage {
                 prompt_tokens: 9,
                 cached_tokens: 0,
-                completion_tokens: 100
+                completion_tokens: 100,
+                ..Usage::default()
             }
         );
         assert_eq!(done.timings.first_token_ms, 86.017);
