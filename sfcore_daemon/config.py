@@ -127,6 +127,10 @@ class SpeculativeConfig(_Section, frozen=True):
     # N-gram lengths matched, the longest first.
     ngram_max: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
     ngram_min: Annotated[int, msgspec.Meta(ge=1, le=16)] = 2
+    # Output tokens of finished requests kept to draft later requests from (any slot);
+    # 0: none. Off by default: with it, a request sent again drafts from its earlier
+    # answer, verifies in other batch shapes and may come out as other bytes.
+    store_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 0
 
     def __post_init__(self) -> None:
         if self.draft_start > self.draft_max:

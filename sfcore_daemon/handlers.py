@@ -310,7 +310,8 @@ class RequestHandlers:
         return SpeculativeSettings(
             mode=settings.mode if self._speculates else "off",
             draft_max=settings.draft_max, draft_start=settings.draft_start,
-            ngram_max=settings.ngram_max, ngram_min=settings.ngram_min)
+            ngram_max=settings.ngram_max, ngram_min=settings.ngram_min,
+            store_tokens=settings.store_tokens)
 
     def _exclusive(self, request: GenerationRequest) -> bool:
         """Whether a request must have the batch to itself: in reproducible mode its

@@ -227,6 +227,7 @@ class SpeculativeSettings(Struct, kw_only=True):
     draft_start: int
     ngram_max: int
     ngram_min: int
+    store_tokens: int
 
 
 class Versions(Struct, kw_only=True):

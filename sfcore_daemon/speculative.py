@@ -37,6 +37,7 @@ class DraftSettings:
     draft_start: int  # a sequence's first drafts; grows while drafts are accepted whole
     ngram_max: int  # the longest n-gram matched (tried first)
     ngram_min: int  # the shortest
+    store_tokens: int = 0  # finished requests' output kept for other requests' drafts
 
     @property
     def step_rows(self) -> int:
@@ -51,7 +52,8 @@ def draft_settings(config: SpeculativeConfig) -> DraftSettings | None:
     if config.mode == "off":
         return None
     return DraftSettings(draft_max=config.draft_max, draft_start=config.draft_start,
-                         ngram_max=config.ngram_max, ngram_min=config.ngram_min)
+                         ngram_max=config.ngram_max, ngram_min=config.ngram_min,
+                         store_tokens=config.store_tokens)
 
 
 class NgramStore:
@@ -60,14 +62,16 @@ class NgramStore:
     again, a template the model fills the same way each time).
 
     Keyed by the last `ngram_max` tokens; the tokens live in one array (4 bytes each),
-    emptied whole when it reaches _STORE_TOKENS, as llama.cpp's ngram-mod resets its
-    table.
+    emptied whole when it would pass `capacity`, as llama.cpp's ngram-mod resets its
+    table. Off unless configured: a request sent again then drafts from its earlier
+    answer, so its rows are verified in other batch shapes and its bytes may differ.
     """
 
-    __slots__ = ("_n", "_tokens", "_positions")
+    __slots__ = ("_n", "_capacity", "_tokens", "_positions")
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, capacity: int) -> None:
         self._n = n
+        self._capacity = capacity
         self._tokens = array("i")
         self._positions: dict[tuple[int, ...], int] = {}
 
@@ -76,9 +80,9 @@ class NgramStore:
         as the first key)."""
         n = self._n
         first = max(start - n, 0)
-        if len(tokens) - first <= n:
+        if not n < len(tokens) - first < self._capacity:
             return
-        if len(self._tokens) + len(tokens) - first > _STORE_TOKENS:
+        if len(self._tokens) + len(tokens) - first > self._capacity:
             self._tokens = array("i")
             self._positions.clear()
         stored = self._tokens
@@ -101,8 +105,6 @@ class NgramStore:
         return draft
 
 
-# The store's capacity in tokens (a MiB of them, and a dictionary entry each).
-_STORE_TOKENS = 1 << 18
 _SEPARATOR = -1  # between two requests' texts in the store: no draft runs across it
 
 

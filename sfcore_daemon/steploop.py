@@ -78,7 +78,8 @@ class StepLoop:
         self._draft_rows = 0 if self._drafts is None else min(
             self._drafts.step_rows, model.n_batch - slots)
         # What finished requests generated, for drafts of later ones (any slot).
-        self._learned = None if self._drafts is None else NgramStore(self._drafts.ngram_max)
+        self._learned = (NgramStore(self._drafts.ngram_max, self._drafts.store_tokens)
+                         if self._drafts is not None and self._drafts.store_tokens else None)
         self._memory = model.memory
         batch = model.n_batch
         # Reproducible mode cuts prompts at multiples of n_ubatch, so that a chunk

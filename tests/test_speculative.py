@@ -91,7 +91,7 @@ def test_whole_acceptance_doubles_the_draft_and_failure_pauses_it() -> None:
 
 
 def test_a_later_request_drafts_what_an_earlier_one_generated() -> None:
-    store = NgramStore(3)
+    store = NgramStore(3, 1000)
     earlier = NgramDrafter(SETTINGS, [1, 2, 3], store)
     for token in (40, 41, 42, 43, 44, 45):
         earlier.append(token)
@@ -150,21 +150,34 @@ async def test_greedy_with_speculation_equals_greedy_without_on_copying_prompts(
 
 
 @pytest_asyncio_mark
-async def test_seeded_sampling_with_speculation_gives_the_same_bytes_from_the_same_state() -> None:
+async def test_seeded_sampling_with_speculation_gives_the_same_bytes_twice() -> None:
     # Not the bytes of a run without speculation: llama.cpp computes a row decoded
     # beside others through other kernels than a lone row (logits up to 0.4 apart
-    # here), and at temperature 0.8 that moves a draw within a few dozen tokens. Nor
-    # of a second run in the same daemon: the first one's answer is in the shared
-    # n-gram store then, so the second drafts differently. Two fresh daemons do agree.
-    sampled = {"temperature": 0.8, "seed": 1234, "max_tokens": 64}
-    dones = []
-    for _ in range(2):
-        async with running_daemon(ONE_SLOT) as daemon:
-            dones.append(await generate(daemon, COPY_CODE, **sampled))
-    first, second = dones
+    # here), and at temperature 0.8 that moves a draw within a few dozen tokens. The
+    # draws themselves are the same: one per emitted token. (The default keeps no
+    # store of earlier answers, so the second run drafts exactly as the first.)
+    async with running_daemon(ONE_SLOT) as daemon:
+        sampled = {"temperature": 0.8, "seed": 1234, "max_tokens": 64}
+        first = await generate(daemon, COPY_CODE, **sampled)
+        second = await generate(daemon, COPY_CODE, **sampled)
     assert first["text"] == second["text"]
     assert first["usage"] == second["usage"]
     assert first["usage"]["accepted_tokens"] > 0
+
+
+@pytest_asyncio_mark
+async def test_with_a_store_a_request_sent_again_drafts_from_its_earlier_answer() -> None:
+    # A prompt with nothing to copy: whatever the second run accepts beyond the first
+    # came from the store of the first one's answer.
+    config = {**ONE_SLOT, "speculative": {"store_tokens": 4096}}
+    async with running_daemon(config) as daemon:
+        first = await generate(daemon, FREE, max_tokens=48)
+        second = await generate(daemon, FREE, max_tokens=48)
+        counts = (await stats(daemon))["speculative"]
+    assert second["usage"]["accepted_tokens"] >= first["usage"]["accepted_tokens"] + 16
+    assert second["usage"]["completion_tokens"] == 48
+    assert counts["accepted"] == (first["usage"]["accepted_tokens"]
+                                  + second["usage"]["accepted_tokens"])
 
 
 @pytest_asyncio_mark
@@ -274,7 +287,7 @@ async def test_speculation_is_reported_and_can_be_refused() -> None:
             info = await client.final({"op": "info"})
             assert info["config"]["speculative"] == {
                 "mode": "ngram", "draft_max": 64, "draft_start": 8, "ngram_max": 4,
-                "ngram_min": 2}
+                "ngram_min": 2, "store_tokens": 0}
             bad = await client.final({"id": "x", "prompt": "hi", "speculative": "yes"})
             assert bad["type"] == "error" and bad["code"] == "invalid_request"
             assert "speculative" in bad["message"] and bad["id"] == "x"

@@ -28,7 +28,7 @@ func TestParseLine(t *testing.T) {
 		`"timings":{"queued_ms":0.5,"prompt_ms":1,"prompt_tok_s":2,"first_token_ms":3,` +
 		`"decode_ms":4,"decode_tok_s":5,"total_ms":6}}`))
 	if err != nil || done.FinishReason != "stop_sequence" || *done.StopSequence != "END" ||
-		done.Usage != (Usage{4, 1, 9}) || done.Timings != (Timings{0.5, 1, 2, 3, 4, 5, 6}) {
+		done.Usage != (Usage{PromptTokens: 4, CachedTokens: 1, CompletionTokens: 9}) || done.Timings != (Timings{0.5, 1, 2, 3, 4, 5, 6}) {
 		t.Fatalf("done line: %+v %v", done, err)
 	}
 	e, err := parseLine([]byte(`{"type":"error","id":"sfc-3","code":"bad_json","message":"m"}`))
