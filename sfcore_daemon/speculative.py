@@ -67,10 +67,10 @@ class NgramStore:
     answer, so its rows are verified in other batch shapes and its bytes may differ.
     """
 
-    __slots__ = ("_n", "_capacity", "_tokens", "_positions")
+    __slots__ = ("n", "_capacity", "_tokens", "_positions")
 
     def __init__(self, n: int, capacity: int) -> None:
-        self._n = n
+        self.n = n  # the length of the n-grams it matches
         self._capacity = capacity
         self._tokens = array("i")
         self._positions: dict[tuple[int, ...], int] = {}
@@ -78,7 +78,7 @@ class NgramStore:
     def add(self, tokens: list[int], start: int) -> None:
         """Learn `tokens[start:]`, the output of a request (with the n tokens before it
         as the first key)."""
-        n = self._n
+        n = self.n
         first = max(start - n, 0)
         if not n < len(tokens) - first < self._capacity:
             return
@@ -94,9 +94,9 @@ class NgramStore:
                                    strict=True))
 
     def draft(self, tokens: list[int], want: int) -> list[int]:
-        if len(tokens) < self._n:
+        if len(tokens) < self.n:
             return []
-        start = self._positions.get(tuple(tokens[-self._n:]))
+        start = self._positions.get(tuple(tokens[-self.n:]))
         if start is None:
             return []
         draft = self._tokens[start:start + want].tolist()
@@ -147,7 +147,15 @@ class NgramDrafter:
         length = len(tokens)
         self._index(tokens, length)
         want = max(min(room, self._limit), MIN_DRAFT)
+        store = self._store
         for n, positions in self._maps:
+            if store is not None and n < store.n:
+                # The store's matches are ngram_max long: better than a shorter match
+                # in the sequence's own text.
+                draft = store.draft(tokens, want)
+                if len(draft) >= MIN_DRAFT:
+                    return draft
+                store = None
             if length <= n:
                 continue
             start = positions.get(tuple(tokens[length - n:]))
@@ -158,8 +166,8 @@ class NgramDrafter:
                     # with period length - start there, so the draft repeats.
                     draft = (draft * (want // len(draft) + 1))[:want]
                 return draft
-        if self._store is not None:
-            draft = self._store.draft(tokens, want)
+        if store is not None:
+            draft = store.draft(tokens, want)
             if len(draft) >= MIN_DRAFT:
                 return draft
         return []
