@@ -57,7 +57,6 @@ WORKERS = 4
 TOKEN_TARGET = 10_000
 WARMUP_TOKENS = 1_500
 MAX_ITERATIONS = 3_000  # per worker and phase; the token target ends a phase long before
-PHASE_DEADLINE_S = 300.0
 RSS_GROWTH_LIMIT_MB = 20.0 + DRAFT_MAX
 MAX_TOKENS_AFTER_VANISH = 64
 REPLY_TIMEOUT_S = 120.0
@@ -173,13 +172,12 @@ class Worker:
             await self.home.close()
             self.home = None
 
-    async def run(self, until_tokens: int, deadline: float, cover_all: bool = False) -> None:
+    async def run(self, until_tokens: int, cover_all: bool = False) -> None:
         # The warm-up runs every action once first, so that whatever the daemon sets up
         # lazily on first use is in place before memory and descriptors are measured.
         first = self.rng.sample(self.actions, len(self.actions)) if cover_all else []
         for iteration in range(MAX_ITERATIONS):
-            if time.monotonic() > deadline or (
-                    iteration >= len(first) and self.ledger.generated >= until_tokens):
+            if iteration >= len(first) and self.ledger.generated >= until_tokens:
                 break
             if iteration < len(first):
                 action = first[iteration]
@@ -391,10 +389,9 @@ class Worker:
 
 async def run_phase(daemon: Daemon, ledger: Ledger, prompt_tokens: int, phase: int,
                     until_tokens: int) -> None:
-    deadline = time.monotonic() + PHASE_DEADLINE_S
     workers = [Worker(n, daemon, ledger, prompt_tokens, SEED + 100 * phase + n)
                for n in range(WORKERS)]
-    await asyncio.gather(*(w.run(until_tokens, deadline, cover_all=phase == 0)
+    await asyncio.gather(*(w.run(until_tokens, cover_all=phase == 0)
                            for w in workers))
 
 
@@ -468,7 +465,10 @@ def check_counters(stats: dict[str, Any], ledger: Ledger, prompt_tokens: int) ->
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(540)
+# A hang bound only (every reply has its own REPLY_TIMEOUT_S): phases end at a token
+# count, never at a wall-clock deadline, so a loaded machine makes the test slower,
+# not red. It takes about 2 minutes on an idle 2-core machine.
+@pytest.mark.timeout(2400)
 async def test_soak_every_op_with_cancels_and_vanishing_clients() -> None:
     started = time.monotonic()
     async with running_daemon(CONFIG) as daemon:
@@ -501,7 +501,7 @@ async def test_soak_every_op_with_cancels_and_vanishing_clients() -> None:
             print(f"soak: daemon stats {stats}")
 
             assert ledger.generated >= TOKEN_TARGET, (
-                f"only {ledger.generated} tokens within the time bound")
+                f"only {ledger.generated} tokens in {MAX_ITERATIONS} iterations per worker")
             check_counters(stats, ledger, prompt_tokens)
             assert anon - baseline_anon < RSS_GROWTH_LIMIT_MB, (baseline_anon, anon)
             assert fds <= baseline_fds, (baseline_fds, fds, baseline_targets, fd_targets(pid))
