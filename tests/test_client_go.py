@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -63,6 +64,11 @@ def go(tmp_path_factory: pytest.TempPathFactory) -> Go:
 @pytest.fixture(scope="module")
 def example(go: Go) -> str:
     return go.build("./cmd/sfcore-example", go.root / "sfcore-example")
+
+
+@pytest.fixture(scope="module")
+def structured(go: Go) -> str:
+    return go.build("./cmd/sfcore-structured", go.root / "sfcore-structured")
 
 
 async def run(*command: str, env: dict[str, str] | None = None,
@@ -308,3 +314,90 @@ async def test_library_ops_cancel_and_errors(go: Go, tmp_path: Path) -> None:
     assert result["afterClose"] is True
     assert result["unreachable"]["connError"] is True
     assert daemon.socket_path + ".missing" in result["unreachable"]["message"]
+
+
+# --- structured output: sfcore-structured asks for a document by JSON Schema ---
+
+# The schema and prompt tests/test_sfcore_cli.py uses: greedy, the model fills in a
+# whole record well within max_tokens (maxLength bounds the name).
+PERSON_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
+                   "alive": {"type": "boolean"}},
+    "required": ["name", "age", "alive"]}
+PERSON_PROMPT = ('JSON records, one per line.\n'
+                 'Example: {"name": "Ada Lovelace", "age": 36, "alive": false}\n'
+                 'Example: {"name": "Linus", "age": 54, "alive": true}\nExample: ')
+STRUCTURED_FLAGS = ["-temperature", "0", "-no-cache-prompt"]
+
+# Every request gives the bytes of a cold run, whatever ran before it: the example's
+# document can be compared with the Python client's.
+REPRODUCIBLE: dict[str, Any] = {"model": {"reproducible": True}}
+
+def assert_person(document: Any) -> None:
+    """Exactly the schema's required keys, in its order, each of its type (bool is not an
+    integer)."""
+    assert isinstance(document, dict), document
+    assert list(document) == PERSON_SCHEMA["required"], document
+    assert isinstance(document["name"], str) and len(document["name"]) <= 24, document
+    assert type(document["age"]) is int and type(document["alive"]) is bool, document
+
+
+def python_client_document(path: str, prompt: str) -> str:
+    with sfcore_client.Client(path, timeout=60) as client:
+        result = client.generate(prompt, json_schema=PERSON_SCHEMA, max_tokens=200,
+                                 temperature=0, cache_prompt=False)
+    assert result.finish_reason == "stop", result
+    text: str = result.text
+    return text
+
+
+@pytest.mark.asyncio
+async def test_structured_example_prints_a_document_of_the_schema(structured: str,
+                                                                   tmp_path: Path) -> None:
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON_SCHEMA))
+    grammar = tmp_path / "answer.gbnf"
+    grammar.write_text('root ::= "yes" | "no"\n')
+    async with running_daemon(REPRODUCIBLE) as daemon:
+        flags = ["-socket", daemon.socket_path, *STRUCTURED_FLAGS, "-max-tokens", "200"]
+        generated = await run(structured, *flags, "-json-schema", str(schema), PERSON_PROMPT)
+        expected = await asyncio.wait_for(asyncio.to_thread(
+            python_client_document, daemon.socket_path, PERSON_PROMPT), RUN_TIMEOUT_S)
+        chatted = await run(structured, *flags, "-chat", "-json-schema", str(schema),
+                            "Describe a person.")
+        anything = await run(structured, *flags, "-format", "json", PERSON_PROMPT)
+        answer = await run(structured, "-socket", daemon.socket_path, *STRUCTURED_FLAGS,
+                           "-max-tokens", "8", "-grammar", str(grammar),
+                           "Is the sky blue? Answer:")
+    for code, out, err in (generated, chatted, anything, answer):
+        assert (code, err) == (0, "") and out.endswith("\n"), (code, out, err)
+    # The Python client's document, byte for byte (the properties in the schema's order).
+    assert generated[1] == expected + "\n"
+    assert_person(json.loads(generated[1]))
+    assert_person(json.loads(chatted[1]))
+    assert isinstance(json.loads(anything[1]), dict)
+    assert answer[1] in ("yes\n", "no\n")
+
+
+@pytest.mark.asyncio
+async def test_structured_example_surfaces_a_refused_schema_as_invalid_request(
+        structured: str, tmp_path: Path) -> None:
+    refused = tmp_path / "refused.json"
+    refused.write_text(json.dumps({"type": "integer", "minimum": 3}))
+    person = tmp_path / "person.json"
+    person.write_text(json.dumps(PERSON_SCHEMA))
+    async with running_daemon() as daemon:
+        bad = await run(structured, "-socket", daemon.socket_path, "-json-schema",
+                        str(refused), "Hi")
+        both = await run(structured, "-socket", daemon.socket_path, "-json-schema",
+                         str(person), "-format", "json", "Hi")
+    # "code: message" is what the example prints for an *sfcore.Error (other errors print
+    # their Error(), which starts "sfcore: ").
+    code, out, err = bad
+    assert (code, out) == (1, ""), bad
+    assert re.fullmatch(r"sfcore-structured: invalid_request: .*'minimum'.*\n", err), err
+    code, out, err = both
+    assert (code, out) == (1, ""), both
+    assert re.fullmatch(r"sfcore-structured: invalid_request: .*exclude each other.*\n",
+                        err), err

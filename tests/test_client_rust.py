@@ -93,7 +93,8 @@ def build() -> Iterator[dict[str, Any]]:
         tested = cargo(cargo_bin, "test", cwd=crate)
         lockfile = (crate / "Cargo.lock").read_text()
     examples = CACHE / "target" / "debug" / "examples"
-    yield {"generate": examples / "generate", "ops": examples / "ops", "lock": lockfile,
+    yield {"generate": examples / "generate", "ops": examples / "ops",
+           "structured": examples / "structured", "lock": lockfile,
            "build": built.stderr, "test": tested.stdout}
 
 
@@ -217,3 +218,88 @@ async def test_ops_example_chat_tokenize_cancel(build: dict[str, Any]) -> None:
     assert stats["requests"]["by_op"]["cancel"] == 5, stats
     # Stopped streams were drained, not abandoned: the whole run used one connection.
     assert stats["connections"]["total"] == 1, stats
+
+
+# --- structured output: examples/structured.rs asks for a document by JSON Schema ---
+
+# The schema and prompt tests/test_sfcore_cli.py uses: greedy, the model fills in a
+# whole record well within max_tokens (maxLength bounds the name).
+PERSON_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
+                   "alive": {"type": "boolean"}},
+    "required": ["name", "age", "alive"]}
+PERSON_PROMPT = ('JSON records, one per line.\n'
+                 'Example: {"name": "Ada Lovelace", "age": 36, "alive": false}\n'
+                 'Example: {"name": "Linus", "age": 54, "alive": true}\nExample: ')
+STRUCTURED_FLAGS = ["--temperature", "0", "--no-cache-prompt"]
+
+# Every request gives the bytes of a cold run, whatever ran before it: the example's
+# document can be compared with the Python client's.
+REPRODUCIBLE: dict[str, Any] = {"model": {"reproducible": True}}
+
+def assert_person(document: Any) -> None:
+    """Exactly the schema's required keys, in its order, each of its type (bool is not an
+    integer)."""
+    assert isinstance(document, dict), document
+    assert list(document) == PERSON_SCHEMA["required"], document
+    assert isinstance(document["name"], str) and len(document["name"]) <= 24, document
+    assert type(document["age"]) is int and type(document["alive"]) is bool, document
+
+
+def python_document(socket_path: str, prompt: str) -> str:
+    with Client(socket_path, timeout=60) as client:
+        result = client.generate(prompt, json_schema=PERSON_SCHEMA, max_tokens=200,
+                                 temperature=0, cache_prompt=False)
+    assert result.finish_reason == "stop", result
+    text: str = result.text
+    return text
+
+
+async def test_structured_example_prints_a_document_of_the_schema(build: dict[str, Any],
+                                                                   tmp_path: Path) -> None:
+    structured = build["structured"]
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON_SCHEMA))
+    grammar = tmp_path / "answer.gbnf"
+    grammar.write_text('root ::= "yes" | "no"\n')
+    async with running_daemon(REPRODUCIBLE) as daemon:
+        flags = ["--socket", daemon.socket_path, *STRUCTURED_FLAGS, "--max-tokens", "200"]
+        generated = await run_async(structured, *flags, "--json-schema", schema, PERSON_PROMPT)
+        expected = await asyncio.wait_for(asyncio.to_thread(
+            python_document, daemon.socket_path, PERSON_PROMPT), RUN_TIMEOUT_S)
+        chatted = await run_async(structured, *flags, "--chat", "--json-schema", schema,
+                                  "Describe a person.")
+        anything = await run_async(structured, *flags, "--format", "json", PERSON_PROMPT)
+        answer = await run_async(structured, "--socket", daemon.socket_path, *STRUCTURED_FLAGS,
+                                 "--max-tokens", "8", "--grammar", grammar,
+                                 "Is the sky blue? Answer:")
+    for result in (generated, chatted, anything, answer):
+        assert (result.returncode, result.stderr) == (0, ""), result
+        assert result.stdout.endswith("\n"), result
+    # The Python client's document, byte for byte (the properties in the schema's order).
+    assert generated.stdout == expected + "\n"
+    assert_person(json.loads(generated.stdout))
+    assert_person(json.loads(chatted.stdout))
+    assert isinstance(json.loads(anything.stdout), dict)
+    assert answer.stdout in ("yes\n", "no\n")
+
+
+async def test_structured_example_surfaces_a_refused_schema_as_invalid_request(
+        build: dict[str, Any], tmp_path: Path) -> None:
+    refused = tmp_path / "refused.json"
+    refused.write_text(json.dumps({"type": "integer", "minimum": 3}))
+    person = tmp_path / "person.json"
+    person.write_text(json.dumps(PERSON_SCHEMA))
+    async with running_daemon() as daemon:
+        bad = await run_async(build["structured"], "--socket", daemon.socket_path,
+                              "--json-schema", refused, "Hi")
+        both = await run_async(build["structured"], "--socket", daemon.socket_path,
+                               "--json-schema", person, "--format", "json", "Hi")
+    # "code: message" is how Error::Protocol (an error line) displays; no other variant
+    # starts with the code.
+    assert (bad.returncode, bad.stdout) == (1, ""), bad
+    assert re.fullmatch(r"structured: invalid_request: .*'minimum'.*\n", bad.stderr), bad
+    assert (both.returncode, both.stdout) == (1, ""), both
+    assert re.fullmatch(r"structured: invalid_request: .*exclude each other.*\n",
+                        both.stderr), both

@@ -38,7 +38,7 @@ const DefaultSocketPath = "/tmp/sfcore-ai.sock"
 
 // Error is an `error` line from the daemon. Code is one of the protocol's error codes:
 // bad_json, invalid_request, context_overflow, queue_full, line_too_long,
-// too_many_connections, forbidden, shutting_down, internal.
+// too_many_connections, forbidden, shutting_down, internal, grammar_dead_end.
 type Error struct {
 	Code    string
 	Message string
@@ -97,6 +97,15 @@ type Options struct {
 	CachePrompt   *bool    `json:"cache_prompt,omitempty"`
 	// Speculative set to Bool(false) stops the daemon from drafting tokens for the request.
 	Speculative *bool `json:"speculative,omitempty"`
+
+	// Structured output: set at most one of JSONSchema, Format and Grammar (the daemon
+	// answers invalid_request to more). JSONSchema is a JSON Schema object, sent as is:
+	// json.RawMessage(`{"type": "object", ...}`), or marshal a map or struct into it.
+	JSONSchema json.RawMessage `json:"json_schema,omitempty"`
+	// Format "json": the output is one JSON object (any keys and values).
+	Format string `json:"format,omitempty"`
+	// Grammar is GBNF text (llama.cpp's format; the start rule is root).
+	Grammar string `json:"grammar,omitempty"`
 }
 
 // Int returns a pointer to n, for Options.
@@ -138,8 +147,11 @@ type Result struct {
 	Text         string // the whole completion, streamed or not
 	FinishReason string // "stop", "stop_sequence", "length" or "cancelled"
 	StopSequence string // the stop string that matched, else ""
-	Usage        Usage
-	Timings      Timings
+	// Truncated: the daemon closed a JSON document (JSONSchema, Format) early because
+	// max_tokens was near; false when the done line does not say so.
+	Truncated bool
+	Usage     Usage
+	Timings   Timings
 }
 
 // Health is the `health` reply.
@@ -215,6 +227,7 @@ type line struct {
 	Text         string          `json:"text"`
 	FinishReason string          `json:"finish_reason"`
 	StopSequence *string         `json:"stop_sequence"`
+	Truncated    bool            `json:"truncated"`
 	Usage        Usage           `json:"usage"`
 	Timings      Timings         `json:"timings"`
 	Code         string          `json:"code"`
@@ -490,7 +503,7 @@ func (s *Stream) Next() bool {
 				text = s.text.String()
 			}
 			s.res = &Result{ID: s.cl.id, Text: text, FinishReason: l.FinishReason,
-				Usage: l.Usage, Timings: l.Timings}
+				Truncated: l.Truncated, Usage: l.Usage, Timings: l.Timings}
 			if l.StopSequence != nil {
 				s.res.StopSequence = *l.StopSequence
 			}

@@ -128,6 +128,49 @@ func TestLongNonStreamedDone(t *testing.T) {
 	}
 }
 
+func TestStructuredOutputFieldsAndTruncated(t *testing.T) {
+	// Unset structured fields are not sent at all (the daemon takes at most one of them).
+	b, err := json.Marshal(genRequest{Op: "generate", ID: 1, Options: &Options{Grammar: `root ::= "a"`}})
+	if err != nil || string(b) != `{"op":"generate","id":1,"stream":false,"grammar":"root ::= \"a\""}` {
+		t.Fatalf("%s %v", b, err)
+	}
+	requests := make(chan map[string]any, 2)
+	path := fakeDaemon(t, func(req map[string]any, w *bufio.Writer) bool {
+		requests <- req
+		done := map[string]any{"type": "done", "id": req["id"], "text": "{}", "finish_reason": "stop"}
+		if req["op"] == "chat" {
+			done["finish_reason"], done["truncated"] = "length", true
+		}
+		reply(w, done)
+		return true
+	})
+	c := mustDial(t, path)
+	ctx := context.Background()
+	schema := json.RawMessage(`{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}`)
+	res, err := c.Generate(ctx, "p", &Options{JSONSchema: schema})
+	if err != nil || res.Truncated || res.Text != "{}" {
+		t.Fatalf("generate: %+v %v", res, err)
+	}
+	req := <-requests
+	want := map[string]any{"type": "object", "properties": map[string]any{
+		"n": map[string]any{"type": "integer"}}, "required": []any{"n"}}
+	if fmt.Sprint(req["json_schema"]) != fmt.Sprint(want) || req["format"] != nil || req["grammar"] != nil {
+		t.Fatalf("generate request: %v", req)
+	}
+	res, err = c.Chat(ctx, []Message{{Role: "user", Content: "c"}}, &Options{Format: "json"})
+	if err != nil || !res.Truncated || res.FinishReason != "length" {
+		t.Fatalf("chat: %+v %v", res, err)
+	}
+	if req := <-requests; req["format"] != "json" || req["json_schema"] != nil {
+		t.Fatalf("chat request: %v", req)
+	}
+	// A schema that is not JSON fails before anything is sent.
+	if _, err := c.Generate(ctx, "p", &Options{JSONSchema: json.RawMessage(`{type: object}`)}); err == nil ||
+		!strings.Contains(err.Error(), "encoding the request") {
+		t.Fatalf("bad schema: %v", err)
+	}
+}
+
 func TestStreamErrorAndPipelinedReplies(t *testing.T) {
 	path := fakeDaemon(t, func(req map[string]any, w *bufio.Writer) bool {
 		switch req["op"] {

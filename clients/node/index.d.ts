@@ -6,8 +6,8 @@ export type RequestId = string | number;
 
 /** An `error` line from the daemon (protocol codes: bad_json, invalid_request,
  * context_overflow, queue_full, line_too_long, too_many_connections, forbidden,
- * shutting_down, internal), or a client-side failure ("unreachable", "disconnected",
- * "protocol"). */
+ * shutting_down, internal, grammar_dead_end), or a client-side failure ("unreachable",
+ * "disconnected", "protocol"). */
 export declare class SfcoreError extends Error {
   constructor(code: string, message: string, id?: RequestId);
   readonly code: string;
@@ -21,6 +21,10 @@ export declare class SfcoreConnectionError extends SfcoreError {
   constructor(code: string, path: string, message: string, cause?: unknown);
   readonly path: string;
 }
+
+/** A JSON Schema object, for `json_schema` (docs/protocol.md lists the keywords the
+ * daemon supports; any other is refused with invalid_request). */
+export type JsonSchema = { [keyword: string]: unknown };
 
 /** The protocol's generation fields; snake_case or camelCase. Undefined or null: the
  * daemon's default. Any other field is sent as is (the daemon rejects unknown ones). */
@@ -42,6 +46,15 @@ export interface GenerationOptions {
   cachePrompt?: boolean | null;
   /** false: the daemon drafts no tokens for this request (speculative decoding). */
   speculative?: boolean | null;
+  /** Structured output (at most one of json_schema, format and grammar; the daemon
+   * answers invalid_request otherwise): the output is a JSON document valid against this
+   * JSON Schema, sent as given. */
+  json_schema?: JsonSchema | null;
+  jsonSchema?: JsonSchema | null;
+  /** "json": the output is one JSON object (any keys and values). */
+  format?: "json" | null;
+  /** The output matches this GBNF grammar (llama.cpp's format; the start rule is `root`). */
+  grammar?: string | null;
   /** The request's id (default: a number counting up on this connection). */
   id?: RequestId;
   /** Aborting sends `cancel` for the request; the call rejects (or the iteration throws)
@@ -87,6 +100,9 @@ export interface Result {
   finishReason: "stop" | "stop_sequence" | "length" | "cancelled";
   /** The stop string that matched, else null. */
   stopSequence: string | null;
+  /** true when the daemon closed a JSON document (json_schema, format) early because
+   * max_tokens was near; false when the done line does not say so. */
+  truncated: boolean;
   usage: Usage;
   timings: Timings;
 }

@@ -110,6 +110,8 @@ function toResult(done, text) {
     text,
     finishReason: done.finish_reason,
     stopSequence: done.stop_sequence ?? null,
+    // The daemon closed a JSON document early because max_tokens was near (absent: false).
+    truncated: done.truncated === true,
     usage: camelize(done.usage),
     timings: camelize(done.timings),
   };
@@ -127,6 +129,7 @@ function unexpected(line, want) {
 // Options of ours, not sent: `signal` (an AbortSignal), `onToken` (callback form),
 // `stream` (each method decides). The rest are the protocol's fields, in snake_case or
 // camelCase (maxTokens -> max_tokens); undefined and null mean "the daemon's default".
+// Only the names are converted: a `json_schema` value goes out exactly as given.
 function splitOptions(options) {
   const fields = {};
   let signal;

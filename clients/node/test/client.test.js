@@ -98,6 +98,31 @@ test("requests carry the protocol's fields; a long non-streamed done is read who
   await client.close();
 });
 
+test("structured output fields go out as given; truncated defaults to false", async () => {
+  const { socketPath, state } = await fakeDaemon((request, socket) => {
+    const extra = request.op === "chat" ? { truncated: true, finish_reason: "length" } : {};
+    socket.write(done(request.id, { text: "{}", ...extra }));
+  });
+  const client = await connect(socketPath);
+  const schema = { type: "object", properties: { firstName: { type: "string" } },
+    required: ["firstName"] };
+  const plain = await client.generate("p", { jsonSchema: schema, format: undefined });
+  const cut = await client.chat([{ role: "user", content: "c" }], { format: "json" });
+  const stream = client.streamGenerate("p", { grammar: 'root ::= "a"' });
+  for await (const piece of stream) void piece;
+  assert.equal(plain.truncated, false);
+  assert.equal(cut.truncated, true);
+  assert.equal(cut.finishReason, "length");
+  assert.equal(stream.result.truncated, false);
+  // The schema's own keys are not renamed, whatever their case.
+  assert.deepEqual(state.requests[0], { op: "generate", prompt: "p", json_schema: schema, id: 1,
+    stream: false });
+  assert.equal(state.requests[1].format, "json");
+  assert.equal(state.requests[2].grammar, 'root ::= "a"');
+  assert.ok(!("json_schema" in state.requests[1]) && !("grammar" in state.requests[1]));
+  await client.close();
+});
+
 test("concurrent requests are pipelined and matched in order", async () => {
   const { socketPath } = await fakeDaemon((request, socket) => {
     if (request.op === "tokenize") socket.write(line({ type: "tokens", id: request.id, tokens: [2, 7] }));

@@ -280,6 +280,18 @@ pub struct Options {
     /// `Some(false)`: the daemon drafts no tokens for this request.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub speculative: Option<bool>,
+    /// Structured output: set at most one of `json_schema`, `format` and `grammar` (the
+    /// daemon answers `invalid_request` to more). A JSON Schema object, sent as is: the
+    /// output is a JSON document valid against it, its properties in the schema's order
+    /// (this crate turns on serde_json's `preserve_order`, so a `Value` keeps that order).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub json_schema: Option<Value>,
+    /// `"json"`: the output is one JSON object (any keys and values).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub format: Option<String>,
+    /// GBNF text (llama.cpp's format; the start rule is `root`): the output matches it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grammar: Option<String>,
 }
 
 impl Options {
@@ -325,6 +337,18 @@ impl Options {
     }
     pub fn speculative(mut self, speculative: bool) -> Self {
         self.speculative = Some(speculative);
+        self
+    }
+    pub fn json_schema(mut self, schema: Value) -> Self {
+        self.json_schema = Some(schema);
+        self
+    }
+    pub fn format(mut self, format: impl Into<String>) -> Self {
+        self.format = Some(format.into());
+        self
+    }
+    pub fn grammar(mut self, grammar: impl Into<String>) -> Self {
+        self.grammar = Some(grammar.into());
         self
     }
 }
@@ -472,6 +496,9 @@ pub struct Completion {
     pub text: String,
     pub finish_reason: FinishReason,
     pub stop_sequence: Option<String>,
+    /// The daemon closed a JSON document (`json_schema`, `format`) early because
+    /// `max_tokens` was near; `false` when the `done` line does not say so.
+    pub truncated: bool,
     pub usage: Usage,
     pub timings: Timings,
 }
@@ -528,6 +555,8 @@ struct RawLine<'a> {
     #[serde(default)]
     stop_sequence: Option<String>,
     #[serde(default)]
+    truncated: bool,
+    #[serde(default)]
     usage: Option<Usage>,
     #[serde(default)]
     timings: Option<Timings>,
@@ -552,6 +581,7 @@ pub fn parse_reply(line: &[u8]) -> Result<Reply<'_>, Error> {
             text: raw.text.into_owned(),
             finish_reason: FinishReason::parse(&raw.finish_reason),
             stop_sequence: raw.stop_sequence,
+            truncated: raw.truncated,
             usage: raw.usage.unwrap_or_default(),
             timings: raw.timings.unwrap_or_default(),
         }),
@@ -1325,6 +1355,67 @@ mod tests {
     }
 
     #[test]
+    fn structured_output_options_and_truncated() {
+        let schema = serde_json::json!({
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+            "required": ["name", "age"]
+        });
+        let options = Options::new().max_tokens(64).json_schema(schema.clone());
+        let request = GenerationRequest {
+            op: "generate",
+            id: "rs-1",
+            prompt: Some("p"),
+            messages: None,
+            stream: false,
+            options: &options,
+        };
+        let sent = serde_json::to_string(&request).unwrap();
+        // Properties keep the order written: the daemon writes them in that order.
+        assert!(
+            sent.contains(r#""properties":{"name":{"type":"string"},"age":{"type":"integer"}}"#),
+            "{sent}"
+        );
+        let sent: Value = serde_json::from_str(&sent).unwrap();
+        assert_eq!(sent["json_schema"], schema);
+        // Unset ones are not sent at all: the daemon takes at most one of the three.
+        assert!(
+            sent.get("format").is_none() && sent.get("grammar").is_none(),
+            "{sent}"
+        );
+        let options = Options::new().format("json");
+        let request = GenerationRequest {
+            op: "chat",
+            id: "rs-2",
+            prompt: None,
+            messages: Some(&[]),
+            stream: true,
+            options: &options,
+        };
+        assert_eq!(
+            serde_json::to_string(&request).unwrap(),
+            r#"{"op":"chat","id":"rs-2","messages":[],"stream":true,"format":"json"}"#
+        );
+        let options = Options::new().grammar("root ::= \"a\"");
+        assert_eq!(
+            serde_json::to_string(&options).unwrap(),
+            r#"{"grammar":"root ::= \"a\""}"#
+        );
+
+        let line =
+            br#"{"type":"done","id":"x","text":"{}","finish_reason":"length","truncated":true}"#;
+        let Reply::Done(done) = parse_reply(line).unwrap() else {
+            panic!()
+        };
+        assert!(done.truncated);
+        let line = br#"{"type":"done","id":"x","text":"{}","finish_reason":"stop"}"#;
+        let Reply::Done(done) = parse_reply(line).unwrap() else {
+            panic!()
+        };
+        assert!(!done.truncated);
+    }
+
+    #[test]
     fn errors_display() {
         let error = Error::Connect {
             path: "/nowhere.sock".into(),
@@ -1367,7 +1458,7 @@ mod tests {
         let script = vec![
             (r#""op":"generate","id":"rs-1""#, tokens),
             (
-                r#""id":"rs-2","op":"cancel","target":"rs-1""#,
+                r#""op":"cancel","id":"rs-2","target":"rs-1""#,
                 "{\"type\":\"token\",\"id\":\"rs-1\",\"text\":\"late\"}\n\
                  {\"type\":\"done\",\"id\":\"rs-1\",\"text\":\"\",\"finish_reason\":\"cancelled\",\"stop_sequence\":null}\n\
                  {\"type\":\"cancelled\",\"id\":\"rs-2\",\"target\":\"rs-1\",\"found\":true}\n"
