@@ -13,6 +13,7 @@ import json
 from typing import TYPE_CHECKING, Any, Final
 
 from .grammar import GrammarError, check_gbnf
+from .jsonshape import Shape, free_object, shape_of
 
 if TYPE_CHECKING:
     from .protocol import GenerationRequest
@@ -63,6 +64,20 @@ def request_gbnf(request: GenerationRequest) -> tuple[str, str] | None:
     if request.grammar is not None:
         check_gbnf(request.grammar)
         return request.grammar, "grammar"
+    return None
+
+
+def request_shape(request: GenerationRequest) -> Shape | None:
+    """The JSON document a request's grammar describes, for closing it early when its
+    budget runs out (budget.py); None for a GBNF grammar, or a schema the tracker
+    cannot follow."""
+    try:
+        if request.json_schema is not None:
+            return shape_of(request.json_schema)
+        if request.format is not None:
+            return free_object()
+    except Exception:  # a schema the converter took: the document is still constrained
+        return None
     return None
 
 
