@@ -41,7 +41,7 @@ class Closer:
     """Budget-aware completion for one request's JSON document."""
 
     __slots__ = ("shape", "window", "tracker", "fed", "forced", "lost", "completion_len",
-                 "_model")
+                 "_model", "_buf")
 
     def __init__(self, shape: Shape, model: Model) -> None:
         self.shape = shape
@@ -55,6 +55,7 @@ class Closer:
         self.lost = shortest >= 100000
         self.completion_len = 0  # planned tokens not yet forced, end-of-generation aside
         self._model = model
+        self._buf = ctypes.create_string_buffer(64)
 
     def catch_up(self, emitted: list[int]) -> JsonTracker | None:
         """The tracker, having read every emitted token (once, lazily, the first time)."""
@@ -113,9 +114,18 @@ class Closer:
         return list(ids[:n]) if n >= 0 else []
 
     def _piece(self, token: int) -> bytes:
+        """A token's bytes: the model's cache, else looked up here (model.piece shares
+        a buffer with the decode thread, and a wide pass's draw settles on another)."""
         model = self._model
         piece = model.pieces.get(token)
-        return piece if piece is not None else model.piece(token)
+        if piece is not None:
+            return piece
+        buf = self._buf
+        n = C.llama_token_to_piece(model.vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = C.llama_token_to_piece(model.vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:n]
 
 
 def clone_accepts(grammar: ctypes.c_void_p, tokens: list[int],
