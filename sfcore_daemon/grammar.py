@@ -280,9 +280,6 @@ class GrammarSampler:
         if closer is not None and self.limit - self.tokens < closer.window \
                 and not closer.lost:
             return self._near_end(closer, chain, ctx, idx)
-        return self._sample(chain, ctx, idx)
-
-    def _sample(self, chain: Any, ctx: Any, idx: int, accept: bool = True) -> int | None:
         token: int = C.llama_sampler_sample(chain, ctx, idx)
         one: Any = self._one
         grammar = self._grammar
@@ -293,9 +290,23 @@ class GrammarSampler:
         array.selected = -1
         C.llama_sampler_apply(grammar, ctypes.byref(array))
         if one.logit != -math.inf and not self._is_hidden(token):
+            C.llama_sampler_accept(grammar, token)
+            self._history.append(token)
+            self._emitted.append(token)
+            return token
+        return self._resample(chain, ctx, idx)
+
+    def _sample(self, chain: Any, ctx: Any, idx: int, accept: bool = True) -> int | None:
+        """`sample` without the budget check; the token accepted only if `accept`."""
+        token: int = C.llama_sampler_sample(chain, ctx, idx)
+        if self._allows(self._grammar, token) and not self._is_hidden(token):
             if accept:
                 self._accept(token)
             return token
+        return self._resample(chain, ctx, idx, accept)
+
+    def _resample(self, chain: Any, ctx: Any, idx: int, accept: bool = True) -> int | None:
+        grammar = self._grammar
         self.resampled += 1
         # The slow path: mask what the grammar rejects, then run the chain again.
         #
