@@ -38,8 +38,13 @@ SUPPORTED_KEYWORDS: Final = (ANNOTATIONS | _OBJECT_KEYWORDS | _ARRAY_KEYWORDS | 
                              | _INTEGER_KEYWORDS | {"type", "enum", "const", "anyOf", "$ref"})
 # The grammar's integers have at most 16 digits; so must their bounds.
 MAX_INTEGER_BOUND: Final = 10**16 - 1
-# A repetition becomes one nested rule per allowed count; bounds keep the grammar small.
-MAX_REPEAT: Final = 256
+# Bounds of minItems/maxItems and minLength/maxLength. Up to CONVERTER_REPEAT the
+# converter writes a repetition as nested groups, one per allowed count (llama.cpp's
+# parser recurses into each); past it the grammar says `{m,n}`, which llama.cpp expands
+# into a chain of small rules. MAX_REPEAT keeps that chain, which every grammar copy
+# (budget.py) duplicates, small.
+CONVERTER_REPEAT: Final = 256
+MAX_REPEAT: Final = 4096
 MAX_SCHEMA_DEPTH: Final = 32
 
 _JSON_TYPES: Final[dict[str, tuple[type, ...]]] = {
@@ -433,7 +438,28 @@ def _converter_class() -> Any:
                 rule_name = name + "-" if name in module.RESERVED_NAMES else name or "root"
                 low, high = integer_bounds(schema)
                 return self._add_rule(rule_name, integer_range_gbnf(low, high) + " space")
+
+            if _beyond_converter(schema):
+                return self._long_repetition(schema, name)
             return super().visit(schema, name)
+
+        def _long_repetition(self, schema: dict[str, Any], name: str) -> Any:
+            rule_name = name + "-" if name in module.RESERVED_NAMES else name or "root"
+            if schema.get("type") == "string":
+                char = self._add_primitive("char", module.PRIMITIVE_RULES["char"])
+                count = _counted(schema.get("minLength", 0), schema.get("maxLength"))
+                return self._add_rule(rule_name, f'"\\"" ({char}){count} "\\"" space')
+            item = self.visit(schema["items"], f"{name}{'-' if name else ''}item")
+            low, high = schema.get("minItems", 0), schema.get("maxItems")
+            body = item
+            if high is None or high > 1:
+                more = _counted(max(low - 1, 0), None if high is None else high - 1)
+                body += f' ("," space {item}){more}'
+            if low == 0:
+                body = f"({body})?"
+            if high == 0:
+                body = ""
+            return self._add_rule(rule_name, f'"[" space {body} "]" space')
 
         def _add_primitive(self, name: str, rule: Any) -> Any:
             if name == "char":
@@ -442,6 +468,21 @@ def _converter_class() -> Any:
 
     _class_cache.append(Converter)
     return Converter
+
+
+def _beyond_converter(schema: dict[str, Any]) -> bool:
+    """A string or array bound the converter's nested groups should not be used for."""
+    keys = (("minLength", "maxLength") if schema.get("type") == "string"
+            else ("minItems", "maxItems") if "items" in schema else ())
+    return any(isinstance(schema.get(key), int) and schema[key] > CONVERTER_REPEAT
+               for key in keys)
+
+
+def _counted(low: int, high: int | None) -> str:
+    """GBNF's repetition count: {m,} {m} {m,n}."""
+    if high is None:
+        return f"{{{low},}}"
+    return f"{{{low}}}" if low == high else f"{{{low},{high}}}"
 
 
 # --- integer bounds ---------------------------------------------------------------------

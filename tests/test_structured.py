@@ -156,7 +156,8 @@ async def pipelined(client: Client, requests: list[dict[str, Any]],
     ({"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 2},
      "minItems is above maxItems"),
     ({"type": "array", "maxItems": 2}, "minItems and maxItems need items"),
-    ({"type": "array", "items": {}, "maxItems": 100000}, "maxItems must be an integer"),
+    ({"type": "array", "items": {}, "maxItems": 100000},
+     "maxItems must be an integer from 0 to 4096"),
     ({"$ref": "#/$defs/missing"}, "does not resolve"),
     ({"$ref": "https://example.org/schema.json"}, "only local references"),
     ({"type": "string", "enum": ["a", 1]}, "value 1 is not of type 'string'"),
@@ -511,3 +512,22 @@ async def test_closing_early_is_deterministic_and_a_document_whole_at_the_limit_
             {"prompt": "List:", "grammar": 'root ::= ("- " [a-z]{1,8} "\\n"){3}',
              "temperature": 1.0, "seed": 1, "max_tokens": 4, "stream": False}, TIMEOUT_S))
         assert cut["finish_reason"] == "length" and not cut["truncated"], cut
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(600)
+async def test_item_and_length_bounds_beyond_256() -> None:
+    digits = {"type": "object", "properties": {
+        "nums": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                 "minItems": 260, "maxItems": 1000}},
+        "required": ["nums"]}
+    essay = {"type": "object", "properties": {
+        "essay": {"type": "string", "minLength": 300, "maxLength": 2000}},
+        "required": ["essay"]}
+    async with running_daemon() as daemon, daemon.client() as client:
+        for schema, budget in ((digits, 700), (essay, 400)):
+            done = done_of(await client.request(
+                {"prompt": "Digits as JSON:", "json_schema": schema, "temperature": 1.0,
+                 "seed": 1, "max_tokens": budget, "stream": False}, TIMEOUT_S))
+            assert done["finish_reason"] == "stop", done
+            jsonschema.validate(json.loads(done["text"]), schema)
