@@ -24,11 +24,14 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Final
 
+from .budget import Closer, clone_accepts
+from .jsonclose import JsonTracker
 from .llama_c import C
 from .logs import llama_log_router
 from .sampling import PENALTY_LAST_N
 
 if TYPE_CHECKING:
+    from .jsonshape import Shape
     from .model import Model
 
 
@@ -171,7 +174,8 @@ class GrammarSampler:
 
     __slots__ = ("_grammar", "_vocab", "_one", "_one_array", "_history", "_penalties", "_top",
                  "_raw", "_array", "_floats", "_ids", "n_vocab", "tokens", "resampled",
-                 "full_passes", "field", "wide_ns", "wide_budget_ns", "_kept_logits")
+                 "full_passes", "field", "wide_ns", "wide_budget_ns", "_kept_logits",
+                 "limit", "closer", "closed_early", "_emitted", "_eog", "_settling")
 
     def __init__(self, grammar: Any, vocab: Any, n_vocab: int, history: Iterable[int],
                  history_len: int) -> None:
@@ -202,13 +206,24 @@ class GrammarSampler:
         self.wide_budget_ns = 0
         # The logits of a draw that only a wide pass can finish (see sample_wide).
         self._kept_logits = b""
+        # Budget-aware completion (budget.py), for JSON documents: the most tokens the
+        # sequence may emit (set when the job starts), every token accepted so far,
+        # and whether the document was closed early to fit.
+        self.limit = 0
+        self.closer: Closer | None = None
+        self.closed_early = False
+        self._emitted: list[int] = []
+        self._eog = -1
+        # The tokens left when a draw near the end went to a wide pass (0: none did).
+        self._settling = 0
 
     @classmethod
     def create(cls, model: Model, text: str, field: str, prompt: list[int],
-               budget_s: float = 0.0) -> GrammarSampler:
+               budget_s: float = 0.0, *, shape: Shape | None = None) -> GrammarSampler:
         """Compile `text` (from the request's `field`) for `model`'s vocabulary;
         GrammarError with llama.cpp's reason if it does not parse. Event loop only (it
-        reads the vocabulary)."""
+        reads the vocabulary). `shape`: the JSON document the grammar describes, for
+        closing it early when the budget runs out."""
         encoded = text.encode("utf-8")
         with model.using_vocab(), llama_log_router.capturing_errors() as errors, \
                 _stderr_captured() as printed:
@@ -225,13 +240,46 @@ class GrammarSampler:
                       PENALTY_LAST_N)
         sampler.field = field
         sampler.wide_budget_ns = int(budget_s * 1e9)
+        eog = C.llama_vocab_eos(model.vocab)
+        if eog < 0 or not C.llama_vocab_is_eog(model.vocab, eog):
+            eog = C.llama_vocab_eot(model.vocab)
+        sampler._eog = eog
+        if shape is not None:
+            sampler.closer = Closer(shape, model)
         return sampler
+
+    def begin(self, limit: int) -> None:
+        """The job starts (decode thread): it may emit at most `limit` tokens."""
+        self.limit = limit
+
+    def complete(self) -> bool:
+        """Whether the grammar would end the document here: it allows end-of-generation
+        (read at the token limit, so that a document completed by its last allowed
+        token ends as "stop"). Decode thread only."""
+        return self._grammar is not None and self._eog >= 0 and self._allows(
+            self._grammar, self._eog)
+
+    def _allows(self, grammar: Any, token: int) -> bool:
+        one: Any = self._one
+        one.id = token
+        one.logit = 0.0
+        array = self._one_array
+        array.size = 1
+        array.selected = -1
+        C.llama_sampler_apply(grammar, ctypes.byref(array))
+        return bool(one.logit != -math.inf)
 
     def sample(self, chain: Any, ctx: Any, idx: int) -> int | None:
         """The next token: the chain's choice when the grammar allows it, else a draw
         from the tokens the grammar allows among the likeliest. None when only a wider
         pass can find one: the logits are kept, and `sample_wide` finishes the draw
-        (off the decode thread). Decode thread only."""
+        (off the decode thread). Near the end of a JSON request's budget, see
+        `_near_end`. Decode thread only."""
+        self.tokens += 1
+        closer = self.closer
+        if closer is not None and self.limit - self.tokens < closer.window \
+                and not closer.lost:
+            return self._near_end(closer, chain, ctx, idx)
         token: int = C.llama_sampler_sample(chain, ctx, idx)
         one: Any = self._one
         grammar = self._grammar
@@ -241,11 +289,24 @@ class GrammarSampler:
         array.size = 1
         array.selected = -1
         C.llama_sampler_apply(grammar, ctypes.byref(array))
-        self.tokens += 1
         if one.logit != -math.inf and not self._is_hidden(token):
             C.llama_sampler_accept(grammar, token)
             self._history.append(token)
+            self._emitted.append(token)
             return token
+        return self._resample(chain, ctx, idx)
+
+    def _sample(self, chain: Any, ctx: Any, idx: int, accept: bool = True) -> int | None:
+        """`sample` without the budget check; the token accepted only if `accept`."""
+        token: int = C.llama_sampler_sample(chain, ctx, idx)
+        if self._allows(self._grammar, token) and not self._is_hidden(token):
+            if accept:
+                self._accept(token)
+            return token
+        return self._resample(chain, ctx, idx, accept)
+
+    def _resample(self, chain: Any, ctx: Any, idx: int, accept: bool = True) -> int | None:
+        grammar = self._grammar
         self.resampled += 1
         # The slow path: mask what the grammar rejects, then run the chain again.
         #
@@ -265,9 +326,65 @@ class GrammarSampler:
             C.llama_sampler_apply(top, ctypes.byref(array))
             C.llama_sampler_apply(grammar, ctypes.byref(array))
             if max(floats[1:3 * array.size:3]) != -math.inf:
-                return self._draw(chain, array, floats)
+                return self._draw(chain, array, floats, accept)
         self._kept_logits = logits
         return None
+
+    def _accept(self, token: int) -> None:
+        C.llama_sampler_accept(self._grammar, token)
+        self._history.append(token)
+        self._emitted.append(token)
+
+    def _near_end(self, closer: Closer, chain: Any, ctx: Any, idx: int) -> int | None:
+        """A draw when the tokens left are close to what completing the document needs.
+
+        Forced tokens first (a completion planned earlier). Otherwise the usual draw,
+        narrow tiers only and nothing accepted yet; its token is kept when the document
+        can still be completed in the tokens left after it. If not (or only a wide pass
+        could find a token), the shortest completion is planned and its first token
+        forced. The grammar checks every forced token; if it ever refused one, or no
+        completion fits, the request goes on as if it had no closer.
+        """
+        grammar = self._grammar
+        left = self.limit - self.tokens + 1  # this token included
+        if closer.forced:
+            token = closer.forced.popleft()
+            if self._allows(grammar, token):
+                return self._force(closer, chain, token)
+            closer.forced.clear()
+            closer.lost = True
+            return self._sample(chain, ctx, idx)
+        tracker = closer.catch_up(self._emitted)
+        if tracker is None:
+            return self._sample(chain, ctx, idx)
+        drawn = self._sample(chain, ctx, idx, accept=False)
+        if drawn is None:  # a wide pass draws it, and settles it (sample_wide)
+            self._settling = left
+            return None
+        return self._settle(closer, tracker, chain, drawn, left)
+
+    def _settle(self, closer: Closer, tracker: JsonTracker, chain: Any, drawn: int,
+                left: int) -> int:
+        """Keep a drawn token if the document can still be completed after it, else
+        force the first token of the shortest completion (when one fits)."""
+        if C.llama_vocab_is_eog(self._vocab, drawn) or closer.fits_after(tracker, drawn,
+                                                                          left - 1):
+            self._accept(drawn)
+            return drawn
+        grammar = self._grammar
+        if closer.plan(tracker, left, self._eog, lambda tokens: clone_accepts(
+                grammar, tokens, self._allows)):
+            return self._force(closer, chain, closer.forced.popleft())
+        self._accept(drawn)
+        return drawn
+
+    def _force(self, closer: Closer, chain: Any, token: int) -> int:
+        C.llama_sampler_accept(chain, token)
+        self._accept(token)
+        if closer.completion_len:
+            closer.completion_len -= 1
+            self.closed_early = closer.completion_len == 0
+        return token
 
     def sample_wide(self, chain: Any) -> int:
         """Finish a draw `sample` left: the wide tiers, then the whole vocabulary, over
@@ -283,17 +400,26 @@ class GrammarSampler:
             C.llama_sampler_apply(self._grammar, ctypes.byref(array))
             self.wide_ns += time.thread_time_ns() - started
             if max(floats[1:3 * array.size:3]) != -math.inf:
-                return self._draw(chain, array, floats)
+                return self._finish_wide(chain, array, floats)
         self._check_wide_budget()
         started = time.thread_time_ns()
         self.full_passes += 1
         array, floats = self._candidates(logits)
         C.llama_sampler_apply(self._grammar, ctypes.byref(array))
         self.wide_ns += time.thread_time_ns() - started
-        return self._draw(chain, array, floats)
+        return self._finish_wide(chain, array, floats)
 
-    def _draw(self, chain: Any, array: Any, floats: memoryview) -> int:
-        """Run the chain over the grammar-masked candidates; accept its choice."""
+    def _finish_wide(self, chain: Any, array: Any, floats: memoryview) -> int:
+        left, self._settling = self._settling, 0
+        closer = self.closer
+        if not left or closer is None or closer.tracker is None:
+            return self._draw(chain, array, floats)
+        drawn = self._draw(chain, array, floats, accept=False)
+        return self._settle(closer, closer.tracker, chain, drawn, left)
+
+    def _draw(self, chain: Any, array: Any, floats: memoryview, accept: bool = True) -> int:
+        """Run the chain over the grammar-masked candidates; accept its choice (into
+        the grammar only if `accept`)."""
         self._restore_penalties(chain)
         size, raw = array.size, self._raw
         assert raw is not None  # _candidates made it
@@ -317,8 +443,8 @@ class GrammarSampler:
             floats[3 * position + 1] = -math.inf  # type: ignore[call-overload]
             masked = bytes(raw[:12 * size])
         C.llama_sampler_accept(chain, token)
-        C.llama_sampler_accept(self._grammar, token)
-        self._history.append(token)
+        if accept:
+            self._accept(token)
         return token
 
     def _check_wide_budget(self) -> None:

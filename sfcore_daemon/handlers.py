@@ -46,7 +46,7 @@ from .protocol import (
 )
 from .sampling import Sampling
 from .scheduler import Generation, QueueFull, Scheduler
-from .schema import request_gbnf
+from .schema import request_gbnf, request_shape
 from .stats import Stats
 
 log = logging.getLogger(__name__)
@@ -243,7 +243,8 @@ class RequestHandlers:
             engine = await self._loaded_engine()
             prompt = await self._prompt(engine, request)
             grammar = (GrammarSampler.create(engine.loaded_model(), *grammar_spec, prompt,
-                                             self.config.server.grammar_budget_s)
+                                             self.config.server.grammar_budget_s,
+                                             shape=request_shape(request))
                        if grammar_spec is not None else None)
         except (ChatTemplateError, GrammarError) as exc:
             refuse(protocol.INVALID_REQUEST, str(exc))

@@ -157,6 +157,8 @@ class DoneReply(_Reply, tag="done", kw_only=True):
     text: str
     finish_reason: FinishReason
     stop_sequence: str | None
+    # A JSON document closed early to fit max_tokens (finish_reason "stop").
+    truncated: bool
     usage: Usage
     timings: Timings
 
@@ -272,6 +274,7 @@ class GrammarCounts(Struct, kw_only=True):
     requests: int
     tokens: int
     resampled: int
+    closed_early: int  # JSON documents closed early to fit max_tokens
 
 
 class SpeculativeCounts(Struct, kw_only=True):

@@ -215,10 +215,18 @@ class Generation:
             self._stats.grammar_requests += 1
             self._stats.grammar_tokens += job.grammar.tokens
             self._stats.grammar_resampled += job.grammar.resampled
+            self._stats.grammar_closed_early += self._truncated
         if job.drafted:
             self._stats.speculative_requests += 1
             self._stats.drafted_tokens += job.drafted
             self._stats.accepted_tokens += job.accepted
+
+    @property
+    def _truncated(self) -> bool:
+        """Closed early to fit max_tokens, and the reply is that whole document."""
+        grammar = self.job.grammar
+        return (grammar is not None and grammar.closed_early and self.job.end_reason == "stop"
+                and self._text.stop_hit is None)
 
     def _decode_ns(self) -> int:
         return self._last_token_ns - self.job.t_first if self.completion_tokens > 1 else 0
@@ -231,6 +239,7 @@ class Generation:
             text="" if self.stream else "".join(self._parts),
             finish_reason=reason,
             stop_sequence=self._text.stop_hit,
+            truncated=self._truncated,
             usage=Usage(
                 prompt_tokens=len(self.job.prompt),
                 cached_tokens=self.job.n_cached,

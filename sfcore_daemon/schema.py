@@ -13,6 +13,7 @@ import json
 from typing import TYPE_CHECKING, Any, Final
 
 from .grammar import GrammarError, check_gbnf
+from .jsonshape import Shape, free_object, integer_bounds, shape_of
 
 if TYPE_CHECKING:
     from .protocol import GenerationRequest
@@ -31,10 +32,19 @@ STRING_FORMATS: Final = frozenset({"date", "time", "date-time", "uuid"})
 _OBJECT_KEYWORDS: Final = frozenset({"properties", "required", "additionalProperties"})
 _ARRAY_KEYWORDS: Final = frozenset({"items", "minItems", "maxItems", "prefixItems"})
 _STRING_KEYWORDS: Final = frozenset({"minLength", "maxLength", "pattern", "format"})
+_INTEGER_KEYWORDS: Final = frozenset({"minimum", "maximum", "exclusiveMinimum",
+                                      "exclusiveMaximum"})
 SUPPORTED_KEYWORDS: Final = (ANNOTATIONS | _OBJECT_KEYWORDS | _ARRAY_KEYWORDS | _STRING_KEYWORDS
-                             | {"type", "enum", "const", "anyOf", "$ref"})
-# A repetition becomes one nested rule per allowed count; bounds keep the grammar small.
-MAX_REPEAT: Final = 256
+                             | _INTEGER_KEYWORDS | {"type", "enum", "const", "anyOf", "$ref"})
+# The grammar's integers have at most 16 digits; so must their bounds.
+MAX_INTEGER_BOUND: Final = 10**16 - 1
+# Bounds of minItems/maxItems and minLength/maxLength. Up to CONVERTER_REPEAT the
+# converter writes a repetition as nested groups, one per allowed count (llama.cpp's
+# parser recurses into each); past it the grammar says `{m,n}`, which llama.cpp expands
+# into a chain of small rules. MAX_REPEAT keeps that chain, which every grammar copy
+# (budget.py) duplicates, small.
+CONVERTER_REPEAT: Final = 256
+MAX_REPEAT: Final = 4096
 MAX_SCHEMA_DEPTH: Final = 32
 
 _JSON_TYPES: Final[dict[str, tuple[type, ...]]] = {
@@ -63,6 +73,20 @@ def request_gbnf(request: GenerationRequest) -> tuple[str, str] | None:
     if request.grammar is not None:
         check_gbnf(request.grammar)
         return request.grammar, "grammar"
+    return None
+
+
+def request_shape(request: GenerationRequest) -> Shape | None:
+    """The JSON document a request's grammar describes, for closing it early when its
+    budget runs out (budget.py); None for a GBNF grammar, or a schema the tracker
+    cannot follow."""
+    try:
+        if request.json_schema is not None:
+            return shape_of(request.json_schema)
+        if request.format is not None:
+            return free_object()
+    except Exception:  # a schema the converter took: the document is still constrained
+        return None
     return None
 
 
@@ -156,6 +180,10 @@ def _check(schema: Any, path: str, root: dict[str, Any], depth: int) -> None:
         if kind == "string" and asserting & {"minLength", "maxLength", "format"}:
             raise GrammarError(f"minLength, maxLength and format need \"type\": \"string\" "
                                f"- at `{path}`")
+    bounds = sorted(asserting & _INTEGER_KEYWORDS)
+    if bounds and kind != "integer":
+        raise GrammarError(f"{bounds[0]} is supported only with \"type\": \"integer\" "
+                           f"(number bounds are not enforced) - at `{path}`")
     misplaced = sorted(asserting - {"type"} - _keywords_of(kind))
     if misplaced:
         raise GrammarError(f"keyword {misplaced[0]!r} does not apply to type {kind!r} "
@@ -166,11 +194,27 @@ def _check(schema: Any, path: str, root: dict[str, Any], depth: int) -> None:
         _check_array(schema, path, root, depth)
     elif kind == "string":
         _check_string(schema, path)
+    elif kind == "integer":
+        _check_integer(schema, path)
 
 
 def _keywords_of(kind: str | None) -> frozenset[str]:
     return {"object": _OBJECT_KEYWORDS, "array": _ARRAY_KEYWORDS,
-            "string": _STRING_KEYWORDS}.get(kind or "", frozenset())
+            "string": _STRING_KEYWORDS, "integer": _INTEGER_KEYWORDS}.get(kind or "",
+                                                                         frozenset())
+
+
+def _check_integer(schema: dict[str, Any], path: str) -> None:
+    for key in sorted(set(schema) & _INTEGER_KEYWORDS):
+        value = schema[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) \
+                or not -MAX_INTEGER_BOUND <= value <= MAX_INTEGER_BOUND:
+            raise GrammarError(f"{key} must be a number from {-MAX_INTEGER_BOUND} to "
+                               f"{MAX_INTEGER_BOUND} - at `{path}.{key}`")
+    low, high = integer_bounds(schema)
+    if low is not None and high is not None and low > high:
+        raise GrammarError(f"no integer is within the bounds (minimum above maximum) "
+                           f"- at `{path}`")
 
 
 def _check_ref(ref: Any, path: str, root: dict[str, Any]) -> None:
@@ -389,6 +433,34 @@ def _converter_class() -> Any:
             # Non-ASCII text as itself rather than as \\u escapes: the form a model writes.
             return self._format_literal(json.dumps(value, ensure_ascii=False))
 
+        def visit(self, schema: dict[str, Any], name: str) -> Any:
+            if schema.get("type") == "integer" and set(schema) & _INTEGER_KEYWORDS:
+                rule_name = name + "-" if name in module.RESERVED_NAMES else name or "root"
+                low, high = integer_bounds(schema)
+                return self._add_rule(rule_name, integer_range_gbnf(low, high) + " space")
+
+            if _beyond_converter(schema):
+                return self._long_repetition(schema, name)
+            return super().visit(schema, name)
+
+        def _long_repetition(self, schema: dict[str, Any], name: str) -> Any:
+            rule_name = name + "-" if name in module.RESERVED_NAMES else name or "root"
+            if schema.get("type") == "string":
+                char = self._add_primitive("char", module.PRIMITIVE_RULES["char"])
+                count = _counted(schema.get("minLength", 0), schema.get("maxLength"))
+                return self._add_rule(rule_name, f'"\\"" ({char}){count} "\\"" space')
+            item = self.visit(schema["items"], f"{name}{'-' if name else ''}item")
+            low, high = schema.get("minItems", 0), schema.get("maxItems")
+            body = item
+            if high is None or high > 1:
+                more = _counted(max(low - 1, 0), None if high is None else high - 1)
+                body += f' ("," space {item}){more}'
+            if low == 0:
+                body = f"({body})?"
+            if high == 0:
+                body = ""
+            return self._add_rule(rule_name, f'"[" space {body} "]" space')
+
         def _add_primitive(self, name: str, rule: Any) -> Any:
             if name == "char":
                 rule = module.BuiltinRule(_CHAR_RULE, [])
@@ -396,3 +468,65 @@ def _converter_class() -> Any:
 
     _class_cache.append(Converter)
     return Converter
+
+
+def _beyond_converter(schema: dict[str, Any]) -> bool:
+    """A string or array bound the converter's nested groups should not be used for."""
+    keys = (("minLength", "maxLength") if schema.get("type") == "string"
+            else ("minItems", "maxItems") if "items" in schema else ())
+    return any(isinstance(schema.get(key), int) and schema[key] > CONVERTER_REPEAT
+               for key in keys)
+
+
+def _counted(low: int, high: int | None) -> str:
+    """GBNF's repetition count: {m,} {m} {m,n}."""
+    if high is None:
+        return f"{{{low},}}"
+    return f"{{{low}}}" if low == high else f"{{{low},{high}}}"
+
+
+# --- integer bounds ---------------------------------------------------------------------
+
+
+def integer_range_gbnf(low: int | None, high: int | None) -> str:
+    """GBNF for the integers from `low` to `high` as JSON writes them (no leading
+    zeros, no "-0"); an absent bound stops at the grammar's 16 digits."""
+    lo = -MAX_INTEGER_BOUND if low is None else low
+    hi = MAX_INTEGER_BOUND if high is None else high
+    alternatives = []
+    if lo < 0:
+        alternatives.append(f'"-" ({_digits_range(max(1, -hi), -lo)})')
+    if hi >= 0:
+        alternatives.append(_digits_range(max(lo, 0), hi))
+    return "(" + " | ".join(alternatives) + ")"
+
+
+def _digits_range(low: int, high: int) -> str:
+    """low..high (0 <= low <= high), one alternative per count of digits."""
+    parts = []
+    for digits in range(len(str(low)), len(str(high)) + 1):
+        first = max(low, 10 ** (digits - 1) if digits > 1 else 0)
+        last = min(high, 10**digits - 1)
+        if first <= last:
+            parts.append(_same_length(str(first), str(last)))
+    return " | ".join(parts)
+
+
+def _same_length(low: str, high: str) -> str:
+    """The numerals from `low` to `high`, both with the same number of digits."""
+    if low == high:
+        return f'"{low}"'
+    if low[0] == high[0]:
+        return f'"{low[0]}" {_same_length(low[1:], high[1:])}'
+    rest = len(low) - 1
+    zeros, nines = "0" * rest, "9" * rest
+    whole_from = low[0] if low[1:] == zeros else chr(ord(low[0]) + 1)
+    whole_to = high[0] if high[1:] == nines else chr(ord(high[0]) - 1)
+    alternatives = []
+    if low[1:] != zeros:
+        alternatives.append(f'"{low[0]}" {_same_length(low[1:], nines)}')
+    if whole_from <= whole_to:
+        alternatives.append(f"[{whole_from}-{whole_to}]" + (f" [0-9]{{{rest}}}" if rest else ""))
+    if high[1:] != nines:
+        alternatives.append(f'"{high[0]}" {_same_length(zeros, high[1:])}')
+    return "(" + " | ".join(alternatives) + ")"

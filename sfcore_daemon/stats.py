@@ -44,6 +44,7 @@ class Stats:
         self.grammar_requests = 0
         self.grammar_tokens = 0
         self.grammar_resampled = 0
+        self.grammar_closed_early = 0
         # Speculative decoding: generations that drafted, tokens drafted and accepted.
         self.speculative_requests = 0
         self.drafted_tokens = 0
@@ -75,7 +76,8 @@ class Stats:
             decode_tok_s=round(rate, 2),
             slots=slots,
             grammar=GrammarCounts(requests=self.grammar_requests, tokens=self.grammar_tokens,
-                                  resampled=self.grammar_resampled),
+                                  resampled=self.grammar_resampled,
+                                  closed_early=self.grammar_closed_early),
             speculative=SpeculativeCounts(requests=self.speculative_requests,
                                           drafted=self.drafted_tokens,
                                           accepted=self.accepted_tokens),

@@ -163,6 +163,8 @@ class StepLoop:
             seq.generating = False
             seq.limit = min(job.max_tokens, self.n_ctx - len(job.prompt))
             seq.sampler = make_chain(self._vocab, job.sampling, job.prompt)
+            if job.grammar is not None:  # it counts its tokens against the same limit
+                job.grammar.begin(seq.limit)
             seq.drafter = (NgramDrafter(self._drafts, job.prompt, self._learned)
                            if job.speculative and self._drafts is not None else None)
             seq.draft = []
@@ -390,7 +392,9 @@ class StepLoop:
         if seq.drafter is not None:
             seq.drafter.append(token)
         if seq.n_out >= seq.limit:
-            self._end(seq, "length")
+            # A document its grammar would end here is whole: "stop", not "length".
+            grammar = job.grammar
+            self._end(seq, "stop" if grammar is not None and grammar.complete() else "length")
             return
         seq.last_token = token
         seq.generating = True

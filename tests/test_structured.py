@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from sfcore_daemon.grammar import GrammarError, check_gbnf
+from sfcore_daemon.jsonshape import free_object, shape_of
 from sfcore_daemon.schema import check_schema, schema_to_gbnf
 from tests.fault_support import health, poll_until
 from tests.harness import REPO, Client, done_of, running_daemon, tokens_text
@@ -87,6 +88,31 @@ TEXT = {
     "$defs": {"lang": {"enum": ["fr", "ja", "de"]}},
 }
 
+# An unbounded array of objects (replies used to repeat an item until max_tokens ran out).
+LEGS = {
+    "type": "object",
+    "properties": {
+        "legs": {"type": "array", "items": {
+            "type": "object",
+            "properties": {"km": {"type": "integer"}, "ok": {"type": "boolean"},
+                           "note": {"type": "string"}},
+            "required": ["km", "ok"]}},
+    },
+    "required": ["legs"],
+}
+
+# Integer bounds at their edges, inclusive and exclusive, both signs.
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "level": {"type": "integer", "minimum": 3, "maximum": 7},
+        "delta": {"type": "integer", "exclusiveMinimum": -5, "exclusiveMaximum": 5},
+        "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+        "debt": {"type": "integer", "maximum": -10},
+    },
+    "required": ["level", "delta", "year", "debt"],
+}
+
 SCHEMAS = {"person": PERSON, "order": ORDER, "tags": TAGS, "text": TEXT}
 EXAMPLES = {
     "person": ['{"name": "Ada Lovelace", "age": 36, "height_m": 1.65, "alive": false}',
@@ -116,8 +142,11 @@ async def pipelined(client: Client, requests: list[dict[str, Any]],
 
 
 @pytest.mark.parametrize(("schema", "fragment"), [
-    ({"type": "integer", "minimum": 0}, "unsupported JSON Schema keyword 'minimum' - at "
-                                        "`$.json_schema`"),
+    ({"type": "number", "minimum": 0}, "minimum is supported only with \"type\": \"integer\""),
+    ({"minimum": 0}, "minimum is supported only with"),
+    ({"type": "integer", "minimum": 5, "exclusiveMaximum": 5}, "no integer is within the bounds"),
+    ({"type": "integer", "maximum": 1e20}, "maximum must be a number from"),
+    ({"type": "integer", "multipleOf": 2}, "unsupported JSON Schema keyword 'multipleOf'"),
     ({"type": "object", "properties": {"a": {"type": "string", "format": "email"}}},
      "unsupported string format 'email'"),
     ({"properties": {"a": {"oneOf": [{"type": "string"}]}}},
@@ -127,7 +156,8 @@ async def pipelined(client: Client, requests: list[dict[str, Any]],
     ({"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 2},
      "minItems is above maxItems"),
     ({"type": "array", "maxItems": 2}, "minItems and maxItems need items"),
-    ({"type": "array", "items": {}, "maxItems": 100000}, "maxItems must be an integer"),
+    ({"type": "array", "items": {}, "maxItems": 100000},
+     "maxItems must be an integer from 0 to 4096"),
     ({"$ref": "#/$defs/missing"}, "does not resolve"),
     ({"$ref": "https://example.org/schema.json"}, "only local references"),
     ({"type": "string", "enum": ["a", 1]}, "value 1 is not of type 'string'"),
@@ -244,8 +274,10 @@ async def test_gbnf_grammars_and_format_json() -> None:
 async def test_bad_schemas_and_grammars_are_invalid_request_and_the_daemon_keeps_serving() \
         -> None:
     cases = [
-        ({"json_schema": {"type": "integer", "maximum": 3}},
-         "unsupported JSON Schema keyword 'maximum' - at `$.json_schema`"),
+        ({"json_schema": {"type": "integer", "minimum": 4, "maximum": 3}},
+         "no integer is within the bounds (minimum above maximum) - at `$.json_schema`"),
+        ({"json_schema": {"type": "number", "maximum": 3}},
+         "maximum is supported only with \"type\": \"integer\""),
         ({"json_schema": {"type": "object", "properties": {"a": {"type": "string",
                                                                   "format": "uri"}}}},
          "at `$.json_schema.properties.a.format`"),
@@ -342,3 +374,160 @@ async def test_cancelled_queued_and_abandoned_grammar_requests_leave_the_daemon_
             jsonschema.validate(json.loads(done["text"]), PERSON)
             stats = await client.final({"op": "stats"})
             assert stats["errors"]["internal"] == 0
+
+
+# --- budget-aware completion ----------------------------------------------------------------
+
+# What each tight-budget case asks for, and a prompt that shows the format.
+ENUMS = {
+    "type": "object",
+    "properties": {
+        "mood": {"enum": ["calm", "somewhat anxious", "exuberant beyond words"]},
+        "colour": {"enum": ["red", "green", "blue", "ultraviolet"]},
+        "level": {"type": "integer", "minimum": 1, "maximum": 5},
+    },
+    "required": ["mood", "colour", "level"],
+}
+STORY = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "minLength": 10},
+        "story": {"type": "string"},
+        "words": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["title", "story", "words"],
+}
+BUDGET_CASES: dict[str, tuple[dict[str, Any] | None, str]] = {
+    "order": (ORDER, few_shot("order")),
+    "legs": (LEGS, 'Trip legs as JSON.\nExample: {"legs": [{"km": 12, "ok": true}, '
+                   '{"km": 7, "ok": false, "note": "rain"}]}\nExample: '),
+    "enums": (ENUMS, 'Moods as JSON.\nExample: {"mood": "calm", "colour": "blue", '
+                     '"level": 2}\nExample: '),
+    "story": (STORY, "A long story as JSON with a title, the story and its rare words.\n"
+                     '{"title": "'),
+    "json": (None, few_shot("person")),
+}
+
+
+def _constrained(schema: dict[str, Any] | None) -> dict[str, Any]:
+    return {"json_schema": schema} if schema is not None else {"format": "json"}
+
+
+def _check_document(text: str, schema: dict[str, Any] | None) -> None:
+    document = json.loads(text)
+    if schema is not None:
+        jsonschema.validate(document, schema)
+    else:
+        assert isinstance(document, dict)
+
+
+async def _shortest_tokens(client: Client, schema: dict[str, Any] | None) -> int:
+    """Tokens of the shortest valid document, as the daemon's tokenizer counts them."""
+    shape = shape_of(schema) if schema is not None else free_object()
+    reply = await client.final({"op": "tokenize", "text": shape.shortest.decode(),
+                                "add_special": False})
+    return len(reply["tokens"])
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(900)
+async def test_tight_budgets_end_in_valid_documents_closed_early() -> None:
+    """max_tokens a little above, and up to 3x, the shortest document: every reply is a
+    valid document ending "stop"; those closed early say so. Below the shortest
+    document the reply is cut as before ("length", not truncated)."""
+    failures = []
+    truncated = 0
+    async with running_daemon() as daemon, daemon.client() as client:
+        for name, (schema, prompt) in BUDGET_CASES.items():
+            shortest = await _shortest_tokens(client, schema)
+            budgets = sorted({shortest + 2, shortest * 3 // 2, shortest * 2, shortest * 3})
+            requests = [{"id": f"{name}-{budget}-{seed}", "prompt": prompt, "temperature": 1.0,
+                         "seed": seed, "max_tokens": budget, "stream": False,
+                         **_constrained(schema)}
+                        for budget in budgets for seed in range(3)]
+            requests.append({"id": f"{name}-below", "prompt": prompt, "temperature": 1.0,
+                             "seed": 1, "max_tokens": max(1, shortest - 2), "stream": False,
+                             **_constrained(schema)})
+            for request, done in zip(requests, await pipelined(client, requests), strict=True):
+                if request["id"].endswith("below"):
+                    if schema is not None and (done["finish_reason"] != "length"
+                                               or done["truncated"]):
+                        failures.append((done["id"], done))
+                    continue
+                truncated += done["truncated"]
+                try:
+                    assert done["finish_reason"] == "stop", done["finish_reason"]
+                    assert done["usage"]["completion_tokens"] <= request["max_tokens"]
+                    _check_document(done["text"], schema)
+                except (AssertionError, ValueError, jsonschema.ValidationError) as exc:
+                    failures.append((done["id"], str(exc)[:200], done.get("text")))
+        stats = await client.final({"op": "stats"})
+    assert not failures, failures
+    assert truncated > 0
+    assert stats["grammar"]["closed_early"] == truncated
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(600)
+async def test_integer_bounds_hold_at_their_edges() -> None:
+    prompt = ('Numbers as JSON.\nExample: {"level": 9, "delta": 5, "year": 1899, '
+              '"debt": -9}\nExample: {"level": 2, "delta": -5, "year": 2101, '
+              '"debt": 0}\nExample: ')
+    async with running_daemon() as daemon, daemon.client() as client:
+        requests = [{"id": seed, "prompt": prompt, "json_schema": BOUNDED, "temperature": 1.0,
+                     "seed": seed, "max_tokens": 60, "stream": False} for seed in range(24)]
+        values: dict[str, set[int]] = {key: set() for key in BOUNDED["properties"]}
+        for done in await pipelined(client, requests):
+            assert done["finish_reason"] == "stop", done
+            document = json.loads(done["text"])
+            jsonschema.validate(document, BOUNDED)
+            for key, value in document.items():
+                values[key].add(value)
+    # The prompt pulls toward values just outside; the grammar keeps them inside.
+    assert values["level"] <= set(range(3, 8)) and values["delta"] <= set(range(-4, 5))
+    assert all(1900 <= year <= 2100 for year in values["year"])
+    assert all(debt <= -10 for debt in values["debt"])
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(600)
+async def test_closing_early_is_deterministic_and_a_document_whole_at_the_limit_stops() -> None:
+    async with running_daemon() as daemon, daemon.client() as client:
+        shortest = await _shortest_tokens(client, LEGS)
+        request = {"prompt": BUDGET_CASES["legs"][1], "json_schema": LEGS, "temperature": 1.0,
+                   "seed": 3, "max_tokens": shortest * 2, "cache_prompt": False,
+                   "stream": False}
+        first = done_of(await client.request(request, TIMEOUT_S))
+        second = done_of(await client.request(request, TIMEOUT_S))
+        assert (first["text"], first["finish_reason"], first["truncated"]) == (
+            second["text"], second["finish_reason"], second["truncated"])
+        _check_document(first["text"], LEGS)
+        # The same document with exactly its own length as the budget: "stop", not
+        # "length", though no end-of-generation token was drawn.
+        used = first["usage"]["completion_tokens"]
+        exact = done_of(await client.request({**request, "max_tokens": used}, TIMEOUT_S))
+        assert exact["text"] == first["text"] and exact["finish_reason"] == "stop", exact
+        # A GBNF grammar is not closed early: cut by max_tokens it says "length".
+        cut = done_of(await client.request(
+            {"prompt": "List:", "grammar": 'root ::= ("- " [a-z]{1,8} "\\n"){3}',
+             "temperature": 1.0, "seed": 1, "max_tokens": 4, "stream": False}, TIMEOUT_S))
+        assert cut["finish_reason"] == "length" and not cut["truncated"], cut
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(600)
+async def test_item_and_length_bounds_beyond_256() -> None:
+    digits = {"type": "object", "properties": {
+        "nums": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                 "minItems": 260, "maxItems": 1000}},
+        "required": ["nums"]}
+    essay = {"type": "object", "properties": {
+        "essay": {"type": "string", "minLength": 300, "maxLength": 2000}},
+        "required": ["essay"]}
+    async with running_daemon() as daemon, daemon.client() as client:
+        for schema, budget in ((digits, 700), (essay, 400)):
+            done = done_of(await client.request(
+                {"prompt": "Digits as JSON:", "json_schema": schema, "temperature": 1.0,
+                 "seed": 1, "max_tokens": budget, "stream": False}, TIMEOUT_S))
+            assert done["finish_reason"] == "stop", done
+            jsonschema.validate(json.loads(done["text"]), schema)

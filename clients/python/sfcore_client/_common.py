@@ -89,6 +89,8 @@ class Result:
     stop_sequence: str | None
     usage: Usage
     timings: Timings
+    # A JSON document the daemon closed early to fit max_tokens (finish_reason "stop").
+    truncated: bool = False
 
 
 def resolve_socket_path(path: str | os.PathLike[str] | None) -> str:
@@ -151,6 +153,7 @@ def result_of(done: Mapping[str, Any], text: str) -> Result:
         id=done["id"], text=text, finish_reason=done["finish_reason"],
         stop_sequence=done.get("stop_sequence"), usage=_known(Usage, done["usage"]),
         timings=_known(Timings, done["timings"]),
+        truncated=bool(done.get("truncated", False)),
     )
 
 

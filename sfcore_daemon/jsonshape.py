@@ -1,0 +1,412 @@
+"""What a JSON Schema grammar lets a document be, in the form the budget tracker needs.
+
+`shape_of(schema)` turns a schema that `schema.check_schema` accepted into `Shape`s that
+mirror the GBNF llama-cpp-python's converter writes for it (schema.py): the same order
+of object properties (required ones first, in schema order, then the optional ones in
+order), the same literals for keys, `enum` and `const`, the same number and string
+rules. `Shape.shortest` is the shortest text of a fresh value of that shape, which
+jsonclose.py uses to close a document in as few bytes as the grammar allows.
+
+Pure Python, no llama.cpp: built on the event loop, read on the decode thread.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from typing import Any, Final
+
+# The standard library's own regular expression parser, for the NFA of a `pattern`
+# (sre_parse, its old name, warns when imported).
+sre: Any = importlib.import_module("re._parser")
+
+# More NFA states than this (a pattern with big repetition counts) and the pattern is
+# not tracked: a document that is inside such a string when the budget runs out is
+# left to finish as before ("length").
+MAX_NFA_STATES: Final = 20000
+# Shortest texts are not computed through recursion deeper than this ($ref cycles).
+_INFINITE: Final = b"\xff" * 100000
+
+# The converter's string formats, as regular expressions over the characters.
+_DATE: Final = r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[1-2][0-9]|3[0-1])"
+_TIME: Final = (r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]([.][0-9]{3})?"
+                r"(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])")
+FORMAT_PATTERNS: Final = {
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": _DATE + "T" + _TIME,
+    "uuid": "-".join(f"[0-9a-fA-F]{{{n}}}" for n in (8, 4, 4, 4, 12)),
+}
+
+
+class Shape:
+    """One schema's value. `kind` is one of: any, object, array, string, pattern,
+    literal, number, integer, alt."""
+
+    __slots__ = ("kind", "props", "required", "optional", "extra", "items", "prefix",
+                 "min", "max", "low", "high", "literals", "alts", "nfa", "_shortest")
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.props: dict[bytes, Shape] = {}  # object: key literal (quoted) -> value
+        self.required: list[bytes] = []
+        self.optional: list[bytes] = []
+        self.extra: Shape | None = None  # object without properties: any key, this value
+        self.items: Shape | None = None
+        self.prefix: list[Shape] | None = None
+        self.min = 0  # array items, string characters; integer bounds below
+        self.max: int | None = None
+        self.low: int | None = None  # an integer's inclusive bounds
+        self.high: int | None = None
+        self.literals: list[bytes] = []
+        self.alts: list[Shape] = []
+        self.nfa: Nfa | None = None
+        self._shortest: bytes | None = None
+
+    @property
+    def shortest(self) -> bytes:
+        """The shortest text of a fresh value (memoised; a $ref cycle with no way out
+        is "infinitely" long)."""
+        cached = self._shortest
+        if cached is None:
+            self._shortest = _INFINITE  # while in progress: a cycle is no way out
+            cached = self._shortest = self._compute_shortest()
+        return cached
+
+    def _compute_shortest(self) -> bytes:
+        kind = self.kind
+        if kind == "any":
+            return b"0"
+        if kind == "object":
+            return b"{" + kvs(self, self.required) + b"}"
+        if kind == "array":
+            if self.prefix is not None:
+                return b"[" + b",".join(item.shortest for item in self.prefix) + b"]"
+            assert self.items is not None
+            return b"[" + b",".join([self.items.shortest] * self.min) + b"]"
+        if kind == "string":
+            return b'"' + b"a" * self.min + b'"'
+        if kind == "pattern":
+            assert self.nfa is not None
+            tail = self.nfa.shortest(self.nfa.start)
+            return _INFINITE if tail is None else b'"' + tail + b'"'
+        if kind == "literal":
+            return min(self.literals, key=len)
+        if kind == "integer":
+            return shortest_integer(b"", self.low, self.high) or _INFINITE
+        if kind == "number":
+            return b"0"
+        return min((alt.shortest for alt in self.alts), key=len)
+
+
+def kvs(shape: Shape, keys: list[bytes]) -> bytes:
+    """`"key":value` for each key, shortest values, comma-separated."""
+    return b",".join(key + b":" + shape.props[key].shortest for key in keys)
+
+
+def integer_shape(low: int | None, high: int | None) -> Shape:
+    shape = Shape("integer")
+    shape.low, shape.high = low, high
+    return shape
+
+
+def shortest_integer(prefix: bytes, low: int | None, high: int | None) -> bytes | None:
+    """The fewest digits that make `prefix` + them an integer in [low, high] (None when
+    none do): what the grammar of a bounded integer lets the document end with."""
+    if not prefix:
+        if (low is None or low <= 0) and (high is None or high >= 0):
+            return b"0"
+        return str(low if low is not None and low > 0 else high).encode()
+    text = prefix.decode("ascii", errors="replace")
+    negative = text.startswith("-")
+    digits = text[1:] if negative else text
+    if (digits.startswith("0") and len(digits) > 1) or (digits and not digits.isdigit()):
+        return None
+    if low is None and high is None:  # the plain rule: "-"? ([0-9] | [1-9] [0-9]{0,15})
+        return b"" if digits else b"0"
+    for extra in range(17 - len(digits)):
+        if not digits and extra == 0:
+            continue
+        if digits == "0" and extra:
+            break  # no digit may follow a leading zero
+        if not digits and extra > 1:
+            first, last = int("1" + "0" * (extra - 1)), int("9" * extra)
+        elif not digits:
+            first, last = (1 if negative else 0), 9
+        else:
+            first, last = int(digits + "0" * extra), int(digits + "9" * extra)
+        values = (-last, -first) if negative else (first, last)
+        lowest = max(values[0], low) if low is not None else values[0]
+        highest = min(values[1], high) if high is not None else values[1]
+        if lowest <= highest:
+            if negative and lowest == 0 and highest >= 0:
+                continue  # "-0" is not an integer the grammar writes
+            value = highest if negative else lowest
+            return str(value).encode()[len(prefix):]
+    return None
+
+
+# --- schemas to shapes ------------------------------------------------------------------
+
+
+def any_shape() -> Shape:
+    return Shape("any")
+
+
+def free_object(value: Shape | None = None) -> Shape:
+    shape = Shape("object")
+    shape.extra = value if value is not None else any_shape()
+    return shape
+
+
+def shape_of(schema: dict[str, Any]) -> Shape:
+    """The shape of a checked schema, references resolved lazily (they may recurse)."""
+    return _Builder(schema).visit(schema)
+
+
+class _Builder:
+    def __init__(self, root: dict[str, Any]) -> None:
+        self._root = root
+        self._refs: dict[str, Shape] = {}
+
+    def visit(self, schema: dict[str, Any]) -> Shape:
+        if "$ref" in schema:
+            return self._ref(schema["$ref"])
+        if "anyOf" in schema:
+            return self._alt([self.visit(sub) for sub in schema["anyOf"]])
+        kind = schema.get("type")
+        if isinstance(kind, list):
+            return self._alt([self.visit({"type": one}) for one in kind])
+        if "const" in schema:
+            return _literal([schema["const"]])
+        if "enum" in schema:
+            return _literal(schema["enum"])
+        if kind in (None, "object") and ("properties" in schema or (
+                "additionalProperties" in schema and schema["additionalProperties"] is not True)):
+            return self._object(schema)
+        if kind in (None, "array") and ("items" in schema or "prefixItems" in schema):
+            return self._array(schema)
+        if kind in (None, "string") and "pattern" in schema:
+            return _pattern(schema["pattern"][1:-1])
+        if kind in (None, "string") and schema.get("format") in FORMAT_PATTERNS:
+            return _pattern(FORMAT_PATTERNS[schema["format"]])
+        if kind == "string":
+            shape = Shape("string")
+            shape.min, shape.max = schema.get("minLength", 0), schema.get("maxLength")
+            return shape
+        if kind == "object" or not schema:
+            return free_object()
+        if kind == "array":
+            shape = Shape("array")
+            shape.items = any_shape()
+            return shape
+        if kind == "integer":
+            low, high = integer_bounds(schema)
+            return integer_shape(low, high)
+        if kind == "number":
+            return Shape("number")
+        if kind == "boolean":
+            return _literal([True, False])
+        return _literal([None])
+
+    def _ref(self, ref: str) -> Shape:
+        shape = self._refs.get(ref)
+        if shape is None:
+            # A placeholder first: a recursive reference finds it and shares the result.
+            shape = self._refs[ref] = Shape("alt")
+            target: Any = self._root
+            for part in ref[2:].split("/"):
+                target = target[part]
+            shape.alts = [self.visit(target)]
+        return shape
+
+    @staticmethod
+    def _alt(alts: list[Shape]) -> Shape:
+        shape = Shape("alt")
+        shape.alts = alts
+        return shape
+
+    def _object(self, schema: dict[str, Any]) -> Shape:
+        properties: dict[str, Any] = schema.get("properties", {})
+        if not properties and isinstance(schema.get("additionalProperties"), dict):
+            return free_object(self.visit(schema["additionalProperties"]))
+        shape = Shape("object")
+        required = set(schema.get("required", []))
+        for name, sub in properties.items():
+            key = json.dumps(name).encode()  # the converter's key literal: ASCII, escaped
+            shape.props[key] = self.visit(sub)
+            (shape.required if name in required else shape.optional).append(key)
+        return shape
+
+    def _array(self, schema: dict[str, Any]) -> Shape:
+        shape = Shape("array")
+        if "prefixItems" in schema:
+            shape.prefix = [self.visit(sub) for sub in schema["prefixItems"]]
+            return shape
+        shape.items = self.visit(schema["items"])
+        shape.min, shape.max = schema.get("minItems", 0), schema.get("maxItems")
+        return shape
+
+
+def integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
+    """The inclusive bounds of an integer schema's minimum/maximum keywords."""
+    low: int | None = None
+    high: int | None = None
+    if "minimum" in schema:
+        low = _ceil(schema["minimum"])
+    if "exclusiveMinimum" in schema:
+        bound = _floor(schema["exclusiveMinimum"]) + 1
+        low = bound if low is None else max(low, bound)
+    if "maximum" in schema:
+        high = _floor(schema["maximum"])
+    if "exclusiveMaximum" in schema:
+        bound = _ceil(schema["exclusiveMaximum"]) - 1
+        high = bound if high is None else min(high, bound)
+    return low, high
+
+
+def _floor(value: float) -> int:
+    return int(value) if value >= 0 or float(value).is_integer() else int(value) - 1
+
+
+def _ceil(value: float) -> int:
+    return -_floor(-value)
+
+
+def _literal(values: list[Any]) -> Shape:
+    shape = Shape("literal")
+    # As the converter writes constants (schema.Converter._generate_constant_rule).
+    shape.literals = [json.dumps(value, ensure_ascii=False).encode() for value in values]
+    return shape
+
+
+def _pattern(regex: str) -> Shape:
+    shape = Shape("pattern")
+    try:
+        shape.nfa = Nfa.compile(regex)
+    except (ValueError, re_error):
+        shape.nfa = None
+        shape.kind = "untracked"
+    return shape
+
+
+re_error = sre.error if hasattr(sre, "error") else ValueError
+
+
+# --- patterns ---------------------------------------------------------------------------
+
+
+class Nfa:
+    """A Thompson NFA over characters for the pattern subset schema.py accepts."""
+
+    __slots__ = ("edges", "eps", "start", "accept")
+
+    def __init__(self) -> None:
+        self.edges: list[list[tuple[int, int, int]]] = []  # (low, high, target)
+        self.eps: list[list[int]] = []
+        self.start: frozenset[int] = frozenset()
+        self.accept = 0
+
+    @classmethod
+    def compile(cls, regex: str) -> Nfa:
+        nfa = cls()
+        begin, end = nfa._state(), nfa._state()
+        nfa._build(list(sre.parse(regex)), begin, end)
+        nfa.accept = end
+        nfa.start = nfa.closure({begin})
+        return nfa
+
+    def _state(self) -> int:
+        if len(self.edges) >= MAX_NFA_STATES:
+            raise ValueError("pattern too large to track")
+        self.edges.append([])
+        self.eps.append([])
+        return len(self.edges) - 1
+
+    def _build(self, items: list[Any], begin: int, end: int) -> None:
+        current = begin
+        for op, arg in items:
+            nxt = self._state()
+            self._item(op, arg, current, nxt)
+            current = nxt
+        self.eps[current].append(end)
+
+    def _item(self, op: Any, arg: Any, begin: int, end: int) -> None:
+        name = str(op)
+        if name == "LITERAL":
+            self.edges[begin].append((arg, arg, end))
+        elif name == "IN":
+            for kind, value in arg:
+                if str(kind) == "LITERAL":
+                    self.edges[begin].append((value, value, end))
+                elif str(kind) == "RANGE":
+                    self.edges[begin].append((value[0], value[1], end))
+                else:
+                    raise ValueError(f"unsupported class member {kind}")
+        elif name == "SUBPATTERN":
+            self._build(list(arg[-1]), begin, end)
+        elif name == "BRANCH":
+            for branch in arg[1]:
+                self._build(list(branch), begin, end)
+        elif name in ("MAX_REPEAT", "MIN_REPEAT"):
+            low, high, sub = arg
+            current = begin
+            for _ in range(low):
+                nxt = self._state()
+                self._build(list(sub), current, nxt)
+                current = nxt
+            if high == sre.MAXREPEAT:
+                loop = self._state()
+                self.eps[current].append(loop)
+                self._build(list(sub), loop, loop)
+                self.eps[loop].append(end)
+                return
+            for _ in range(high - low):
+                nxt = self._state()
+                self.eps[current].append(end)
+                self._build(list(sub), current, nxt)
+                current = nxt
+            self.eps[current].append(end)
+        else:
+            raise ValueError(f"unsupported pattern element {name}")
+
+    def closure(self, states: set[int] | frozenset[int]) -> frozenset[int]:
+        seen = set(states)
+        todo = list(states)
+        while todo:
+            for nxt in self.eps[todo.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return frozenset(seen)
+
+    def step(self, states: frozenset[int], char: int) -> frozenset[int]:
+        targets = {target for state in states for low, high, target in self.edges[state]
+                   if low <= char <= high}
+        return self.closure(targets) if targets else frozenset()
+
+    def shortest(self, states: frozenset[int]) -> bytes | None:
+        """The shortest text that takes `states` to the accepting state (breadth first,
+        each edge written as its lowest character)."""
+        if self.accept in states:
+            return b""
+        came: dict[int, tuple[int, int]] = {state: (-1, 0) for state in states}
+        frontier = list(states)
+        while frontier:
+            following = []
+            for state in frontier:
+                for low, _high, target in self.edges[state]:
+                    for reached in self.closure({target}):
+                        if reached in came:
+                            continue
+                        came[reached] = (state, low)
+                        if reached == self.accept:
+                            chars = []
+                            node = reached
+                            while came[node][0] != -1:
+                                node, char = came[node]
+                                chars.append(chr(char))
+                            return "".join(reversed(chars)).encode()
+                        following.append(reached)
+            frontier = following
+        return None
