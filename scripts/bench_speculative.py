@@ -211,7 +211,10 @@ def run(params: dict[str, Any], daemon_path: str, runs: int,
                     if workload == "edit":
                         figures[name]["first token ms"] = reply["first_token_ms"]
             for name in order:
-                figures[name]["edit x4"] = aggregate(sides[name], edit_prompts, tokens)
+                try:
+                    figures[name]["edit x4"] = aggregate(sides[name], edit_prompts, tokens)
+                except RuntimeError as error:
+                    raise RuntimeError(f"{name}, edit x4: {error}") from error
             if index == 0:
                 continue
             for name in names:
