@@ -217,7 +217,7 @@ def structured_session(path: str, tmp_path: Path) -> None:
     assert chat.returncode == 0, chat
     assert set(json.loads(chat.stdout)) == {"name", "age", "alive"}, chat.stdout
     # A schema the daemon refuses is its error, exit 1, naming the keyword.
-    schema.write_text(json.dumps({"type": "integer", "minimum": 3}))
+    schema.write_text(json.dumps({"type": "number", "minimum": 3}))
     refused = sfcore("generate", "--socket", path, "--json-schema", str(schema), "Hi")
     assert refused.returncode == 1 and refused.stdout == "", refused
     assert re.fullmatch(r"sfcore: invalid_request: .*minimum.*\n", refused.stderr), refused
