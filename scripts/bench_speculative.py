@@ -204,7 +204,10 @@ def run(params: dict[str, Any], daemon_path: str, runs: int,
             figures: dict[str, dict[str, Any]] = {name: {} for name in names}
             for workload, (prompt, sampling) in variant_work.items():
                 for name in order:
-                    reply = sides[name].generate(prompt, tokens, sampling)
+                    # Cold prompts for every side: the two daemon sides share one
+                    # process, and the second to send a prompt would find it cached.
+                    reply = sides[name].generate(prompt, tokens,
+                                                 {**sampling, "cache_prompt": False})
                     figures[name][workload] = reply["tok_s"]
                     figures[name][f"{workload} acceptance"] = (
                         reply["accepted"] / reply["drafted"] if reply["drafted"] else None)
