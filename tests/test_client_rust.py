@@ -24,6 +24,13 @@ from typing import Any
 import pytest
 
 from tests.harness import REPO, running_daemon
+from tests.person_document import (
+    PERSON_PROMPT,
+    PERSON_SCHEMA,
+    REPRODUCIBLE,
+    assert_person,
+    python_client_document,
+)
 
 sys.path.insert(0, str(REPO / "clients" / "python"))
 from sfcore_client import Client
@@ -222,38 +229,7 @@ async def test_ops_example_chat_tokenize_cancel(build: dict[str, Any]) -> None:
 
 # --- structured output: examples/structured.rs asks for a document by JSON Schema ---
 
-# The schema and prompt tests/test_sfcore_cli.py uses: greedy, the model fills in a
-# whole record well within max_tokens (maxLength bounds the name).
-PERSON_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
-                   "alive": {"type": "boolean"}},
-    "required": ["name", "age", "alive"]}
-PERSON_PROMPT = ('JSON records, one per line.\n'
-                 'Example: {"name": "Ada Lovelace", "age": 36, "alive": false}\n'
-                 'Example: {"name": "Linus", "age": 54, "alive": true}\nExample: ')
 STRUCTURED_FLAGS = ["--temperature", "0", "--no-cache-prompt"]
-
-# Every request gives the bytes of a cold run, whatever ran before it: the example's
-# document can be compared with the Python client's.
-REPRODUCIBLE: dict[str, Any] = {"model": {"reproducible": True}}
-
-def assert_person(document: Any) -> None:
-    """Exactly the schema's required keys, in its order, each of its type (bool is not an
-    integer)."""
-    assert isinstance(document, dict), document
-    assert list(document) == PERSON_SCHEMA["required"], document
-    assert isinstance(document["name"], str) and len(document["name"]) <= 24, document
-    assert type(document["age"]) is int and type(document["alive"]) is bool, document
-
-
-def python_document(socket_path: str, prompt: str) -> str:
-    with Client(socket_path, timeout=60) as client:
-        result = client.generate(prompt, json_schema=PERSON_SCHEMA, max_tokens=200,
-                                 temperature=0, cache_prompt=False)
-    assert result.finish_reason == "stop", result
-    text: str = result.text
-    return text
 
 
 async def test_structured_example_prints_a_document_of_the_schema(build: dict[str, Any],
@@ -267,7 +243,7 @@ async def test_structured_example_prints_a_document_of_the_schema(build: dict[st
         flags = ["--socket", daemon.socket_path, *STRUCTURED_FLAGS, "--max-tokens", "200"]
         generated = await run_async(structured, *flags, "--json-schema", schema, PERSON_PROMPT)
         expected = await asyncio.wait_for(asyncio.to_thread(
-            python_document, daemon.socket_path, PERSON_PROMPT), RUN_TIMEOUT_S)
+            python_client_document, daemon.socket_path, PERSON_PROMPT), RUN_TIMEOUT_S)
         chatted = await run_async(structured, *flags, "--chat", "--json-schema", schema,
                                   "Describe a person.")
         anything = await run_async(structured, *flags, "--format", "json", PERSON_PROMPT)
