@@ -280,21 +280,7 @@ class GrammarSampler:
         if closer is not None and self.limit - self.tokens < closer.window \
                 and not closer.lost:
             return self._near_end(closer, chain, ctx, idx)
-        token: int = C.llama_sampler_sample(chain, ctx, idx)
-        one: Any = self._one
-        grammar = self._grammar
-        one.id = token
-        one.logit = 0.0
-        array = self._one_array
-        array.size = 1
-        array.selected = -1
-        C.llama_sampler_apply(grammar, ctypes.byref(array))
-        if one.logit != -math.inf and not self._is_hidden(token):
-            C.llama_sampler_accept(grammar, token)
-            self._history.append(token)
-            self._emitted.append(token)
-            return token
-        return self._resample(chain, ctx, idx)
+        return self._sample(chain, ctx, idx)
 
     def _sample(self, chain: Any, ctx: Any, idx: int, accept: bool = True) -> int | None:
         """`sample` without the budget check; the token accepted only if `accept`."""
