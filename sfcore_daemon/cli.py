@@ -143,6 +143,7 @@ def _serve(config: Config, pinned: list[int], model_path: str, *,
     from .engine import Engine
     from .logs import route_llama_logs
     from .model import ModelLoadError
+    from .promptstore import prompt_store
     from .socketfile import StartupError
     from .speculative import draft_settings
 
@@ -151,7 +152,8 @@ def _serve(config: Config, pinned: list[int], model_path: str, *,
         engine = Engine(model_path, config.model, n_threads, n_threads_batch,
                         slots=config.server.slots,
                         prefill_per_step=config.server.prefill_per_step,
-                        drafts=draft_settings(config.speculative))
+                        drafts=draft_settings(config.speculative),
+                        store=prompt_store(config.cache))
     except ModelLoadError as exc:
         log.error("%s", exc)
         return EXIT_STARTUP

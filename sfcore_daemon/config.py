@@ -141,6 +141,22 @@ class SpeculativeConfig(_Section, frozen=True):
                              f"ngram_max ({self.ngram_max})")
 
 
+class CacheConfig(_Section, frozen=True):
+    # Prompt states (the KV cells of a long prefix) kept after their slot lets them go,
+    # in RAM and on disk, and restored into a slot instead of evaluating the prefix
+    # again (promptstore.py). Not used with [model] reproducible = true.
+    enabled: bool = True
+    # Empty: $CACHE_DIRECTORY (systemd's CacheDirectory=) or $XDG_CACHE_HOME/sfcore-ai
+    # (~/.cache/sfcore-ai), plus "/prompts".
+    dir: str = ""
+    # RAM tier budget; 0: sized to the machine (1/16 of its memory, at most 2048 MB).
+    ram_mb: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
+    # Disk tier budget, least recently used files removed first; 0: no disk tier.
+    disk_mb: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 2048
+    # A request that evaluated at least this many prompt tokens has its state saved.
+    min_tokens: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] = 256
+
+
 class LogConfig(_Section, frozen=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -151,6 +167,7 @@ class Config(_Section, frozen=True):
     runtime: RuntimeConfig = RuntimeConfig()
     generation: GenerationConfig = GenerationConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    cache: CacheConfig = CacheConfig()
     log: LogConfig = LogConfig()
 
     def __post_init__(self) -> None:

@@ -8,17 +8,28 @@ llama.cpp context happens on it.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
+import json
 import os
 import queue
 import threading
+import time
 from typing import Any
 
 from .config import ModelConfig
 from .job import Job
 from .llama_c import C
-from .model import EngineClosed, LoadAborted, Model, ModelLoadError
+from .model import EngineClosed, LoadAborted, Model, ModelLoadError, llama_cpp_version
+from .models import known_sha256, model_sha256
+from .promptstore import PromptStore
 from .speculative import DraftSettings
 from .steploop import StepLoop
+
+# What the file format of a stored state is; part of every state's fingerprint.
+_STATE_FORMAT = 1
+# How long the start-up waits for the store to index its folder (headers only: a few
+# milliseconds for hundreds of files); only a hung disk takes longer.
+_STORE_OPEN_TIMEOUT_S = 30.0
 
 
 class Engine:
@@ -42,6 +53,7 @@ class Engine:
         slots: int = 1,
         prefill_per_step: int = 512,
         drafts: DraftSettings | None = None,
+        store: PromptStore | None = None,
     ) -> None:
         if not os.path.isfile(model_path):
             raise ModelLoadError(f"model file not found: {model_path}")
@@ -52,6 +64,9 @@ class Engine:
         self.slots = slots
         self._prefill_per_step = prefill_per_step
         self.drafts = drafts
+        # Prompt states kept across evictions and restarts; None when turned off, and
+        # never used in reproducible mode.
+        self.store = None if model_config.reproducible else store
         # Resolved once the model is loaded and warmed up, or fails with ModelLoadError.
         self.ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.model: Model | None = None
@@ -74,6 +89,9 @@ class Engine:
         """Start loading on the decode thread; the returned future says when it is ready."""
         self._thread = threading.Thread(target=self._main, name="sfcore-decode", daemon=True)
         self._thread.start()
+        if self.store is not None:
+            # Beside the model load: the store reads its folder meanwhile.
+            self.store.open(self._state_fingerprint)
         return self.ready
 
     def _main(self) -> None:
@@ -82,6 +100,11 @@ class Engine:
             if self._abort_load:
                 raise LoadAborted("the model load was stopped")
             self.warm_up()
+            if self.store is not None and known_sha256(self.model_path) is not None:
+                # The first request after a restart finds the states on disk. (Not
+                # when the model file must be hashed first: its first start does not
+                # wait for that; the disk tier joins when it is done.)
+                self.store.wait_open(_STORE_OPEN_TIMEOUT_S)
         except BaseException as exc:
             self.ready.set_exception(exc)
             return
@@ -93,7 +116,8 @@ class Engine:
         try:
             model = self.model = Model.load(
                 self.model_path, self.config, self.n_threads, self.n_threads_batch,
-                slots=self.slots, draft_rows=self._draft_rows(),
+                # One more sequence id for the prompt store (kvcache.KVCache.state).
+                slots=self.slots + (self.store is not None), draft_rows=self._draft_rows(),
                 progress=self._load_progress)
         except ModelLoadError:
             if self._abort_load:
@@ -106,7 +130,27 @@ class Engine:
         self.system_info = model.system_info
         self.bos_text, self.eos_text = model.bos_text, model.eos_text
         self._loop = StepLoop(model, self.slots, self._prefill_per_step,
-                              self.config.reproducible, self.drafts)
+                              self.config.reproducible, self.drafts, self.store)
+
+    def _state_fingerprint(self) -> str:
+        """Everything that decides a stored state's layout and numbers: a state made
+        under any other value is never loaded. Runs on the store's thread."""
+        config = self.config
+        identity = {
+            "format": _STATE_FORMAT,
+            "model_sha256": model_sha256(self.model_path),
+            "llama_cpp": llama_cpp_version(),
+            # K/V types are llama.cpp's defaults (f16); flash attention decides whether
+            # V is stored transposed; the sliding-window cache is full-size; the
+            # ubatch size and CPU features decide how the rows were computed.
+            "flash_attn": config.flash_attn,
+            "swa_full": True,
+            "kv_unified": True,
+            "n_ubatch": min(config.n_ubatch, config.n_batch),
+            "gpu_layers": config.n_gpu_layers,
+            "system_info": C.llama_print_system_info().decode(errors="replace"),
+        }
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
     def _draft_rows(self) -> int:
         if self.drafts is None or self.config.reproducible:
@@ -159,6 +203,11 @@ class Engine:
         model = self.model
         if model is None:
             return True
+        if self.store is not None:
+            # The decode thread saved the slots' states as it stopped: write them out.
+            started = time.monotonic()
+            self.store.close(timeout)
+            timeout = max(1.0, timeout - (time.monotonic() - started))
         if not model.close(timeout):
             return False
         if self._loop is not None:

@@ -22,6 +22,7 @@ from .engine import Engine
 from .grammar import GrammarError, GrammarSampler
 from .model import EngineClosed, TokenIdError
 from .protocol import (
+    CacheSettings,
     CancelledReply,
     CancelRequest,
     ChatRequest,
@@ -106,7 +107,8 @@ class RequestHandlers:
                         slot.write(protocol.encode_line(info))
                         slot.close()
                 case StatsRequest():
-                    stats = self.stats.reply(request_id, self.slot_uses())
+                    stats = self.stats.reply(request_id, self.slot_uses(),
+                                             self.engine.store if self.engine else None)
                     connection.reply(protocol.encode_line(stats))
                 case _:
                     assert_never(request)
@@ -176,6 +178,7 @@ class RequestHandlers:
                 reproducible=model_config.reproducible,
                 slots=engine.slots, prefill_per_step=self.config.server.prefill_per_step,
                 speculative=self._speculative_settings(),
+                cache=self._cache_settings(engine),
                 chat_template=self.chat_template.label if self.chat_template else None),
             system_info=engine.system_info.strip(),
             versions=_versions(),
@@ -313,6 +316,16 @@ class RequestHandlers:
             draft_max=settings.draft_max, draft_start=settings.draft_start,
             ngram_max=settings.ngram_max, ngram_min=settings.ngram_min,
             store_tokens=settings.store_tokens)
+
+    def _cache_settings(self, engine: Engine) -> CacheSettings:
+        config = self.config.cache
+        store = engine.store
+        return CacheSettings(
+            enabled=store is not None,
+            dir=str(store.root) if store is not None and store.root is not None else None,
+            ram_mb=store.ram_budget >> 20 if store is not None else 0,
+            disk_mb=store.disk_budget >> 20 if store is not None else 0,
+            min_tokens=config.min_tokens)
 
     def _exclusive(self, request: GenerationRequest) -> bool:
         """Whether a request must have the batch to itself: in reproducible mode its

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from .grammar import GrammarSampler
 
 EndReason = Literal["stop", "length", "cancelled", "error"]
+CacheSource = Literal["none", "slot", "ram", "disk"]
 
 
 class Job:
@@ -28,7 +29,7 @@ class Job:
         "pieces", "wake_pending", "_wake", "_finished", "loop",
         "n_cached", "t_start", "t_prompt_done", "t_first", "end_reason", "error",
         "slot", "evict", "exclusive", "kept", "grammar", "speculative", "drafted",
-        "accepted",
+        "accepted", "cache_source",
     )
 
     def __init__(
@@ -56,6 +57,9 @@ class Job:
         self._wake = on_pieces
         self._finished = on_finished
         self.n_cached = 0
+        # Where the n_cached rows came from: a slot's cells, or a stored state
+        # restored from the RAM or the disk tier (promptstore.py).
+        self.cache_source: CacheSource = "none"
         self.t_start = 0
         self.t_prompt_done = 0
         self.t_first = 0

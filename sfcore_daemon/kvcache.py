@@ -6,6 +6,7 @@ to what llama.cpp's memory holds for that sequence, position by position.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,12 +46,25 @@ def shared_prefix(a: list[int], b: list[int], limit: int | None = None) -> int:
 class KVCache:
     """The cells of every sequence in one unified KV pool."""
 
-    def __init__(self, memory: Any, seqs: Sequence[SeqCells], n_ubatch: int,
-                 reproducible: bool) -> None:
+    def __init__(self, memory: Any, seqs: Sequence[SeqCells], n_ubatch: int,  # noqa: PLR0917
+                 reproducible: bool, ctx: Any = None, n_swa: int = 0,
+                 scratch: int | None = None) -> None:
+        self._ctx = ctx
+        # A sliding-window model's window: a prefix of n rows is usable when the rows
+        # its next token attends to are there (the window layers keep no others after
+        # a restore). 0: every row must be there.
+        self._n_swa = n_swa
+        # A sequence id no slot uses: a prefix of a slot's cells is copied there (a
+        # reference, not a copy of rows) so that its state can be taken alone.
+        self._scratch = scratch
         self._memory = memory
         self._seqs = seqs
         self._n_ubatch = n_ubatch
         self._reproducible = reproducible
+
+    def best_reuse(self, seq: SeqCells, prompt: list[int]) -> int:
+        """What `reuse_prefix` would give `seq`, without changing anything."""
+        return max(self.usable(other, prompt) for other in self._seqs)
 
     def reuse_prefix(self, seq: SeqCells, prompt: list[int]) -> int:
         """Give `seq` the longest usable cached prefix of `prompt`, from its own cache or,
@@ -68,17 +82,17 @@ class KVCache:
         if best is not seq:
             self.forget(seq)
             C.llama_memory_seq_cp(memory, best.id, seq.id, 0, best_n)
-            # As for the own slot below: every row of the prefix must still be there (a
-            # sliding-window cache may have dropped the source's early rows once it ran
-            # past the window); else the prompt is evaluated.
-            if C.llama_memory_seq_pos_min(memory, seq.id) > 0:
+            # As for the own slot below: the rows the next token attends to must still
+            # be there (a restored state of a sliding-window model holds only the last
+            # window of its window layers); else the prompt is evaluated.
+            if not self._rows_present(seq, best_n):
                 self.forget(seq)
                 return 0
             seq.cached.extend(best.cached[:best_n])
             seq.prompt_rows = min(best.prompt_rows, best_n)
             return best_n
         removed = C.llama_memory_seq_rm(memory, seq.id, best_n, -1)
-        if not removed or C.llama_memory_seq_pos_min(memory, seq.id) > 0:
+        if not removed or not self._rows_present(seq, best_n):
             return 0
         del seq.cached[best_n:]
         seq.prompt_rows = min(seq.prompt_rows, best_n)
@@ -103,3 +117,52 @@ class KVCache:
     def trim(self, seq: SeqCells) -> None:
         """Drop cells past `seq.cached` (whole ubatches an aborted decode left behind)."""
         C.llama_memory_seq_rm(self._memory, seq.id, len(seq.cached), -1)
+
+    def _rows_present(self, seq: SeqCells, n: int) -> bool:
+        # The token at position n attends to positions above n - n_swa.
+        first_needed = max(0, n - self._n_swa + 1) if self._n_swa else 0
+        return bool(C.llama_memory_seq_pos_min(self._memory, seq.id) <= first_needed)
+
+    def state(self, seq: SeqCells, n: int) -> bytearray | None:
+        """The state of the first `n` of `seq`'s cells (llama_state_seq_get_data): its K
+        and V rows, position by position, of which a sliding-window model keeps only
+        the last window in its window layers. So it can continue at position n (or
+        n - 1), not at an earlier one. None if llama.cpp gives none."""
+        sid = seq.id
+        if n < len(seq.cached):
+            if self._scratch is None:
+                return None
+            sid = self._scratch
+            C.llama_memory_seq_cp(self._memory, seq.id, sid, 0, n)
+        try:
+            size = C.llama_state_seq_get_size(self._ctx, sid)
+            if size <= 0:
+                return None
+            data = bytearray(size)
+            view = (ctypes.c_uint8 * size).from_buffer(data)
+            written = C.llama_state_seq_get_data(self._ctx, view, size, sid)
+            del view  # the bytearray stays locked while a ctypes view of it exists
+        finally:
+            if sid != seq.id:
+                C.llama_memory_seq_rm(self._memory, sid, -1, -1)
+        return data if written == size else None
+
+    def restore(self, seq: SeqCells, data: bytearray, tokens: list[int], n: int) -> bool:
+        """Put a stored state of `tokens` into `seq` and keep its first `n` rows (n is
+        len(tokens) or one less); False (and `seq` empty) if llama.cpp refuses it or
+        its rows do not line up."""
+        view = (ctypes.c_uint8 * len(data)).from_buffer(data)
+        try:
+            loaded = C.llama_state_seq_set_data(self._ctx, view, len(data), seq.id)
+        finally:
+            del view
+        memory, sid = self._memory, seq.id
+        seq.cached.clear()
+        seq.prompt_rows = 0
+        if (not loaded or C.llama_memory_seq_pos_max(memory, sid) != len(tokens) - 1
+                or not C.llama_memory_seq_rm(memory, sid, n, -1)
+                or not self._rows_present(seq, n)):
+            self.forget(seq)
+            return False
+        seq.cached.extend(tokens[:n])
+        return True

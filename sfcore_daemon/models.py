@@ -124,3 +124,57 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def _sha256_records(target: Path) -> list[Path]:
+    import hashlib
+
+    name = hashlib.sha256(str(target.resolve()).encode()).hexdigest()[:16]
+    return [target.with_name(target.name + ".sha256"),
+            cache_dir() / "models" / "hashes" / f"{name}.json"]
+
+
+def known_sha256(path: str) -> str | None:
+    """The model file's sha256 if it is remembered for its current size and mtime."""
+    target = Path(path)
+    identity = _file_identity(target)
+    stamp = _read_json(cache_dir() / "models" / _STAMP)
+    if (stamp and stamp.get("path") == str(target) and stamp.get("model") == identity
+            and isinstance(stamp.get("sha256"), str)):
+        return str(stamp["sha256"])
+    for record in _sha256_records(target):
+        known = _read_json(record)
+        if known and known.get("model") == identity and isinstance(known.get("sha256"), str):
+            return str(known["sha256"])
+    return None
+
+
+def model_sha256(path: str) -> str:
+    """The sha256 of the model file, computed once and remembered.
+
+    Remembered beside the file (`<model>.sha256`) when its folder is writable, else in
+    the cache; either record holds the file's size and mtime, and is used only while
+    both still match. The default model's stamp already holds its checked sha256.
+    """
+    known = known_sha256(path)
+    if known is not None:
+        return known
+    import hashlib
+
+    target = Path(path)
+    identity = _file_identity(target)
+    records = _sha256_records(target)
+    log.info("hashing %s for the prompt cache (once)", target)
+    with target.open("rb") as file:
+        digest = hashlib.file_digest(file, "sha256").hexdigest()
+    text = json.dumps({"sha256": digest, "model": identity})
+    for record in records:
+        try:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            partial = record.with_name(f"{record.name}.{os.getpid()}.partial")
+            partial.write_text(text)
+            os.replace(partial, record)
+            break
+        except OSError:
+            continue
+    return digest

@@ -151,6 +151,9 @@ class Timings(Struct, kw_only=True):
     decode_ms: float
     decode_tok_s: float
     total_ms: float
+    # Where the cached prompt rows came from: "slot" (cells a slot still held),
+    # "ram" or "disk" (a stored state restored), or "none".
+    cache_source: Literal["none", "slot", "ram", "disk"]
 
 
 class DoneReply(_Reply, tag="done", kw_only=True):
@@ -218,6 +221,7 @@ class EffectiveConfig(Struct, kw_only=True):
     slots: int
     prefill_per_step: int
     speculative: SpeculativeSettings
+    cache: CacheSettings
     # Which template `chat` renders: "model" (the GGUF's own), a llama.cpp built-in
     # name, "jinja" (a configured template text), or None (chat is unavailable).
     chat_template: str | None
@@ -230,6 +234,14 @@ class SpeculativeSettings(Struct, kw_only=True):
     ngram_max: int
     ngram_min: int
     store_tokens: int
+
+
+class CacheSettings(Struct, kw_only=True):
+    enabled: bool  # false also in reproducible mode
+    dir: str | None  # the disk tier's folder; None without one
+    ram_mb: int
+    disk_mb: int
+    min_tokens: int
 
 
 class Versions(Struct, kw_only=True):
@@ -283,6 +295,23 @@ class SpeculativeCounts(Struct, kw_only=True):
     accepted: int
 
 
+class CacheCounts(Struct, kw_only=True):
+    enabled: bool
+    # Generations whose prompt prefix came from each source, and the rows restored
+    # from stored states (RAM and disk).
+    hits: dict[str, int]
+    restored_tokens: int
+    saved: int  # states taken from slots into the store
+    written: int  # state files written
+    ram_bytes: int
+    ram_states: int
+    disk_bytes: int
+    disk_files: int
+    ram_evicted: int
+    disk_evicted: int
+    errors: int  # damaged, foreign or unreadable files, failed writes and restores
+
+
 class StatsReply(_Reply, tag="stats", kw_only=True):
     uptime_s: float
     requests: RequestCounts
@@ -293,6 +322,7 @@ class StatsReply(_Reply, tag="stats", kw_only=True):
     slots: list[SlotUse]
     grammar: GrammarCounts
     speculative: SpeculativeCounts
+    cache: CacheCounts
 
 
 Reply = (TokenReply | DoneReply | ErrorReply | HealthReply | TokensReply | TextReply

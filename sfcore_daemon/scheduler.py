@@ -216,6 +216,7 @@ class Generation:
             self._stats.grammar_tokens += job.grammar.tokens
             self._stats.grammar_resampled += job.grammar.resampled
             self._stats.grammar_closed_early += self._truncated
+        self._stats.cache_hit(job.cache_source, job.n_cached)
         if job.drafted:
             self._stats.speculative_requests += 1
             self._stats.drafted_tokens += job.drafted
@@ -265,6 +266,7 @@ class Generation:
             decode_ms=_ms(decode_ns),
             decode_tok_s=_rate(self.completion_tokens - 1, decode_ns),
             total_ms=_ms(now - self.arrived_ns),
+            cache_source=job.cache_source,
         )
 
 

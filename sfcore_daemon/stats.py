@@ -9,7 +9,9 @@ from __future__ import annotations
 import time
 
 from . import protocol
+from .promptstore import PromptStore
 from .protocol import (
+    CacheCounts,
     ConnectionCounts,
     GrammarCounts,
     RequestCounts,
@@ -49,6 +51,9 @@ class Stats:
         self.speculative_requests = 0
         self.drafted_tokens = 0
         self.accepted_tokens = 0
+        # The prompt store: generations by where their cached rows came from.
+        self.cache_hits = {"slot": 0, "ram": 0, "disk": 0}
+        self.restored_tokens = 0
 
     def generation_ended(self, outcome: str, prompt_tokens: int, cached_tokens: int,
                          completion_tokens: int, decode_ns: int) -> None:
@@ -60,7 +65,28 @@ class Stats:
             self._decode_tokens += completion_tokens - 1
             self._decode_ns += decode_ns
 
-    def reply(self, request_id: RequestId, slots: list[SlotUse]) -> StatsReply:
+    def cache_hit(self, source: str, cached_tokens: int) -> None:
+        if source in self.cache_hits:
+            self.cache_hits[source] += 1
+            if source != "slot":
+                self.restored_tokens += cached_tokens
+
+    def cache_counts(self, store: PromptStore | None) -> CacheCounts:
+        if store is None:
+            return CacheCounts(enabled=False, hits=dict(self.cache_hits), restored_tokens=0,
+                               saved=0, written=0, ram_bytes=0, ram_states=0, disk_bytes=0,
+                               disk_files=0, ram_evicted=0, disk_evicted=0, errors=0)
+        ram_bytes, ram_states, disk_bytes, disk_files = store.figures()
+        counters = store.counters
+        return CacheCounts(
+            enabled=True, hits=dict(self.cache_hits), restored_tokens=self.restored_tokens,
+            saved=counters.saved, written=counters.written, ram_bytes=ram_bytes,
+            ram_states=ram_states, disk_bytes=disk_bytes, disk_files=disk_files,
+            ram_evicted=counters.ram_evicted, disk_evicted=counters.disk_evicted,
+            errors=counters.errors)
+
+    def reply(self, request_id: RequestId, slots: list[SlotUse],
+              store: PromptStore | None = None) -> StatsReply:
         rate = self._decode_tokens * 1e9 / self._decode_ns if self._decode_ns else 0.0
         return StatsReply(
             id=request_id,
@@ -81,4 +107,5 @@ class Stats:
             speculative=SpeculativeCounts(requests=self.speculative_requests,
                                           drafted=self.drafted_tokens,
                                           accepted=self.accepted_tokens),
+            cache=self.cache_counts(store),
         )

@@ -16,9 +16,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from .job import EndReason, Job
-from .kvcache import KVCache, SeqCells
+from .kvcache import KVCache, SeqCells, shared_prefix
 from .llama_c import C
 from .model import Model
+from .promptstore import Entry, PromptStore
 from .sampling import make_chain
 from .speculative import DraftSettings, NgramDrafter, NgramStore
 
@@ -29,13 +30,17 @@ _ABORTABLE_PREFILL = 128
 # When every active sequence waits for a wide grammar pass: how long to wait for one
 # before looking at the inbox again.
 _PARKED_WAIT_S = 0.005
+# Prompt tokens a stored state must save beyond what the slots give, to be restored:
+# restoring costs about what evaluating a few tokens does.
+_RESTORE_GAIN = 16
 
 
 class _Seq(SeqCells):
     """One slot's sequence and the step loop's state for its job."""
 
     __slots__ = ("job", "sampler", "next_prompt", "chunk_end", "n_out", "limit",
-                 "generating", "last_token", "parked", "drafter", "draft")
+                 "generating", "last_token", "parked", "drafter", "draft", "loading",
+                 "keep_state", "keep_prefix")
 
     def __init__(self, seq_id: int) -> None:
         super().__init__(seq_id)
@@ -53,6 +58,14 @@ class _Seq(SeqCells):
         # Speculative decoding (speculative.py): None when the job does not speculate.
         self.drafter: NgramDrafter | None = None
         self.draft: list[int] = []  # the tokens after last_token in this step's batch
+        # A stored state being read from disk for its prompt (the entry, the rows to
+        # keep, the read); the sequence sits out of the steps until it is there.
+        self.loading: tuple[Entry, int, Future[bytearray | None]] | None = None
+        # Whether its cells may be kept in the prompt store (not after cache_prompt: false).
+        self.keep_state = False
+        # A prefix its prompt shares with an earlier text (a common system prompt): its
+        # state is stored when the job ends, to be restored for the next one.
+        self.keep_prefix = 0
 
 
 def _drain_each(jobs: list[Job]) -> None:
@@ -63,8 +76,9 @@ def _drain_each(jobs: list[Job]) -> None:
 class StepLoop:
     """`slots` sequences of one context, stepped together until the inbox says stop."""
 
-    def __init__(self, model: Model, slots: int, prefill_per_step: int,
-                 reproducible: bool, drafts: DraftSettings | None = None) -> None:
+    def __init__(self, model: Model, slots: int, prefill_per_step: int,  # noqa: PLR0917
+                 reproducible: bool, drafts: DraftSettings | None = None,
+                 store: PromptStore | None = None) -> None:
         self.model = model
         # Bumped on every step and abort-callback tick (see Engine.progress).
         self.progress = 0
@@ -87,7 +101,11 @@ class StepLoop:
         self._prefill_chunk = batch - batch % model.n_ubatch if reproducible else batch
         self._n_batch = batch
         self._seqs = [_Seq(seq_id) for seq_id in range(slots)]
-        self._cells = KVCache(model.memory, self._seqs, model.n_ubatch, reproducible)
+        # Restored states are not cold-run bytes: reproducible mode keeps none.
+        self._store = None if reproducible else store
+        self._cells = KVCache(model.memory, self._seqs, model.n_ubatch, reproducible,
+                              model.ctx, C.llama_model_n_swa(model.model),
+                              slots if self._store is not None else None)
         self._active: list[_Seq] = []  # sequences with a job, in the order they began
         # One batch for every step, sized for n_batch tokens of one sequence each.
         self._batch: Any = C.llama_batch_init(batch, 0, 1)
@@ -118,6 +136,7 @@ class StepLoop:
             if not active:
                 job = inbox.get()  # idle: sleep until work comes
                 if job is None:
+                    self._keep_all()
                     return
                 self._begin(job)
             # Whatever arrived meanwhile joins this very step.
@@ -130,6 +149,7 @@ class StepLoop:
                     for seq in list(active):
                         self._unpark(seq)
                         self._end(seq, "cancelled")
+                    self._keep_all()
                     return
                 self._begin(job)
             if not active:
@@ -153,12 +173,21 @@ class StepLoop:
         seq = self._seqs[job.slot]
         try:
             for slot in job.evict:
+                self._keep(self._seqs[slot], len(self._seqs[slot].cached))
                 self._cells.forget(self._seqs[slot])
+            if shared_prefix(seq.cached, job.prompt) < len(seq.cached):
+                self._keep(seq, len(seq.cached))  # its cells are about to be overwritten
             n_reused = self._cells.reuse_prefix(seq, job.prompt) if job.cache_prompt else 0
             if n_reused == 0:
                 self._cells.forget(seq)
             job.n_cached = n_reused
-            seq.next_prompt = n_reused
+            job.cache_source = "slot" if n_reused else "none"
+            seq.keep_state = job.cache_prompt
+            seq.keep_prefix = 0
+            seq.loading = None
+            if job.cache_prompt and self._store is not None:
+                self._restore(seq, job)
+            seq.next_prompt = job.n_cached
             seq.n_out = 0
             seq.generating = False
             seq.limit = min(job.max_tokens, self.n_ctx - len(job.prompt))
@@ -194,6 +223,8 @@ class StepLoop:
                     self._end(seq, "error")
                     continue
                 self._take(seq, token, woken)
+            if seq.loading is not None and seq.loading[2].done():
+                self._loaded(seq)
         for seq in list(active):
             assert seq.job is not None
             # A parked sequence ends once its pass returns: the pass uses its samplers.
@@ -244,7 +275,7 @@ class StepLoop:
         for seq in active:
             if budget <= 0:
                 break
-            if seq.generating or seq.parked is not None:
+            if seq.generating or seq.parked is not None or seq.loading is not None:
                 continue
             job = seq.job
             assert job is not None
@@ -263,9 +294,11 @@ class StepLoop:
                 wants[n - 1] = 1
                 outputs.append((seq, n - 1))
         batch.n_tokens = n
-        if n == 0:  # every sequence is parked: wait for a pass (or for a new job)
-            wait([seq.parked for seq in active if seq.parked is not None], _PARKED_WAIT_S,
-                 FIRST_COMPLETED)
+        if n == 0:  # every sequence waits: for a grammar pass, a state read or a new job
+            waits: list[Future[Any]] = [seq.parked for seq in active
+                                        if seq.parked is not None]
+            waits += [seq.loading[2] for seq in active if seq.loading is not None]
+            wait(waits, _PARKED_WAIT_S, FIRST_COMPLETED)
             self.progress += 1
             return
 
@@ -423,6 +456,12 @@ class StepLoop:
             seq.sampler = None
         if job.grammar is not None:
             job.grammar.free()
+        seq.loading = None
+        if reason != "error" and self._store is not None:
+            if len(job.prompt) - job.n_cached >= self._store.min_tokens:
+                self._keep(seq, len(job.prompt))  # a prompt it took long to evaluate
+            if seq.keep_prefix:
+                self._keep(seq, seq.keep_prefix)
         job.kept = list(seq.cached)
         if seq.drafter is not None and reason != "error":
             seq.drafter.learn()
@@ -431,6 +470,66 @@ class StepLoop:
         seq.job = None
         self._active.remove(seq)
         job.loop.call_soon_threadsafe(job._finished)
+
+    # --- the prompt store (promptstore.py) --------------------------------------------
+
+    def _restore(self, seq: _Seq, job: Job) -> None:
+        """Give `seq` a stored state of the prompt's prefix when it is longer than what
+        the slots hold: at once from RAM, or from disk through the reader thread.
+        A prefix shared with an earlier text but stored nowhere is marked for keeping."""
+        store = self._store
+        assert store is not None
+        entry, n, shared = store.find(job.prompt)
+        common = max(shared, job.n_cached)
+        if common >= store.min_tokens and common > (n if entry is not None else 0):
+            seq.keep_prefix = common
+        if entry is None or n < job.n_cached + _RESTORE_GAIN:
+            return
+        data = store.take_ram(entry)
+        if data is None:
+            seq.loading = (entry, n, store.load(entry))
+            return
+        if self._cells.restore(seq, data, entry.tokens, n):
+            job.n_cached, job.cache_source = n, "ram"
+        else:
+            store.counters.errors += 1
+            job.n_cached, job.cache_source = 0, "none"
+
+    def _loaded(self, seq: _Seq) -> None:
+        """A state read from disk is there (or could not be read): restore it, or go
+        on with what the slot held."""
+        assert seq.loading is not None and seq.job is not None
+        (entry, n, read), seq.loading = seq.loading, None
+        job = seq.job
+        try:
+            data = read.result()
+        except Exception:  # a reader bug must not fail the request: evaluate instead
+            data = None
+        if data is None:
+            return  # the reader removed a bad file and warned; the prompt is evaluated
+        if self._cells.restore(seq, data, entry.tokens, n):
+            job.n_cached, job.cache_source = n, "disk"
+        else:
+            assert self._store is not None
+            self._store.counters.errors += 1
+            job.n_cached, job.cache_source = 0, "none"
+        seq.next_prompt = job.n_cached
+
+    def _keep(self, seq: _Seq, n: int) -> None:
+        """Save the state of `seq`'s first `n` cells in the prompt store, unless short
+        or stored already."""
+        store = self._store
+        if (store is None or not seq.keep_state or n < store.min_tokens
+                or n > len(seq.cached) or store.has(seq.cached[:n])):
+            return
+        data = self._cells.state(seq, n)
+        if data is not None:
+            store.put(seq.cached[:n], data)
+
+    def _keep_all(self) -> None:
+        """At shutdown: every slot's cells into the store (the daemon drains first)."""
+        for seq in self._seqs:
+            self._keep(seq, len(seq.cached))
 
     def _should_abort(self, _data: Any) -> bool:
         self.progress += 1

@@ -190,7 +190,11 @@ async def running_daemon(
     notify_sock.bind(str(notify_path))
     notify_sock.setblocking(False)
     config_path = directory / "c.toml"
-    config_path.write_text(tomli_w.dumps(merge(BASE_CONFIG, config or {})))
+    merged = merge(BASE_CONFIG, config or {})
+    # Each daemon its own prompt store, unless a test shares one (a restart): states
+    # another test left behind would turn its cold requests into restored ones.
+    merged.setdefault("cache", {}).setdefault("dir", str(directory / "prompts"))
+    config_path.write_text(tomli_w.dumps(merged))
     socket_path = socket_path or str(directory / "d.sock")
     log_path = directory / "daemon.log"
     daemon_env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONUNBUFFERED="1")

@@ -1,0 +1,251 @@
+"""The prompt store: states of long prefixes kept in RAM and on disk, restored after an
+eviction or a restart instead of being evaluated again. Real daemon, real model."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import Client, Daemon, done_of, running_daemon
+from tests.test_cache import PREFIX, QUESTION_1, QUESTION_2
+
+pytestmark = pytest.mark.asyncio
+
+# Longer than Gemma 3's 512-token sliding window: a restored state holds only the last
+# window of rows in the window layers, so this is where a restore could go wrong.
+LONG = PREFIX
+OTHER = " ".join(f"Line {i}: nothing to do with boxes or stones, only words." for i in range(30))
+SHORT_PREFIXES = [
+    " ".join(f"Topic {k}, note {i}: the {('cat', 'dog', 'owl', 'fox')[(i + k) % 4]} sleeps "
+             f"{i * 3 % 17} hours." for i in range(28))
+    for k in range(4)
+]
+
+
+@pytest.fixture
+def cache_dir() -> Iterator[Path]:
+    directory = Path(tempfile.mkdtemp(prefix="sfstore", dir="/tmp"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def store_config(directory: Path, **cache: Any) -> dict[str, Any]:
+    return {"cache": {"dir": str(directory), "min_tokens": 64, **cache},
+            "server": {"slots": 1}, "model": {"n_ctx": 4096}}
+
+
+async def generate(client: Client, prompt: str, **options: Any) -> dict[str, Any]:
+    request = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": False,
+               "speculative": False, **options}
+    done = done_of(await client.request(request, timeout=180))
+    assert done["finish_reason"] in ("length", "stop"), done
+    return done
+
+
+async def cache_stats(client: Client) -> dict[str, Any]:
+    stats = await client.final({"op": "stats"})
+    assert stats["type"] == "stats", stats
+    cache: dict[str, Any] = stats["cache"]
+    return cache
+
+
+def state_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*/*.kv"))
+
+
+async def warm_answer(daemon: Daemon) -> tuple[dict[str, Any], dict[str, Any]]:
+    """LONG + QUESTION_1 cold, then LONG + QUESTION_2 with the prefix warm in the slot."""
+    async with daemon.client() as client:
+        cold = await generate(client, LONG + QUESTION_1)
+        assert cold["timings"]["cache_source"] == "none"
+        warm = await generate(client, LONG + QUESTION_2)
+        assert warm["timings"]["cache_source"] == "slot"
+        return cold, warm
+
+
+async def test_a_restart_restores_the_prefix_from_disk_with_the_bytes_of_a_warm_slot(
+        cache_dir: Path) -> None:
+    async with running_daemon(store_config(cache_dir)) as daemon:
+        cold, warm = await warm_answer(daemon)
+    # Written while running and at the drain: whole files only, no temporary left.
+    assert state_files(cache_dir)
+    assert not list(cache_dir.glob("*/.*"))
+    async with running_daemon(store_config(cache_dir)) as daemon, daemon.client() as client:
+        restored = await generate(client, LONG + QUESTION_2)
+        # The prefix both questions share was restored, the question evaluated: the same
+        # rows and the same batches as in the warm slot, so the same bytes.
+        assert restored["timings"]["cache_source"] == "disk"
+        assert restored["usage"]["cached_tokens"] == warm["usage"]["cached_tokens"]
+        assert restored["text"] == warm["text"]
+        assert restored["timings"]["first_token_ms"] < cold["timings"]["first_token_ms"]
+        cache = await cache_stats(client)
+        assert cache["hits"]["disk"] == 1
+        assert cache["restored_tokens"] == restored["usage"]["cached_tokens"]
+        assert cache["errors"] == 0
+
+
+async def test_an_evicted_prefix_comes_back_from_ram(cache_dir: Path) -> None:
+    async with running_daemon(store_config(cache_dir)) as daemon:
+        _, warm = await warm_answer(daemon)
+        async with daemon.client() as client:
+            # One slot: another prompt takes its cells.
+            other = await generate(client, OTHER)
+            assert other["usage"]["cached_tokens"] <= 1
+            again = await generate(client, LONG + QUESTION_2)
+            assert again["timings"]["cache_source"] == "ram"
+            assert again["usage"]["cached_tokens"] == warm["usage"]["cached_tokens"]
+            assert again["text"] == warm["text"]
+            # The whole prompt again: its state was kept as it ended, so all but the
+            # last token (evaluated for its logits) comes back.
+            repeat = await generate(client, OTHER)
+            assert repeat["timings"]["cache_source"] == "ram"
+            assert repeat["usage"]["cached_tokens"] == other["usage"]["prompt_tokens"] - 1
+            cache = await cache_stats(client)
+            assert cache["hits"]["ram"] >= 1 and cache["errors"] == 0
+            assert cache["ram_states"] >= 2 and cache["ram_bytes"] > 0
+
+
+async def test_states_of_another_build_or_layout_are_never_loaded(cache_dir: Path) -> None:
+    async with running_daemon(store_config(cache_dir)) as daemon:
+        _, warm = await warm_answer(daemon)
+    files = state_files(cache_dir)
+    assert files
+    # A file that claims another fingerprint (another model, llama.cpp build or context
+    # layout), placed where this daemon looks.
+    forged = files[0].read_bytes().replace(files[0].parent.name.encode(), b"f" * 32, 1)
+    assert forged != files[0].read_bytes()
+    for path in files:
+        path.write_bytes(forged if path == files[0] else path.read_bytes())
+    # Another layout (flash attention off stores V transposed) uses its own folder.
+    layout = store_config(cache_dir)
+    layout["model"]["flash_attn"] = False
+    async with running_daemon(layout) as daemon, daemon.client() as client:
+        other_layout = await generate(client, LONG + QUESTION_2)
+        assert other_layout["timings"]["cache_source"] == "none"
+        assert other_layout["usage"]["cached_tokens"] == 0
+    async with running_daemon(store_config(cache_dir)) as daemon, daemon.client() as client:
+        # READY=1 comes after the store has read its folder.
+        cache = await cache_stats(client)
+        assert cache["errors"] == 1
+        assert not files[0].exists()
+        restored = await generate(client, LONG + QUESTION_2)
+        assert restored["text"] == warm["text"]
+        await client.close()
+        # The log after the daemon's exit: every line has been written by then.
+        assert await daemon.stop() == 0
+        assert daemon.log.count("made by another model") == 1, daemon.log
+
+
+async def test_damaged_and_truncated_files_are_skipped_with_one_warning_each(
+        cache_dir: Path) -> None:
+    async with running_daemon(store_config(cache_dir)) as daemon:
+        cold, _ = await warm_answer(daemon)
+    files = state_files(cache_dir)
+    assert len(files) >= 2
+    truncated, damaged = files[0], files[1:]
+    truncated.write_bytes(truncated.read_bytes()[:-1000])
+    for path in damaged:  # one byte of the K/V rows flipped in every other file
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0xFF
+        path.write_bytes(bytes(data))
+    async with running_daemon(store_config(cache_dir)) as daemon, daemon.client() as client:
+        served = await generate(client, LONG + QUESTION_1)
+        assert served["timings"]["cache_source"] == "none"
+        assert served["usage"]["cached_tokens"] == 0
+        # Evaluated, so the cold run's bytes.
+        assert served["text"] == cold["text"]
+        cache = await cache_stats(client)
+        assert cache["errors"] == 2
+        assert not truncated.exists()
+        await client.close()
+        assert await daemon.stop() == 0
+        log = daemon.log
+        assert log.count("(truncated)") == 1, log
+        assert log.count("does not match its checksum") == 1, log
+        assert "Traceback" not in log
+
+
+async def test_the_disk_budget_holds_least_recently_used_out_first(cache_dir: Path) -> None:
+    # About 9 MB a state of ~480 tokens: two fit in 20 MB, three do not.
+    config = store_config(cache_dir, disk_mb=20)
+    async with running_daemon(config) as daemon, daemon.client() as client:
+        for prefix in SHORT_PREFIXES[:3]:
+            done = await generate(client, prefix + QUESTION_1)
+            assert done["usage"]["prompt_tokens"] > 200
+    files = state_files(cache_dir)
+    sizes = [path.stat().st_size for path in files]
+    assert sum(sizes) <= 20 << 20, sizes
+    assert len(files) == 2, sizes
+    async with running_daemon(config) as daemon, daemon.client() as client:
+        # The newest is there, the oldest went first.
+        newest = await generate(client, SHORT_PREFIXES[2] + QUESTION_1)
+        assert newest["timings"]["cache_source"] == "disk"
+        oldest = await generate(client, SHORT_PREFIXES[0] + QUESTION_1)
+        assert oldest["timings"]["cache_source"] != "disk"
+        # Only the first words all these prompts share, from the slot.
+        assert oldest["usage"]["cached_tokens"] < 16
+        cache = await cache_stats(client)
+        assert cache["disk_bytes"] <= 20 << 20
+        assert cache["disk_files"] == 2
+
+
+async def test_four_slots_restore_and_save_at_once(cache_dir: Path) -> None:
+    config = store_config(cache_dir)
+    config["server"]["slots"] = 4
+    async with running_daemon(config) as daemon:
+        clients = [await daemon.connect() for _ in range(4)]
+        try:
+            async def round_of(question: str, prefixes: list[str]) -> list[dict[str, Any]]:
+                return list(await asyncio.gather(*(
+                    generate(client, prefix + question)
+                    for client, prefix in zip(clients, prefixes, strict=True))))
+
+            first = await round_of(QUESTION_1, SHORT_PREFIXES)
+            assert all(done["usage"]["cached_tokens"] == 0 for done in first)
+            await round_of(QUESTION_2, SHORT_PREFIXES)
+            # Four other prompts take every slot's cells; then each prefix comes back.
+            await round_of("", [f"{OTHER} {k}" for k in range(4)])
+            back = await round_of(QUESTION_2, SHORT_PREFIXES)
+            sources = [done["timings"]["cache_source"] for done in back]
+            assert set(sources) <= {"ram", "slot"}, sources
+            assert "ram" in sources, sources
+            for done, before in zip(back, first, strict=True):
+                assert done["usage"]["cached_tokens"] >= before["usage"]["prompt_tokens"] - 24
+            cache = await cache_stats(clients[0])
+            assert cache["errors"] == 0
+            assert cache["hits"]["ram"] == sources.count("ram")
+        finally:
+            for client in clients:
+                await client.close()
+
+
+async def test_the_store_is_off_by_config_and_in_reproducible_mode(cache_dir: Path) -> None:
+    for extra in ({"cache": {"enabled": False}}, {"model": {"reproducible": True}}):
+        config = store_config(cache_dir)
+        for section, values in extra.items():
+            config[section].update(values)
+        async with running_daemon(config) as daemon, daemon.client() as client:
+            info = await client.final({"op": "info"})
+            assert info["config"]["cache"]["enabled"] is False
+            await generate(client, SHORT_PREFIXES[0] + QUESTION_1)
+            await generate(client, OTHER)
+            again = await generate(client, SHORT_PREFIXES[0] + QUESTION_2)
+            assert again["usage"]["cached_tokens"] <= 1  # BOS, from the slot
+            cache = await cache_stats(client)
+            assert cache["enabled"] is False and cache["saved"] == 0
+        assert not state_files(cache_dir)
+
+
+async def test_info_shows_the_effective_store(cache_dir: Path) -> None:
+    async with running_daemon(store_config(cache_dir, ram_mb=64, disk_mb=100)) as daemon, \
+            daemon.client() as client:
+        info = await client.final({"op": "info"})
+        assert info["config"]["cache"] == {
+            "enabled": True, "dir": str(cache_dir), "ram_mb": 64, "disk_mb": 100,
+            "min_tokens": 64}

@@ -1,0 +1,134 @@
+"""The prompt store's own logic without a model: which state fits a prompt, the RAM
+budget, the file format and its checks. (The daemon tests are test_prompt_store.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sfcore_daemon.promptstore import PromptStore, state_name
+
+
+def opened(directory: Path | None, ram: int = 1 << 20, disk: int = 1 << 20,
+           fingerprint: str = "a" * 64) -> PromptStore:
+    store = PromptStore(directory, ram, disk, min_tokens=4)
+    store.open(lambda: fingerprint)
+    assert store.wait_open(10)
+    return store
+
+
+def test_a_state_fits_a_prompt_that_starts_with_its_whole_text() -> None:
+    store = opened(None)
+    try:
+        store.put([1, 2, 3, 4, 5], bytearray(b"x" * 10))
+        store.put([1, 2, 3, 4, 5, 6, 7, 8], bytearray(b"y" * 10))
+        # Extends the longer text: all of it is restored.
+        entry, n, shared = store.find([1, 2, 3, 4, 5, 6, 7, 8, 9])
+        assert entry is not None and entry.tokens == [1, 2, 3, 4, 5, 6, 7, 8] and n == 8
+        # Leaves the longer text early: only the shorter state can continue there.
+        entry, n, shared = store.find([1, 2, 3, 4, 5, 6, 0, 0])
+        assert entry is not None and n == 5 and shared == 6
+        # The very text again: all but its last token, which is evaluated for logits.
+        entry, n, _ = store.find([1, 2, 3, 4, 5])
+        assert entry is not None and entry.tokens == [1, 2, 3, 4, 5] and n == 4
+        entry, n, shared = store.find([9, 9, 9])
+        assert entry is None and n == 0 and shared == 0
+        assert store.has([1, 2, 3, 4, 5]) and not store.has([1, 2, 3, 4])
+    finally:
+        store.close(5)
+
+
+def test_the_ram_budget_drops_the_least_recently_used_first() -> None:
+    store = opened(None, ram=25)
+    try:
+        store.put([1] * 4, bytearray(10))
+        store.put([2] * 4, bytearray(10))
+        assert store.has([1] * 4)  # used: now [2]*4 is the older one
+        store.put([3] * 4, bytearray(10))
+        assert store.ram_bytes == 20
+        assert not store.has([2] * 4) and store.has([1] * 4) and store.has([3] * 4)
+        assert store.counters.ram_evicted == 1
+    finally:
+        store.close(5)
+
+
+def test_files_are_whole_checked_and_read_back(tmp_path: Path) -> None:
+    payload = bytearray(range(256)) * 40
+    store = opened(tmp_path)
+    store.put([5, 6, 7, 8], payload)
+    assert store.close(10)
+    folder = tmp_path / ("a" * 32)
+    files = list(folder.iterdir())
+    assert [path.name for path in files] == [state_name([5, 6, 7, 8])]
+
+    again = opened(tmp_path, ram=0)
+    try:
+        entry, n, _ = again.find([5, 6, 7, 8, 9])
+        assert entry is not None and n == 4 and entry.data is None
+        assert again.load(entry).result(10) == payload
+    finally:
+        again.close(5)
+
+    # A byte flipped: the read is refused, the file removed, the state forgotten.
+    data = bytearray(files[0].read_bytes())
+    data[-1] ^= 1
+    files[0].write_bytes(bytes(data))
+    damaged = opened(tmp_path, ram=0)
+    try:
+        entry, _, _ = damaged.find([5, 6, 7, 8, 9])
+        assert entry is not None
+        assert damaged.load(entry).result(10) is None
+        assert not files[0].exists()
+        assert damaged.find([5, 6, 7, 8, 9])[0] is None
+        assert damaged.counters.errors == 1
+    finally:
+        damaged.close(5)
+
+
+def test_a_file_of_another_fingerprint_is_removed_at_the_scan(tmp_path: Path) -> None:
+    store = opened(tmp_path)
+    store.put([1, 2, 3, 4], bytearray(100))
+    store.close(10)
+    path = next((tmp_path / ("a" * 32)).iterdir())
+    forged = path.read_bytes().replace(b"a" * 64, b"b" * 64)
+    path.write_bytes(forged)
+    other = opened(tmp_path)
+    try:
+        assert other.counters.errors == 1 and not path.exists()
+        assert other.find([1, 2, 3, 4, 5])[0] is None
+    finally:
+        other.close(5)
+
+
+def test_the_disk_budget_spares_another_writers_file_in_progress(tmp_path: Path) -> None:
+    store = opened(tmp_path, ram=0, disk=3000)
+    folder = tmp_path / ("a" * 32)
+    in_progress = folder / ".someone-else.partial"
+    in_progress.write_bytes(bytes(1000))
+    try:
+        store.put([1, 1, 1, 1], bytearray(900))
+        assert store.flush(10)
+        store.put([2, 2, 2, 2], bytearray(900))
+        assert store.flush(10)
+        names = {path.name for path in folder.iterdir()}
+        # 1000 + two files of ~1000 bytes exceed 3000: the older state went, the other
+        # writer's file stayed.
+        assert in_progress.name in names
+        assert state_name([2, 2, 2, 2]) in names and state_name([1, 1, 1, 1]) not in names
+        assert store.counters.disk_evicted == 1
+    finally:
+        store.close(5)
+
+
+@pytest.mark.parametrize("size", [0, 10, 30])
+def test_a_short_file_is_not_a_state(tmp_path: Path, size: int) -> None:
+    folder = tmp_path / ("a" * 32)
+    folder.mkdir()
+    path = folder / state_name([1, 2, 3, 4])
+    path.write_bytes(b"SFCORE-KV-STATE\n"[:size] + bytes(max(0, size - 16)))
+    store = opened(tmp_path)
+    try:
+        assert not path.exists() and store.counters.errors == 1
+    finally:
+        store.close(5)
