@@ -130,8 +130,11 @@ class Daemon:
         workdir = Path(tempfile.mkdtemp(prefix="sfbench-", dir="/tmp"))
         config = workdir / "config.toml"
         server = f'[server]\nslots = {params["slots"]}\n' if params.get("slots") else ""
+        # A prompt store of its own (the default settings), so that no run restores
+        # states an earlier run left in the user's cache.
         config.write_text(f'{server}[model]\npath = "{params["model"]}"\n'
-                          f'n_ctx = {params["n_ctx"]}\n[log]\nlevel = "warning"\n')
+                          f'n_ctx = {params["n_ctx"]}\n[cache]\ndir = "{workdir}/prompts"\n'
+                          '[log]\nlevel = "warning"\n')
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         notify.bind(str(workdir / "n"))
         notify.setblocking(False)

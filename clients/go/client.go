@@ -139,6 +139,9 @@ type Timings struct {
 	DecodeMs     float64 `json:"decode_ms"`
 	DecodeTokS   float64 `json:"decode_tok_s"`
 	TotalMs      float64 `json:"total_ms"`
+	// Where the cached prompt tokens came from: "slot", "ram" or "disk" (the
+	// daemon's prompt store), or "none" (empty from daemons older than the store).
+	CacheSource string `json:"cache_source"`
 }
 
 // Result is a finished generation.

@@ -26,9 +26,10 @@ func TestParseLine(t *testing.T) {
 	done, err := parseLine([]byte(`{"type":"done","id":"x","text":"","finish_reason":"stop_sequence",` +
 		`"stop_sequence":"END","usage":{"prompt_tokens":4,"cached_tokens":1,"completion_tokens":9},` +
 		`"timings":{"queued_ms":0.5,"prompt_ms":1,"prompt_tok_s":2,"first_token_ms":3,` +
-		`"decode_ms":4,"decode_tok_s":5,"total_ms":6}}`))
+		`"decode_ms":4,"decode_tok_s":5,"total_ms":6,"cache_source":"disk"}}`))
 	if err != nil || done.FinishReason != "stop_sequence" || *done.StopSequence != "END" ||
-		done.Usage != (Usage{PromptTokens: 4, CachedTokens: 1, CompletionTokens: 9}) || done.Timings != (Timings{0.5, 1, 2, 3, 4, 5, 6}) {
+		done.Usage != (Usage{PromptTokens: 4, CachedTokens: 1, CompletionTokens: 9}) || done.Timings != (Timings{QueuedMs: 0.5, PromptMs: 1, PromptTokS: 2, FirstTokenMs: 3,
+		DecodeMs: 4, DecodeTokS: 5, TotalMs: 6, CacheSource: "disk"}) {
 		t.Fatalf("done line: %+v %v", done, err)
 	}
 	e, err := parseLine([]byte(`{"type":"error","id":"sfc-3","code":"bad_json","message":"m"}`))

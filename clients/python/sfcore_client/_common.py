@@ -77,6 +77,9 @@ class Timings:
     decode_ms: float
     decode_tok_s: float
     total_ms: float
+    # Where the cached prompt tokens came from: "slot", "ram" or "disk" (the daemon's
+    # prompt store), or "none" ("none" also from daemons older than the store).
+    cache_source: str = "none"
 
 
 @dataclass(frozen=True, slots=True)
