@@ -249,3 +249,24 @@ async def test_info_shows_the_effective_store(cache_dir: Path) -> None:
         assert info["config"]["cache"] == {
             "enabled": True, "dir": str(cache_dir), "ram_mb": 64, "disk_mb": 100,
             "min_tokens": 64}
+
+
+async def test_a_conversation_finds_its_earlier_turn_after_an_eviction(cache_dir: Path) -> None:
+    system = "You answer from these records only. " + SHORT_PREFIXES[1]
+    turn_1 = [{"role": "system", "content": system},
+              {"role": "user", "content": "Which animal sleeps longest?"}]
+    async with running_daemon(store_config(cache_dir)) as daemon, daemon.client() as client:
+        first = done_of(await client.request(
+            {"op": "chat", "messages": turn_1, "max_tokens": 24, "temperature": 0,
+             "stream": False}, timeout=180))
+        await generate(client, OTHER)  # the one slot goes to another prompt
+        turn_2 = [*turn_1, {"role": "assistant", "content": first["text"]},
+                  {"role": "user", "content": "And which sleeps least?"}]
+        second = done_of(await client.request(
+            {"op": "chat", "messages": turn_2, "max_tokens": 8, "temperature": 0,
+             "stream": False}, timeout=180))
+        # The first turn's prompt and answer came back as the slot left them: only the
+        # markup closing the answer and the new question are evaluated.
+        assert second["timings"]["cache_source"] == "ram"
+        assert second["usage"]["cached_tokens"] >= (
+            first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"] - 2)
