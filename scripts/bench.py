@@ -23,7 +23,8 @@ A second section, in scripts/bench_concurrency.py, measures 1, 2, 4 and 8 concur
 clients on the daemon (`--slots N` sets its `[server] slots`), on llama-server
 (`--llama-server PATH` or LLAMA_SERVER) and on llama-batched-bench (`--llama-batched-bench
 PATH` or LLAMA_BATCHED_BENCH), plus the daemon's first token and inter-token gaps under
-load. `--only figures` or `--only concurrency` runs one section.
+load. `--only figures` or `--only concurrency` runs one section. `--only cache` runs the
+prompt-cache section (scripts/bench_cache.py; llama-server's --cache-ram beside it).
 
     .venv/bin/python scripts/bench.py [--runs 5] [--tokens 128] [--json bench_results.json]
     .venv/bin/python scripts/bench.py --only concurrency --runs 3 [--slots 4]
@@ -691,7 +692,7 @@ def main() -> int:
     parser.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"),
                         help="path of llama.cpp's llama-bench (default: $LLAMA_BENCH)")
     parser.add_argument("--only", choices=("figures", "concurrency", "structured",
-                                           "speculative"),
+                                           "speculative", "cache"),
                         help="run one section: the single-client figures, the concurrent "
                              "clients or structured output (default: all)")
     parser.add_argument("--slots", type=int,
@@ -711,6 +712,8 @@ def main() -> int:
                         help="the same as --only structured")
     parser.add_argument("--no-structured", action="store_true",
                         help="skip the structured-output section when running all")
+    parser.add_argument("--churn-rounds", type=int, default=3,
+                        help="measured rounds of the cache section's churn (default 3)")
     parser.add_argument("--ceiling-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ceiling_worker:
@@ -758,6 +761,11 @@ def main() -> int:
             for label, value, met in structured_checks]}
     if args.only == "speculative":
         results["speculative"] = run_speculative(params, args.runs, args.llama_server, header)
+    if args.only == "cache":
+        import bench_cache
+
+        results["cache"] = bench_cache.run(params, args.runs, args.llama_server,
+                                           args.churn_rounds, runner=uvloop.run, header=header)
     if concurrency is not None:
         if figures:
             print()
