@@ -33,6 +33,13 @@ _PARKED_WAIT_S = 0.005
 # Prompt tokens a stored state must save beyond what the slots give, to be restored:
 # restoring costs about what evaluating a few tokens does.
 _RESTORE_GAIN = 16
+# A long prompt's state is also kept at the last few turn or line starts of its tail
+# (a control token such as <start_of_turn>, or the token after a newline): where the
+# next prompt with the same system text and another question tends to leave it, as a
+# state can continue only where its text ends.
+_BOUNDARIES = 2
+_BOUNDARY_SCAN = 512  # tokens before the prompt's end searched for them
+_BOUNDARY_GAP = 8  # tokens at least between two kept boundaries
 
 
 class _Seq(SeqCells):
@@ -460,6 +467,8 @@ class StepLoop:
         if reason != "error" and self._store is not None:
             if len(job.prompt) - job.n_cached >= self._store.min_tokens:
                 self._keep(seq, len(job.prompt))  # a prompt it took long to evaluate
+                for boundary in self._boundaries(job.prompt, self._store.min_tokens):
+                    self._keep(seq, boundary)
             if seq.keep_prefix:
                 self._keep(seq, seq.keep_prefix)
         job.kept = list(seq.cached)
@@ -525,6 +534,33 @@ class StepLoop:
         data = self._cells.state(seq, n)
         if data is not None:
             store.put(seq.cached[:n], data)
+
+    def _boundaries(self, prompt: list[int], lowest: int) -> list[int]:
+        """The last _BOUNDARIES turn or line starts in `prompt`'s tail, at `lowest` or
+        later (see _BOUNDARIES)."""
+        found: list[int] = []
+        vocab, model = self._vocab, self.model
+        pieces = model.pieces
+        stop = max(lowest, len(prompt) - _BOUNDARY_SCAN) - 1
+        for index in range(len(prompt) - 2, stop, -1):
+            token = prompt[index]
+            if C.llama_vocab_is_control(vocab, token):
+                boundary = index  # the state ends before the control token
+            else:
+                piece = pieces.get(token)
+                if piece is None:
+                    piece = model.piece(token)
+                if b"\n" not in piece:
+                    continue
+                boundary = index + 1  # after the newline
+            # (The whole prompt's own state serves the prompt sent again.)
+            if (boundary < lowest or boundary >= len(prompt) - 1
+                    or (found and found[-1] - boundary < _BOUNDARY_GAP)):
+                continue
+            found.append(boundary)
+            if len(found) == _BOUNDARIES:
+                break
+        return found
 
     def _keep_all(self) -> None:
         """At shutdown: every slot's cells into the store (the daemon drains first)."""

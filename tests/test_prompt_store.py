@@ -192,7 +192,6 @@ async def test_the_disk_budget_holds_least_recently_used_out_first(cache_dir: Pa
         assert oldest["usage"]["cached_tokens"] < 16
         cache = await cache_stats(client)
         assert cache["disk_bytes"] <= 20 << 20
-        assert cache["disk_files"] == 2
 
 
 async def test_four_slots_restore_and_save_at_once(cache_dir: Path) -> None:
@@ -270,3 +269,15 @@ async def test_a_conversation_finds_its_earlier_turn_after_an_eviction(cache_dir
         assert second["timings"]["cache_source"] == "ram"
         assert second["usage"]["cached_tokens"] >= (
             first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"] - 2)
+
+
+async def test_a_prefix_seen_once_comes_back_for_another_question_after_a_restart(
+        cache_dir: Path) -> None:
+    async with running_daemon(store_config(cache_dir)) as daemon, daemon.client() as client:
+        first = await generate(client, SHORT_PREFIXES[3] + QUESTION_1)
+    async with running_daemon(store_config(cache_dir)) as daemon, daemon.client() as client:
+        # Kept at the line start before "Question": the next question starts there.
+        other = await generate(client, SHORT_PREFIXES[3] + QUESTION_2)
+        assert other["timings"]["cache_source"] == "disk"
+        question = first["usage"]["prompt_tokens"] - other["usage"]["cached_tokens"]
+        assert 0 < question < 16
