@@ -274,7 +274,11 @@ class PromptStore:
                 log.exception("prompt cache: writing a state failed")
             finally:
                 with self._lock:
-                    write.entry.writing = False
+                    entry = write.entry
+                    entry.writing = False
+                    if (entry.data is None and entry.path is None
+                            and self._entries.get(entry.name) is entry):
+                        del self._entries[entry.name]  # in neither tier: not written
                 with self._flushed:
                     self._pending -= 1
                     self._flushed.notify_all()
