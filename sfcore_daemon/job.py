@@ -29,7 +29,7 @@ class Job:
         "pieces", "wake_pending", "_wake", "_finished", "loop",
         "n_cached", "t_start", "t_prompt_done", "t_first", "end_reason", "error",
         "slot", "evict", "exclusive", "kept", "grammar", "speculative", "drafted",
-        "accepted", "cache_source",
+        "accepted", "cache_source", "restore_failed",
     )
 
     def __init__(
@@ -60,6 +60,8 @@ class Job:
         # Where the n_cached rows came from: a slot's cells, or a stored state
         # restored from the RAM or the disk tier (promptstore.py).
         self.cache_source: CacheSource = "none"
+        # A stored state llama.cpp refused: the prompt was evaluated (the loop logs it).
+        self.restore_failed = False
         self.t_start = 0
         self.t_prompt_done = 0
         self.t_first = 0

@@ -85,14 +85,14 @@ class KVCache:
             # As for the own slot below: the rows the next token attends to must still
             # be there (a restored state of a sliding-window model holds only the last
             # window of its window layers); else the prompt is evaluated.
-            if not self._rows_present(seq, best_n):
+            if not self._rows_present(seq.id, best_n):
                 self.forget(seq)
                 return 0
             seq.cached.extend(best.cached[:best_n])
             seq.prompt_rows = min(best.prompt_rows, best_n)
             return best_n
         removed = C.llama_memory_seq_rm(memory, seq.id, best_n, -1)
-        if not removed or not self._rows_present(seq, best_n):
+        if not removed or not self._rows_present(seq.id, best_n):
             return 0
         del seq.cached[best_n:]
         seq.prompt_rows = min(seq.prompt_rows, best_n)
@@ -118,10 +118,11 @@ class KVCache:
         """Drop cells past `seq.cached` (whole ubatches an aborted decode left behind)."""
         C.llama_memory_seq_rm(self._memory, seq.id, len(seq.cached), -1)
 
-    def _rows_present(self, seq: SeqCells, n: int) -> bool:
+    def _rows_present(self, seq_id: int, n: int) -> bool:
+        """Whether sequence `seq_id` has the rows a token at position n attends to."""
         # The token at position n attends to positions above n - n_swa.
         first_needed = max(0, n - self._n_swa + 1) if self._n_swa else 0
-        return bool(C.llama_memory_seq_pos_min(self._memory, seq.id) <= first_needed)
+        return bool(C.llama_memory_seq_pos_min(self._memory, seq_id) <= first_needed)
 
     def state(self, seq: SeqCells, n: int) -> bytearray | None:
         """The state of the first `n` of `seq`'s cells (llama_state_seq_get_data): its K
@@ -135,6 +136,10 @@ class KVCache:
             sid = self._scratch
             C.llama_memory_seq_cp(self._memory, seq.id, sid, 0, n)
         try:
+            # A sequence restored from a state lacks the window rows before its restore
+            # point, and so would a state of an earlier prefix of it: none is taken.
+            if not self._rows_present(sid, n):
+                return None
             size = C.llama_state_seq_get_size(self._ctx, sid)
             if size <= 0:
                 return None
@@ -161,7 +166,7 @@ class KVCache:
         seq.prompt_rows = 0
         if (not loaded or C.llama_memory_seq_pos_max(memory, sid) != len(tokens) - 1
                 or not C.llama_memory_seq_rm(memory, sid, n, -1)
-                or not self._rows_present(seq, n)):
+                or not self._rows_present(seq.id, n)):
             self.forget(seq)
             return False
         seq.cached.extend(tokens[:n])

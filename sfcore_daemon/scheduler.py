@@ -217,6 +217,9 @@ class Generation:
             self._stats.grammar_resampled += job.grammar.resampled
             self._stats.grammar_closed_early += self._truncated
         self._stats.cache_hit(job.cache_source, job.n_cached)
+        if job.restore_failed:
+            log.warning("generation %r: llama.cpp refused a stored prompt state; "
+                        "its prompt was evaluated instead", self.request_id)
         if job.drafted:
             self._stats.speculative_requests += 1
             self._stats.drafted_tokens += job.drafted

@@ -33,6 +33,8 @@ _PARKED_WAIT_S = 0.005
 # Prompt tokens a stored state must save beyond what the slots give, to be restored:
 # restoring costs about what evaluating a few tokens does.
 _RESTORE_GAIN = 16
+# Prompt tokens left from which a prompt waits for the older ones in the prefill order.
+_SHORT_REST = 64
 # A long prompt's state is also kept at the last few turn or line starts of its tail
 # (a control token such as <start_of_turn>, or the token after a newline): where the
 # next prompt with the same system text and another question tends to leave it, as a
@@ -73,6 +75,12 @@ class _Seq(SeqCells):
         # A prefix its prompt shares with an earlier text (a common system prompt): its
         # state is stored when the job ends, to be restored for the next one.
         self.keep_prefix = 0
+
+
+def _long_rest(seq: _Seq) -> bool:
+    job = seq.job
+    assert job is not None
+    return len(job.prompt) - seq.next_prompt > _SHORT_REST
 
 
 def _drain_each(jobs: list[Job]) -> None:
@@ -274,16 +282,20 @@ class StepLoop:
                     wants[n] = 1
                     n += 1
                 spare -= len(draft)
-        # Then prompt tokens, oldest request first. Alone, a prompt goes in whole
-        # n_batch chunks; beside streaming sequences, at most prefill_per_step tokens
-        # a step, so their next token is never held up by a whole long prompt.
+        # Then prompt tokens: first the prompts with at most _SHORT_REST tokens left (a
+        # restored or reused prefix's question, a chat's new turn: their first token
+        # is near), then the others, oldest request first. Alone, a prompt goes in
+        # whole n_batch chunks; beside streaming sequences, at most prefill_per_step
+        # tokens a step, so their next token is never held up by a whole long prompt.
         budget = self._n_batch - n if n == 0 else min(self._prefill_per_step, self._n_batch - n)
         chunk = self._prefill_chunk
-        for seq in active:
+        reading = [seq for seq in active
+                   if not seq.generating and seq.parked is None and seq.loading is None]
+        if len(reading) > 1:
+            reading.sort(key=_long_rest)  # stable: oldest first within each group
+        for seq in reading:
             if budget <= 0:
                 break
-            if seq.generating or seq.parked is not None or seq.loading is not None:
-                continue
             job = seq.job
             assert job is not None
             prompt, pos, sid = job.prompt, seq.next_prompt, seq.id
@@ -502,7 +514,7 @@ class StepLoop:
             job.n_cached, job.cache_source = n, "ram"
         else:
             store.counters.errors += 1
-            job.n_cached, job.cache_source = 0, "none"
+            job.n_cached, job.cache_source, job.restore_failed = 0, "none", True
 
     def _loaded(self, seq: _Seq) -> None:
         """A state read from disk is there (or could not be read): restore it, or go
@@ -521,7 +533,7 @@ class StepLoop:
         else:
             assert self._store is not None
             self._store.counters.errors += 1
-            job.n_cached, job.cache_source = 0, "none"
+            job.n_cached, job.cache_source, job.restore_failed = 0, "none", True
         seq.next_prompt = job.n_cached
 
     def _keep(self, seq: _Seq, n: int) -> None:
