@@ -206,7 +206,8 @@ async def test_four_slots_restore_and_save_at_once(cache_dir: Path) -> None:
                     for client, prefix in zip(clients, prefixes, strict=True))))
 
             first = await round_of(QUESTION_1, SHORT_PREFIXES)
-            assert all(done["usage"]["cached_tokens"] == 0 for done in first)
+            # Nothing stored yet: at most the first words the prefixes share.
+            assert all(done["usage"]["cached_tokens"] < 8 for done in first), first
             await round_of(QUESTION_2, SHORT_PREFIXES)
             # Four other prompts take every slot's cells; then each prefix comes back.
             await round_of("", [f"{OTHER} {k}" for k in range(4)])
