@@ -49,7 +49,7 @@ class _Seq(SeqCells):
 
     __slots__ = ("job", "sampler", "next_prompt", "chunk_end", "n_out", "limit",
                  "generating", "last_token", "parked", "drafter", "draft", "loading",
-                 "keep_state", "keep_prefix")
+                 "keep_state", "keep_prefix", "prompt_kept")
 
     def __init__(self, seq_id: int) -> None:
         super().__init__(seq_id)
@@ -75,6 +75,7 @@ class _Seq(SeqCells):
         # A prefix its prompt shares with an earlier text (a common system prompt): its
         # state is stored when the job ends, to be restored for the next one.
         self.keep_prefix = 0
+        self.prompt_kept = False  # its prompt's states were taken (or were not worth it)
 
 
 def _long_rest(seq: _Seq) -> bool:
@@ -199,6 +200,7 @@ class StepLoop:
             job.cache_source = "slot" if n_reused else "none"
             seq.keep_state = job.cache_prompt
             seq.keep_prefix = 0
+            seq.prompt_kept = False
             seq.loading = None
             if job.cache_prompt and self._store is not None:
                 self._restore(seq, job)
@@ -367,6 +369,13 @@ class StepLoop:
             if drawn is not None:
                 self._take(seq, drawn, woken)
         self._wake(woken)
+        if self._store is not None:
+            # Once the first tokens are on their way: the states of prompts read whole
+            # this step, while their cells are the prompt (a sliding-window cache lets
+            # later tokens overwrite rows a prefix's state needs).
+            for seq in prefilling:
+                if seq.job is not None and seq.job.t_prompt_done == now:
+                    self._keep_prompt(seq, seq.job)
 
     def _sample(self, seq: _Seq, row: int) -> int | None:
         """The sequence's next token from the logits of `row`; None when a wide grammar
@@ -476,13 +485,8 @@ class StepLoop:
         if job.grammar is not None:
             job.grammar.free()
         seq.loading = None
-        if reason != "error" and self._store is not None:
-            if len(job.prompt) - job.n_cached >= self._store.min_tokens:
-                self._keep(seq, len(job.prompt))  # a prompt it took long to evaluate
-                for boundary in self._boundaries(job.prompt, self._store.min_tokens):
-                    self._keep(seq, boundary)
-            if seq.keep_prefix:
-                self._keep(seq, seq.keep_prefix)
+        if reason != "error" and not seq.prompt_kept and job.t_prompt_done:
+            self._keep_prompt(seq, job)  # it ended in the step that read its prompt
         job.kept = list(seq.cached)
         if seq.drafter is not None and reason != "error":
             seq.drafter.learn()
@@ -535,6 +539,21 @@ class StepLoop:
             self._store.counters.errors += 1
             job.n_cached, job.cache_source, job.restore_failed = 0, "none", True
         seq.next_prompt = job.n_cached
+
+    def _keep_prompt(self, seq: _Seq, job: Job) -> None:
+        """The states worth keeping of a prompt just read: the whole prompt and its last
+        turn or line starts if it took long to evaluate, and a prefix it shares with an
+        earlier text."""
+        store = self._store
+        seq.prompt_kept = True
+        if store is None:
+            return
+        if len(job.prompt) - job.n_cached >= store.min_tokens:
+            self._keep(seq, len(job.prompt))
+            for boundary in self._boundaries(job.prompt, store.min_tokens):
+                self._keep(seq, boundary)
+        if seq.keep_prefix:
+            self._keep(seq, seq.keep_prefix)
 
     def _keep(self, seq: _Seq, n: int) -> None:
         """Save the state of `seq`'s first `n` cells in the prompt store, unless short
