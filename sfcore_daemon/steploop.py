@@ -73,7 +73,7 @@ class _Seq(SeqCells):
         # Whether its cells may be kept in the prompt store (not after cache_prompt: false).
         self.keep_state = False
         # A prefix its prompt shares with an earlier text (a common system prompt): its
-        # state is stored when the job ends, to be restored for the next one.
+        # state is stored once the prompt is read, to be restored for the next one.
         self.keep_prefix = 0
         self.prompt_kept = False  # its prompt's states were taken (or were not worth it)
 
