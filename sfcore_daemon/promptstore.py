@@ -181,16 +181,21 @@ class PromptStore:
                 shared_most = max(shared_most, min(shared, limit))
         return best, best_n, shared_most
 
-    def has(self, tokens: list[int]) -> bool:
-        """Whether the state of exactly `tokens` is stored (marking it used)."""
-        name = state_name(tokens)
+    def stored_prefix(self, tokens: list[int]) -> int:
+        """The length of the longest stored text that `tokens` starts with (0: none),
+        marking that state used: a prefix that keeps coming back stays in the store."""
+        best: Entry | None = None
         with self._lock:
-            entry = self._entries.get(name)
-            if entry is None:
-                return False
+            for entry in self._entries.values():
+                stored = entry.tokens
+                if (len(stored) <= len(tokens) and (best is None or len(stored) > len(best.tokens))
+                        and shared_prefix(stored, tokens, len(stored)) == len(stored)):
+                    best = entry
+            if best is None:
+                return 0
             self._uses += 1
-            entry.used = self._uses
-            return True
+            best.used = self._uses
+            return len(best.tokens)
 
     def put(self, tokens: list[int], data: bytearray) -> None:
         """Keep the state `data` of `tokens`: in RAM if it fits the budget, and on disk."""

@@ -553,18 +553,25 @@ class StepLoop:
             for boundary in self._boundaries(job.prompt, store.min_tokens):
                 self._keep(seq, boundary)
         if seq.keep_prefix:
-            self._keep(seq, seq.keep_prefix)
+            self._keep(seq, seq.keep_prefix, exact=True)
 
-    def _keep(self, seq: _Seq, n: int) -> None:
+    def _keep(self, seq: _Seq, n: int, *, exact: bool = False) -> None:
         """Save the state of `seq`'s first `n` cells in the prompt store, unless short
-        or stored already."""
+        or within min_tokens of a stored prefix of them: a slot that answered a
+        question after a restored system prompt is let go without a copy of its
+        cells (under churn that was a copy and a disk write per request, each the
+        size of the whole prefix, for a few dozen tokens of gain). `exact`: a prefix
+        other prompts share, worth its own state unless stored already (restored
+        there, the next prompt evaluates just what differs)."""
         store = self._store
-        if (store is None or not seq.keep_state or n < store.min_tokens
-                or n > len(seq.cached) or store.has(seq.cached[:n])):
+        if store is None or not seq.keep_state or n < store.min_tokens or n > len(seq.cached):
+            return
+        tokens = seq.cached[:n]
+        if n - store.stored_prefix(tokens) < (1 if exact else store.min_tokens):
             return
         data = self._cells.state(seq, n)
         if data is not None:
-            store.put(seq.cached[:n], data)
+            store.put(tokens, data)
 
     def _boundaries(self, prompt: list[int], lowest: int) -> list[int]:
         """The last _BOUNDARIES turn or line starts in `prompt`'s tail, at `lowest` or

@@ -267,11 +267,12 @@ async def test_a_conversation_finds_its_earlier_turn_after_an_eviction(cache_dir
         second = done_of(await client.request(
             {"op": "chat", "messages": turn_2, "max_tokens": 8, "temperature": 0,
              "stream": False}, timeout=180))
-        # The first turn's prompt and answer came back as the slot left them: only the
-        # markup closing the answer and the new question are evaluated.
+        # The first turn's prompt came back (kept once it was read); the slot's cells
+        # were let go without a copy, as its answer added fewer than min_tokens to it:
+        # the answer, the markup closing it and the new question are evaluated.
         assert second["timings"]["cache_source"] == "ram"
-        assert second["usage"]["cached_tokens"] >= (
-            first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"] - 2)
+        cached = second["usage"]["cached_tokens"]
+        assert first["usage"]["prompt_tokens"] - 2 <= cached < first["usage"]["prompt_tokens"] + 2
 
 
 async def test_a_prefix_seen_once_comes_back_for_another_question_after_a_restart(

@@ -34,7 +34,10 @@ def test_a_state_fits_a_prompt_that_starts_with_its_whole_text() -> None:
         assert entry is not None and entry.tokens == [1, 2, 3, 4, 5] and n == 4
         entry, n, shared = store.find([9, 9, 9])
         assert entry is None and n == 0 and shared == 0
-        assert store.has([1, 2, 3, 4, 5]) and not store.has([1, 2, 3, 4])
+        # What a slot's cells would add to the store: only past its longest stored prefix.
+        assert store.stored_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9, 9]) == 8
+        assert store.stored_prefix([1, 2, 3, 4, 5, 6, 0]) == 5
+        assert store.stored_prefix([1, 2, 3, 4]) == 0
     finally:
         store.close(5)
 
@@ -44,10 +47,10 @@ def test_the_ram_budget_drops_the_least_recently_used_first() -> None:
     try:
         store.put([1] * 4, bytearray(10))
         store.put([2] * 4, bytearray(10))
-        assert store.has([1] * 4)  # used: now [2]*4 is the older one
+        assert store.stored_prefix([1] * 6) == 4  # used: now [2]*4 is the older one
         store.put([3] * 4, bytearray(10))
         assert store.ram_bytes == 20
-        assert not store.has([2] * 4) and store.has([1] * 4) and store.has([3] * 4)
+        assert [store.stored_prefix([t] * 4) for t in (1, 2, 3)] == [4, 0, 4]
         assert store.counters.ram_evicted == 1
     finally:
         store.close(5)

@@ -96,7 +96,9 @@ async def test_a_fifth_request_waits_for_a_free_slot() -> None:
         first_two = [done_of(lines)["timings"] for lines in replies[:2]]
         queued = done_of(replies[2])["timings"]["queued_ms"]
         assert queued > 0.5 * min(t["decode_ms"] for t in first_two), (queued, first_two)
-        assert queued > 10 * max(t["queued_ms"] for t in first_two), (queued, first_two)
+        # The first two waited at most for a step in progress (their slots were free):
+        # less than the third, whatever the load (a loaded run saw 2.2 s against 9.3 s).
+        assert queued > max(t["queued_ms"] for t in first_two), (queued, first_two)
 
 
 async def test_cancel_and_disconnect_end_one_sequence_and_never_disturb_the_others() -> None:
