@@ -120,10 +120,10 @@ class SpeculativeConfig(_Section, frozen=True):
     # occurrence of its latest n-gram in its own text, and one decode step verifies
     # them (docs/performance.md, "Speculative decoding"); "off": one token a step.
     mode: Literal["ngram", "off"] = "ngram"
-    # Tokens one draft may propose; a sequence starts at draft_start and doubles while
-    # its drafts are accepted whole.
+    # Tokens one draft may propose; a match drafts twice as far as it runs back, at
+    # least draft_start tokens (speculative.py).
     draft_max: Annotated[int, msgspec.Meta(ge=2, le=256)] = 64
-    draft_start: Annotated[int, msgspec.Meta(ge=2, le=256)] = 8
+    draft_start: Annotated[int, msgspec.Meta(ge=2, le=256)] = 4
     # N-gram lengths matched, the longest first.
     ngram_max: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
     ngram_min: Annotated[int, msgspec.Meta(ge=1, le=16)] = 2

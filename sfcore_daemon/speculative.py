@@ -22,6 +22,15 @@ from .config import SpeculativeConfig
 # first, twice as many after each further failure, at most _MAX_PAUSE.
 _FIRST_PAUSE = 4
 _MAX_PAUSE = 256
+# A match drafts this many times as far as it runs back: a long match is a copy (or a
+# loop) in progress, and copies tend to go on. Replaying 24 greedy outputs of the bench's
+# edit and free prompts with the measured step costs: x2 gave edit 176 / free 132 tok/s,
+# against 166 / 115 for drafts that start at 8 and double (docs/performance.md).
+_REACH = 2
+# After a draft accepted in part, the next ones are at most this many times what was
+# accepted (plus the drawn token): the match rule alone would retry the same length
+# where sampled text keeps leaving copies.
+_PARTIAL_REACH = 4
 # The shortest draft worth a step: llama.cpp decodes one row through a faster path than
 # several, so one row plus one draft row took 2.1x one row here (13.3 -> 27.9 ms), one
 # plus two 2.05x, one plus four 3.5x: a one-token draft never pays, two pay when both
@@ -34,7 +43,7 @@ class DraftSettings:
     """How long drafts may be and which n-grams find them (config [speculative])."""
 
     draft_max: int  # tokens one draft may propose
-    draft_start: int  # a sequence's first drafts; grows while drafts are accepted whole
+    draft_start: int  # the shortest draft a match proposes
     ngram_max: int  # the longest n-gram matched (tried first)
     ngram_min: int  # the shortest
     store_tokens: int = 0  # finished requests' output kept for other requests' drafts
@@ -126,7 +135,7 @@ class NgramDrafter:
         # (the latest occurrence: a text that repeats itself repeats its latest form).
         self._maps: list[tuple[int, dict[tuple[int, ...], int]]] = [
             (n, {}) for n in range(settings.ngram_max, settings.ngram_min - 1, -1)]
-        self._limit = settings.draft_start
+        self._limit = settings.draft_max  # lowered by drafts accepted in part
         self._pause = 0  # tokens to go before the next draft
         self._next_pause = _FIRST_PAUSE
         self.drafted = 0
@@ -146,7 +155,9 @@ class NgramDrafter:
         tokens = self._tokens
         length = len(tokens)
         self._index(tokens, length)
-        want = max(min(room, self._limit), MIN_DRAFT)
+        settings = self._settings
+        room = min(room, self._limit)
+        want = max(min(room, settings.draft_start), MIN_DRAFT)  # for a store match
         store = self._store
         for n, positions in self._maps:
             if store is not None and n < store.n:
@@ -160,6 +171,8 @@ class NgramDrafter:
                 continue
             start = positions.get(tuple(tokens[length - n:]))
             if start is not None:
+                reach = _REACH * _match_length(tokens, start, n, settings.draft_max // _REACH)
+                want = max(min(room, max(settings.draft_start, reach)), MIN_DRAFT)
                 draft = tokens[start:start + want]
                 if len(draft) < want:
                     # The match runs into the end of the text: the text is periodic
@@ -192,8 +205,9 @@ class NgramDrafter:
             self._pause = self._next_pause
             self._next_pause = min(self._next_pause * 2, _MAX_PAUSE)
         else:
-            # Each rejected row cost about a quarter of a step: aim at what was accepted.
-            self._limit = max(accepted + 1, MIN_DRAFT)
+            # Each rejected row cost about a quarter of a step: stay near what was
+            # accepted until drafts are accepted whole again.
+            self._limit = max(_PARTIAL_REACH * (accepted + 1), MIN_DRAFT)
             self._next_pause = _FIRST_PAUSE
 
     def _index(self, tokens: list[int], length: int) -> None:
@@ -209,3 +223,17 @@ class NgramDrafter:
             keys = zip(*(tokens[first - n + i:length - n + i] for i in range(n)), strict=True)
             positions.update(zip(keys, range(first, length), strict=True))
         self._indexed = length
+
+
+def _match_length(tokens: list[int], start: int, n: int, most: int) -> int:
+    """How far back (at least `n`, at most `most`) the text before `start` equals the
+    text's end: a binary search of slice comparisons, each done in C."""
+    length = len(tokens)
+    low, high = n, min(most, start)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if tokens[start - mid:start] == tokens[length - mid:]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
