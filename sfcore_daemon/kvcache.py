@@ -118,6 +118,21 @@ class KVCache:
         """Drop cells past `seq.cached` (whole ubatches an aborted decode left behind)."""
         C.llama_memory_seq_rm(self._memory, seq.id, len(seq.cached), -1)
 
+    def protect(self, seq: SeqCells, first: int) -> None:
+        """Keep `seq`'s rows from position `first` up to its end from being reused while
+        its later tokens are evaluated: llama.cpp's find_slot gives a sliding-window
+        sequence's rows a window behind its last token to other tokens, but only rows
+        of one sequence. So they are shared with `seq`'s own spare id (a reference,
+        not a copy) until a state that needs them is taken, then released."""
+        if self._scratch is not None and self._n_swa and first < len(seq.cached):
+            C.llama_memory_seq_cp(self._memory, seq.id, self._scratch + 1 + seq.id,
+                                  first, len(seq.cached))
+
+    def release(self, seq: SeqCells) -> None:
+        """Drop what `protect` kept for `seq`."""
+        if self._scratch is not None and self._n_swa:
+            C.llama_memory_seq_rm(self._memory, self._scratch + 1 + seq.id, -1, -1)
+
     def _rows_present(self, seq_id: int, n: int) -> bool:
         """Whether sequence `seq_id` has the rows a token at position n attends to."""
         # The token at position n attends to positions above n - n_swa.

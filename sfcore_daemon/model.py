@@ -80,13 +80,14 @@ class Model:
 
     @classmethod
     def load(cls, path: str, config: ModelConfig, n_threads: int, n_threads_batch: int, *,
-             slots: int, draft_rows: int = 0, progress: Any = None) -> Model:
+             slots: int, draft_rows: int = 0, spare_seqs: int = 0,
+             progress: Any = None) -> Model:
         """The model with its context; ModelLoadError (with llama.cpp's reason) if either
         cannot be made. `progress`: a llama_progress_callback that may stop the load."""
         started = time.perf_counter()
         model = load_model(path, config, progress)
         ctx = C.llama_init_from_model(model, context_params(
-            config, n_threads, n_threads_batch, slots, draft_rows))
+            config, n_threads, n_threads_batch, slots, draft_rows, spare_seqs=spare_seqs))
         if not ctx:
             C.llama_model_free(model)
             C.llama_backend_free()
@@ -226,13 +227,14 @@ def load_model(model_path: str, model_config: ModelConfig, progress: Any = None)
 
 
 def context_params(model_config: ModelConfig, n_threads: int, n_threads_batch: int,
-                   slots: int = 1, draft_rows: int = 0) -> Any:
-    """The daemon's llama_context_params; the tuner and the benchmark use the same."""
+                   slots: int = 1, draft_rows: int = 0, *, spare_seqs: int = 0) -> Any:
+    """The daemon's llama_context_params; the tuner and the benchmark use the same.
+    `spare_seqs`: sequence ids beyond the slots' that are never decoded (kvcache.py)."""
     params = C.llama_context_default_params()
     params.n_ctx = model_config.n_ctx
     params.n_batch = model_config.n_batch
     params.n_ubatch = model_config.n_ubatch
-    params.n_seq_max = slots
+    params.n_seq_max = slots + spare_seqs
     # One KV pool shared by every slot: a request may use as much of n_ctx as the
     # others leave, and no slot's share sits idle (docs/performance.md, "Parallel slots").
     params.kv_unified = True

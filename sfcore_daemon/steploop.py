@@ -49,7 +49,7 @@ class _Seq(SeqCells):
 
     __slots__ = ("job", "sampler", "next_prompt", "chunk_end", "n_out", "limit",
                  "generating", "last_token", "parked", "drafter", "draft", "loading",
-                 "keep_state", "keep_prefix", "prompt_kept")
+                 "keep_state", "keep_prefix", "prompt_kept", "boundaries", "protect_from")
 
     def __init__(self, seq_id: int) -> None:
         super().__init__(seq_id)
@@ -76,6 +76,10 @@ class _Seq(SeqCells):
         # state is stored once the prompt is read, to be restored for the next one.
         self.keep_prefix = 0
         self.prompt_kept = False  # its prompt's states were taken (or were not worth it)
+        # The turn or line starts whose states are taken once the prompt is read, and
+        # the first row those states need kept meanwhile (-1: none; see _protect).
+        self.boundaries: list[int] = []
+        self.protect_from = -1
 
 
 def _long_rest(seq: _Seq) -> bool:
@@ -119,8 +123,9 @@ class StepLoop:
         self._seqs = [_Seq(seq_id) for seq_id in range(slots)]
         # Restored states are not cold-run bytes: reproducible mode keeps none.
         self._store = None if reproducible else store
+        self._n_swa = C.llama_model_n_swa(model.model)
         self._cells = KVCache(model.memory, self._seqs, model.n_ubatch, reproducible,
-                              model.ctx, C.llama_model_n_swa(model.model),
+                              model.ctx, self._n_swa,
                               slots if self._store is not None else None)
         self._active: list[_Seq] = []  # sequences with a job, in the order they began
         # One batch for every step, sized for n_batch tokens of one sequence each.
@@ -205,6 +210,8 @@ class StepLoop:
             if job.cache_prompt and self._store is not None:
                 self._restore(seq, job)
             seq.next_prompt = job.n_cached
+            if seq.loading is None:
+                self._protect(seq, job)
             seq.n_out = 0
             seq.generating = False
             seq.limit = min(job.max_tokens, self.n_ctx - len(job.prompt))
@@ -360,6 +367,8 @@ class StepLoop:
             seq.next_prompt = seq.prompt_rows = seq.chunk_end
             if seq.chunk_end == len(job.prompt):
                 job.t_prompt_done = now
+            elif seq.protect_from >= 0:
+                self._cells.protect(seq, seq.protect_from)
 
         for seq, row in outputs:
             if seq.draft:
@@ -487,6 +496,7 @@ class StepLoop:
         seq.loading = None
         if reason != "error" and not seq.prompt_kept and job.t_prompt_done:
             self._keep_prompt(seq, job)  # it ended in the step that read its prompt
+        self._unprotect(seq)
         job.kept = list(seq.cached)
         if seq.drafter is not None and reason != "error":
             seq.drafter.learn()
@@ -539,6 +549,7 @@ class StepLoop:
             self._store.counters.errors += 1
             job.n_cached, job.cache_source, job.restore_failed = 0, "none", True
         seq.next_prompt = job.n_cached
+        self._protect(seq, job)
 
     def _keep_prompt(self, seq: _Seq, job: Job) -> None:
         """The states worth keeping of a prompt just read: the whole prompt and its last
@@ -550,10 +561,32 @@ class StepLoop:
             return
         if len(job.prompt) - job.n_cached >= store.min_tokens:
             self._keep(seq, len(job.prompt))
-            for boundary in self._boundaries(job.prompt, store.min_tokens):
+            for boundary in seq.boundaries:
                 self._keep(seq, boundary)
         if seq.keep_prefix:
             self._keep(seq, seq.keep_prefix, exact=True)
+        self._unprotect(seq)
+
+    def _protect(self, seq: _Seq, job: Job) -> None:
+        """Plan the states its prompt gives once read, and which rows they need kept
+        from llama.cpp's reuse until then: a state of a prefix ending at b needs the
+        window before b, rows a sliding-window cache hands to other sequences' tokens
+        once the prompt has gone a window past them (under 8-slot churn 2 of 12
+        system prompts had lost theirs: every one of their next requests was cold)."""
+        store = self._store
+        seq.boundaries = []
+        if store is None or not seq.keep_state:
+            return
+        if len(job.prompt) - job.n_cached >= store.min_tokens:
+            seq.boundaries = self._boundaries(job.prompt, store.min_tokens)
+        marks = [b for b in (*seq.boundaries, seq.keep_prefix) if b > 0]
+        if marks and self._n_swa:
+            seq.protect_from = max(0, min(marks) - self._n_swa)
+
+    def _unprotect(self, seq: _Seq) -> None:
+        if seq.protect_from >= 0:
+            self._cells.release(seq)
+            seq.protect_from = -1
 
     def _keep(self, seq: _Seq, n: int, *, exact: bool = False) -> None:
         """Save the state of `seq`'s first `n` cells in the prompt store, unless short
