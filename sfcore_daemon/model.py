@@ -242,7 +242,8 @@ def context_params(model_config: ModelConfig, n_threads: int, n_threads_batch: i
     # draft tokens are ever read: at most one row per slot a step plus the step's
     # draft rows. Without this llama.cpp reserves logits for n_ubatch outputs: 512 x
     # 262k floats, a 514 MiB buffer. (Pages are touched only as rows are written.)
-    params.n_outputs_max = slots + draft_rows
+    # llama.cpp reserves a row per sequence id when it makes the context.
+    params.n_outputs_max = max(slots + draft_rows, params.n_seq_max)
     params.n_threads = n_threads
     params.n_threads_batch = n_threads_batch
     params.flash_attn_type = _flash_attn_type(model_config.flash_attn)

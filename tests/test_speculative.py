@@ -310,3 +310,14 @@ async def test_speculation_is_reported_and_can_be_refused() -> None:
         assert info["config"]["speculative"]["mode"] == "off"
         done = await generate(daemon, COPY_JSON, max_tokens=32)
         assert done["usage"]["drafted_tokens"] == 0
+
+
+@pytest_asyncio_mark
+async def test_speculation_off_in_the_config_never_drafts() -> None:
+    # With no draft rows the context's output rows are the slots' and the prompt store's
+    # spare sequence ids: llama.cpp asserts at start-up if there are fewer.
+    async with running_daemon({"speculative": {"mode": "off"}}) as daemon:
+        done = await generate(daemon, COPY_CODE, max_tokens=24)
+        assert done["usage"]["completion_tokens"] == 24
+        assert done["usage"]["drafted_tokens"] == 0
+        assert (await stats(daemon))["speculative"]["drafted"] == 0
