@@ -21,7 +21,10 @@ from .connection import Connection, ReplySlot
 from .engine import Engine
 from .grammar import GrammarError, GrammarSampler
 from .model import EngineClosed, TokenIdError
+from .promptstore import Cleared
 from .protocol import (
+    CacheReply,
+    CacheRequest,
     CacheSettings,
     CancelledReply,
     CancelRequest,
@@ -40,6 +43,7 @@ from .protocol import (
     SlotUse,
     SpeculativeSettings,
     StatsRequest,
+    StoredState,
     TextReply,
     TokenizeRequest,
     TokensReply,
@@ -54,6 +58,12 @@ log = logging.getLogger(__name__)
 
 # Prompts above this size are tokenized off the event loop (about a millisecond of C work).
 _INLINE_TOKENIZE_BYTES = 32 * 1024
+# The cache op's preview of a stored prefix: its first tokens, cut to this many characters.
+_PREVIEW_TOKENS = 32
+_PREVIEW_CHARS = 80
+# A clear waits for the writes queued before it (a few ms each); a disk that hangs
+# longer than this gets the client an error instead of a hung request.
+_CLEAR_TIMEOUT_S = 60.0
 
 
 class RequestHandlers:
@@ -110,6 +120,9 @@ class RequestHandlers:
                     stats = self.stats.reply(request_id, self.slot_uses(),
                                              self.engine.store if self.engine else None)
                     connection.reply(protocol.encode_line(stats))
+                case CacheRequest():
+                    slot = connection.open_slot()
+                    await self.cache(connection, request, slot)
                 case _:
                     assert_never(request)
         except Exception:
@@ -215,6 +228,44 @@ class RequestHandlers:
             return
         assert request_id is not None
         slot.write(protocol.encode_line(TextReply(id=request_id, text=text)))
+        slot.close()
+
+    async def cache(self, connection: Connection, request: CacheRequest,
+                    slot: ReplySlot) -> None:
+        """List the prompt store's states, or clear it (RAM and this model's files)."""
+        request_id = request.id
+        assert request_id is not None
+        try:
+            engine = await self._loaded_engine()
+        except EngineClosed as exc:
+            connection.reply_error(request_id, protocol.SHUTTING_DOWN, str(exc), slot)
+            return
+        store = engine.store
+        removed = Cleared(states=0, files=0, bytes=0)
+        if store is not None and request.action == "clear":
+            try:
+                removed = await asyncio.wait_for(asyncio.wrap_future(store.clear()),
+                                                 _CLEAR_TIMEOUT_S)
+            except TimeoutError:
+                connection.reply_error(
+                    request_id, protocol.INTERNAL,
+                    f"the prompt store did not finish clearing in {_CLEAR_TIMEOUT_S:.0f} s "
+                    "(its disk is slow or hung); it goes on in the background", slot)
+                return
+        states = []
+        for state in store.states(_PREVIEW_TOKENS) if store is not None else []:
+            try:
+                preview = engine.detokenize(state.tokens)[:_PREVIEW_CHARS]
+            except EngineClosed:
+                preview = ""
+            states.append(StoredState(tokens=state.n_tokens, bytes=state.nbytes, ram=state.ram,
+                                      disk=state.disk, preview=preview))
+        folder = store.folder if store is not None else None
+        slot.write(protocol.encode_line(CacheReply(
+            id=request_id, enabled=store is not None,
+            dir=str(folder) if folder is not None else None, states=states,
+            removed_states=removed.states, removed_files=removed.files,
+            removed_bytes=removed.bytes)))
         slot.close()
 
     async def _prompt(self, engine: Engine, request: GenerationRequest) -> list[int]:

@@ -93,6 +93,22 @@ class _Write:
         self.data = data
 
 
+class Cleared(msgspec.Struct, frozen=True):
+    states: int
+    files: int
+    bytes: int
+
+
+class StateView(msgspec.Struct, frozen=True):
+    """What `states` tells of one stored state."""
+
+    tokens: list[int]  # its first tokens only (for a preview)
+    n_tokens: int
+    nbytes: int
+    ram: bool
+    disk: bool
+
+
 def state_name(tokens: list[int]) -> str:
     """The file name of the state of `tokens` (within a fingerprint's folder)."""
     import hashlib
@@ -122,7 +138,7 @@ class PromptStore:
         self._uses = 0
         self.ram_bytes = 0
         self.disk_bytes = 0
-        self._writes: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
+        self._writes: queue.SimpleQueue[_Write | Future[Cleared] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="sfcore-cache-read")
         self._flushed = threading.Condition()
@@ -273,6 +289,13 @@ class PromptStore:
             write = self._writes.get()
             if write is None:
                 return
+            if isinstance(write, Future):
+                try:
+                    write.set_result(self._clear())
+                except Exception as exc:
+                    log.exception("prompt cache: clearing failed")
+                    write.set_exception(exc)
+                continue
             try:
                 self._write(write.entry, write.data)
             except Exception:
@@ -460,7 +483,55 @@ class PromptStore:
             self.disk_bytes = total
         return total + size <= self.disk_budget
 
-    # --- the event loop (stats) ------------------------------------------------------
+    def _clear(self) -> Cleared:
+        """Forget every state and remove this store's files (the store's thread: every
+        write queued before the clear is done; those queued after it are kept)."""
+        with self._lock:
+            gone = [entry for entry in self._entries.values() if not entry.writing]
+            for entry in gone:
+                del self._entries[entry.name]
+            for entry in self._entries.values():
+                entry.path, entry.file_bytes = None, 0  # its file is written again
+            for entry in gone:
+                # A reader loading one of these finds no path, or no file: the prompt
+                # it was for is evaluated.
+                entry.data, entry.path = None, None
+            self.ram_bytes = sum(entry.nbytes for entry in self._entries.values()
+                                 if entry.data is not None)
+        files = removed = 0
+        folder = self.folder
+        if folder is not None:
+            stale = time.time_ns() - _STALE_PARTIAL_NS
+            for path in folder.iterdir():
+                stat = _stat(path)
+                if stat is None or (path.name.startswith(".") and stat.st_mtime_ns > stale):
+                    continue  # another daemon's file in progress
+                _unlink(path)
+                files += 1
+                removed += stat.st_size
+        with self._lock:
+            self.disk_bytes = 0
+        log.info("prompt cache: cleared %d states, %d files (%.1f MB)", len(gone), files,
+                 removed / 1e6)
+        return Cleared(states=len(gone), files=files, bytes=removed)
+
+    # --- the event loop (the stats and cache ops) ------------------------------------
+
+    def clear(self) -> Future[Cleared]:
+        """Forget every stored state and remove the files, on the store's thread after
+        the writes already queued."""
+        done: Future[Cleared] = Future()
+        self._writes.put(done)
+        return done
+
+    def states(self, preview_tokens: int) -> list[StateView]:
+        """Every stored state, most recently used first."""
+        with self._lock:
+            entries = sorted(self._entries.values(), key=lambda e: e.used, reverse=True)
+            return [StateView(tokens=entry.tokens[:preview_tokens], n_tokens=len(entry.tokens),
+                              nbytes=entry.nbytes, ram=entry.data is not None,
+                              disk=entry.path is not None or entry.writing)
+                    for entry in entries]
 
     def figures(self) -> tuple[int, int, int, int]:
         """RAM bytes and states, disk bytes and files."""

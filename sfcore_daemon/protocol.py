@@ -118,8 +118,13 @@ class CancelRequest(_Request, tag="cancel", kw_only=True):
     target: RequestId
 
 
+class CacheRequest(_Request, tag="cache", kw_only=True):
+    # list: what the prompt store holds; clear: forget all of it, RAM and files.
+    action: Literal["list", "clear"] = "list"
+
+
 Request = (GenerateRequest | ChatRequest | TokenizeRequest | DetokenizeRequest | HealthRequest
-           | InfoRequest | StatsRequest | CancelRequest)
+           | InfoRequest | StatsRequest | CancelRequest | CacheRequest)
 GenerationRequest = GenerateRequest | ChatRequest
 
 
@@ -312,6 +317,23 @@ class CacheCounts(Struct, kw_only=True):
     errors: int  # damaged, foreign or unreadable files, failed writes and restores
 
 
+class StoredState(Struct, kw_only=True):
+    tokens: int  # the prefix's length; a prompt that starts with it restores it
+    bytes: int  # the state's size (in RAM; its file adds a header)
+    ram: bool
+    disk: bool
+    preview: str  # the start of its text
+
+
+class CacheReply(_Reply, tag="cache", kw_only=True):
+    enabled: bool
+    dir: str | None  # the disk tier's folder (this model and build's); None without one
+    states: list[StoredState]  # most recently used first; [] after a clear
+    removed_states: int  # by a clear: states forgotten (RAM and disk)
+    removed_files: int  # by a clear: files removed from `dir`
+    removed_bytes: int
+
+
 class StatsReply(_Reply, tag="stats", kw_only=True):
     uptime_s: float
     requests: RequestCounts
@@ -326,7 +348,7 @@ class StatsReply(_Reply, tag="stats", kw_only=True):
 
 
 Reply = (TokenReply | DoneReply | ErrorReply | HealthReply | TokensReply | TextReply
-         | CancelledReply | InfoReply | StatsReply)
+         | CancelledReply | InfoReply | StatsReply | CacheReply)
 
 
 # --- decoding -------------------------------------------------------------------------

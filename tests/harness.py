@@ -36,7 +36,8 @@ BASE_CONFIG: dict[str, Any] = {
 }
 
 # The single or last line of a reply: everything but a streamed `token`.
-FINAL_TYPES = frozenset({"done", "error", "health", "info", "stats", "tokens", "text", "cancelled"})
+FINAL_TYPES = frozenset({"done", "error", "health", "info", "stats", "tokens", "text", "cancelled",
+                         "cache"})
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

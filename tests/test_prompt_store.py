@@ -4,7 +4,10 @@ eviction or a restart instead of being evaluated again. Real daemon, real model.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -235,6 +238,8 @@ async def test_the_store_is_off_by_config_and_in_reproducible_mode(cache_dir: Pa
         async with running_daemon(config) as daemon, daemon.client() as client:
             info = await client.final({"op": "info"})
             assert info["config"]["cache"]["enabled"] is False
+            cleared = await client.final({"op": "cache", "action": "clear"})
+            assert cleared["enabled"] is False and cleared["states"] == [], cleared
             await generate(client, SHORT_PREFIXES[0] + QUESTION_1)
             await generate(client, OTHER)
             again = await generate(client, SHORT_PREFIXES[0] + QUESTION_2)
@@ -285,3 +290,64 @@ async def test_a_prefix_seen_once_comes_back_for_another_question_after_a_restar
         assert other["timings"]["cache_source"] == "disk"
         question = first["usage"]["prompt_tokens"] - other["usage"]["cached_tokens"]
         assert 0 < question < 16
+
+
+async def test_the_cache_op_lists_the_states_and_clears_ram_and_disk(cache_dir: Path) -> None:
+    async with running_daemon(store_config(cache_dir)) as daemon:
+        await warm_answer(daemon)
+        async with daemon.client() as client:
+            listed = await client.final({"op": "cache"})
+            assert listed["type"] == "cache" and listed["enabled"] is True, listed
+            states = listed["states"]
+            assert states, listed
+            assert listed["removed_states"] == listed["removed_files"] == 0
+            folder = Path(listed["dir"])
+            assert folder.parent == cache_dir
+            for state in states:
+                # Every stored prefix is one of the long prompt's, kept in both tiers.
+                assert state["tokens"] >= 64 and state["bytes"] > 0, state
+                assert state["ram"] and state["disk"], state
+                assert LONG.startswith(state["preview"]), state
+            cache = await cache_stats(client)
+            assert cache["ram_states"] == len(states)
+            # A wrong action is the client's mistake: an error line, the daemon serves on.
+            wrong = await client.final({"op": "cache", "action": "purge"})
+            assert wrong["code"] == "invalid_request" and "$.action" in wrong["message"], wrong
+            cleared = await client.final({"op": "cache", "action": "clear"})
+            assert cleared["type"] == "cache", cleared
+            assert cleared["removed_states"] == len(states), cleared
+            assert cleared["removed_files"] >= 1 and cleared["removed_bytes"] > 0, cleared
+            assert cleared["states"] == []
+            assert not list(folder.iterdir())
+            cache = await cache_stats(client)
+            assert cache["ram_states"] == cache["disk_files"] == 0, cache
+            assert cache["ram_bytes"] == cache["disk_bytes"] == 0, cache
+            # What the slot holds is not a stored state, and is still there.
+            warm = await generate(client, LONG + QUESTION_1)
+            assert warm["timings"]["cache_source"] == "slot", warm
+
+
+async def test_sfcore_cache_lists_and_clears(cache_dir: Path) -> None:
+    async with running_daemon(store_config(cache_dir)) as daemon:
+        await warm_answer(daemon)
+
+        def sfcore_cache(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-m", "sfcore_client", "cache", "--socket", daemon.socket_path,
+                 *args], capture_output=True, text=True, timeout=120, check=False,
+                stdin=subprocess.DEVNULL)
+
+        listed = await asyncio.to_thread(sfcore_cache)
+        assert listed.returncode == 0, listed.stderr
+        lines = listed.stdout.splitlines()
+        n_states = int(lines[0].split()[0])
+        assert n_states >= 1 and str(cache_dir) in lines[0], listed.stdout
+        assert lines[1].split() == ["tokens", "MB", "kept", "in", "text"], listed.stdout
+        assert len(lines) == 2 + n_states and "ram+disk" in lines[2], listed.stdout
+        cleared = await asyncio.to_thread(sfcore_cache, "--clear")
+        assert cleared.returncode == 0, cleared.stderr
+        assert cleared.stdout.startswith(f"cleared: {n_states} states, "), cleared.stdout
+        assert cleared.stdout.splitlines()[1].startswith("0 states"), cleared.stdout
+        raw = await asyncio.to_thread(sfcore_cache, "--json")
+        assert json.loads(raw.stdout)["states"] == [], raw.stdout
+        assert not state_files(cache_dir)

@@ -139,9 +139,9 @@ def check_exchange(background: BackgroundDaemon, blob: bytes, seen: Counter[str]
 
 FIELDS = ["op", "id", "prompt", "stream", "max_tokens", "temperature", "top_k", "top_p",
           "min_p", "repeat_penalty", "seed", "stop", "cache_prompt", "messages", "text",
-          "add_special", "tokens", "target", "bogus"]
+          "add_special", "tokens", "target", "action", "bogus"]
 OPS = ["generate", "chat", "tokenize", "detokenize", "info", "stats", "health", "cancel",
-       "nope", "", "HEALTH"]
+       "cache", "list", "nope", "", "HEALTH"]
 
 json_leaves = (st.none() | st.booleans() | st.integers() | st.integers(-3, 300_000)
                | st.floats(allow_nan=True, allow_infinity=True)

@@ -279,6 +279,12 @@ class AsyncClient:
     async def stats(self) -> dict[str, Any]:
         return await self._final({"op": "stats", "id": new_id()})
 
+    async def cache(self, *, clear: bool = False) -> dict[str, Any]:
+        """The prompt store's states (most recently used first); `clear=True` forgets
+        them all first, in RAM and on disk."""
+        return await self._final({"op": "cache", "id": new_id(),
+                                 "action": "clear" if clear else "list"})
+
     async def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
         reply = await self._final({"op": "tokenize", "id": new_id(), "text": text,
                                    "add_special": add_special})

@@ -86,6 +86,12 @@ def _parser() -> argparse.ArgumentParser:
                        ("info", "model, effective config, versions"),
                        ("stats", "counters since the daemon started")):
         commands.add_parser(name, parents=[common], help=text, description=text)
+    cache = commands.add_parser(
+        "cache", parents=[common], help="the prompts the daemon keeps (list or clear)",
+        description="List the prompt prefixes the daemon keeps in RAM and on disk to "
+                    "restore instead of evaluating again, most recently used first.")
+    cache.add_argument("--clear", action="store_true",
+                       help="forget them all first (RAM and this model's files)")
     tokenize = commands.add_parser("tokenize", parents=[common], help="text to token ids")
     tokenize.add_argument("text", metavar="TEXT", help="'-' reads stdin")
     tokenize.add_argument("--no-special", dest="add_special", action="store_false",
@@ -132,6 +138,9 @@ def _run(client: Client, args: argparse.Namespace) -> int:
         case "health" | "info" | "stats":
             reply = getattr(client, args.command)()
             print(_json(reply) if args.json else _readable(reply))
+        case "cache":
+            reply = client.cache(clear=args.clear)
+            print(_json(reply) if args.json else _cache_table(reply))
         case "tokenize":
             text = _read_stdin() if args.text == "-" else args.text
             tokens = client.tokenize(text, add_special=args.add_special)
@@ -349,6 +358,24 @@ def _read_message(interactive: bool) -> str | None:
             return None
         except KeyboardInterrupt:  # at the prompt: drop the line, ask again
             print("^C")
+
+
+def _cache_table(reply: dict[str, Any]) -> str:
+    if not reply["enabled"]:
+        return "the prompt store is off ([cache] enabled = false, or reproducible mode)"
+    lines = []
+    if reply["removed_states"] or reply["removed_files"]:
+        lines.append(f"cleared: {reply['removed_states']} states, {reply['removed_files']} "
+                     f"files ({reply['removed_bytes'] / 1e6:.1f} MB)")
+    states = reply["states"]
+    lines.append(f"{len(states)} states; files in {reply['dir'] or '(no disk tier)'}")
+    if states:
+        lines.append(f"{'tokens':>7} {'MB':>7}  {'kept in':<8}  text")
+        for state in states:
+            where = "+".join(tier for tier in ("ram", "disk") if state[tier])
+            lines.append(f"{state['tokens']:>7} {state['bytes'] / 1e6:>7.1f}  {where:<8}  "
+                         f"{json.dumps(state['preview'], ensure_ascii=False)}")
+    return "\n".join(lines)
 
 
 def _readable(reply: dict[str, Any], indent: str = "") -> str:

@@ -159,6 +159,12 @@ class Client:
     def stats(self) -> dict[str, Any]:
         return self._final({"op": "stats", "id": new_id()})
 
+    def cache(self, *, clear: bool = False) -> dict[str, Any]:
+        """The prompt store's states (most recently used first); `clear=True` forgets
+        them all first, in RAM and on disk."""
+        return self._final({"op": "cache", "id": new_id(),
+                                 "action": "clear" if clear else "list"})
+
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
         reply = self._final({"op": "tokenize", "id": new_id(), "text": text,
                              "add_special": add_special})
