@@ -35,26 +35,21 @@ prompt cache (`--cache-ram`), in the same run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import math
-import os
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
 from bench_concurrency import LlamaServer, fit_prompt, peer_paths
 from benchlib import (
-    REPO,
     TIMEOUT_S,
     Daemon,
     Stream,
@@ -62,7 +57,9 @@ from benchlib import (
     decode_reply,
     filler_text,
     log,
+    log_tail,
     paired_ratio,
+    run_together,
     summary,
 )
 
@@ -94,49 +91,10 @@ Runner = Callable[[Coroutine[Any, Any, Any]], Any]
 
 async def start_daemon(params: dict[str, Any], cache_dir: Path, log_path: Path,
                        slots: int | None) -> Daemon:
-    """benchlib's Daemon with a `[cache]` section in its config (Daemon.start writes none),
-    its log in a file (level info), and a start that gives up as soon as the process
-    exits instead of waiting for READY=1 until the timeout."""
-    workdir = Path(tempfile.mkdtemp(prefix="sfbench-", dir="/tmp"))
-    server = f"[server]\nslots = {slots}\n" if slots else ""
-    (workdir / "config.toml").write_text(
-        f'{server}[model]\npath = {json.dumps(params["model"])}\nn_ctx = {params["n_ctx"]}\n'
-        f'[cache]\ndir = {json.dumps(str(cache_dir))}\ndisk_mb = {DISK_MB}\n'
-        '[log]\nlevel = "info"\n')
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(workdir / "n"))
-    notify.setblocking(False)
-    loop = asyncio.get_running_loop()
-    started = time.perf_counter()
-    process: asyncio.subprocess.Process | None = None
-    try:
-        with log_path.open("ab") as stderr:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "sfcore_daemon", "--config", str(workdir / "config.toml"),
-                "--socket", str(workdir / "s"), cwd=REPO,
-                env={**os.environ, "NOTIFY_SOCKET": str(workdir / "n")},
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
-        deadline = started + TIMEOUT_S
-        while True:
-            if process.returncode is not None or time.perf_counter() > deadline:
-                raise RuntimeError(f"the daemon did not start (exit {process.returncode}): "
-                                   f"{log_tail(log_path)}")
-            try:
-                if b"READY=1" in await asyncio.wait_for(loop.sock_recv(notify, 4096), 1.0):
-                    break
-            except TimeoutError:
-                pass
-    except BaseException:
-        if process is not None and process.returncode is None:
-            process.kill()
-            await process.wait()
-        shutil.rmtree(workdir, ignore_errors=True)
-        raise
-    finally:
-        notify.close()
-    daemon = Daemon(process, workdir, (time.perf_counter() - started) * 1e3)
-    daemon.log_path = log_path
-    return daemon
+    """benchlib's Daemon on `cache_dir`, logging at level info into `log_path`."""
+    return await Daemon.start(
+        {**params, "slots": slots}, log_path, log_level="info", append=True,
+        config=f"[cache]\ndir = {json.dumps(str(cache_dir))}\ndisk_mb = {DISK_MB}\n")
 
 
 async def stop_daemon(daemon: Daemon) -> None:
@@ -150,8 +108,27 @@ async def stop_daemon(daemon: Daemon) -> None:
         shutil.rmtree(daemon.workdir, ignore_errors=True)
 
 
-def log_tail(path: Path, chars: int = 2000) -> str:
-    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+@contextlib.asynccontextmanager
+async def running_daemon(params: dict[str, Any], cache_dir: Path, log_path: Path,
+                         slots: int) -> AsyncIterator[Daemon]:
+    daemon = await start_daemon(params, cache_dir, log_path, slots)
+    try:
+        yield daemon
+    finally:
+        await stop_daemon(daemon)
+
+
+@contextlib.contextmanager
+def daemon_files(cache_dir: Path, log_path: Path) -> Iterator[None]:
+    """Shows the tail of the daemons' log if the body fails; removes their files after."""
+    try:
+        yield
+    except BaseException:
+        log(f"  daemon log (tail): {log_tail(log_path)}")
+        raise
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        log_path.unlink(missing_ok=True)
 
 
 def log_problems(path: Path) -> list[str]:
@@ -237,9 +214,8 @@ async def restore_run(params: dict[str, Any], workdir: Path, index: int,
     warm_up = {**request, "prompt": filler_text(WARM_UP_WORDS, seed=900 + index),
                "max_tokens": 1, "cache_prompt": False}
     result: dict[str, Any] = {}
-    try:
-        daemon = await start_daemon(params, cache_dir, log_path, slots=1)
-        try:
+    with daemon_files(cache_dir, log_path):
+        async with running_daemon(params, cache_dir, log_path, slots=1) as daemon:
             stream = await Stream.open(daemon.socket_path)
             try:
                 if prefix is None:
@@ -261,11 +237,8 @@ async def restore_run(params: dict[str, Any], workdir: Path, index: int,
                 result["stats_first_daemon"] = (await op(stream, "stats")).get("cache")
             finally:
                 await stream.close()
-        finally:
-            await stop_daemon(daemon)
         result["disk_at_restart"] = dir_usage(cache_dir)
-        daemon = await start_daemon(params, cache_dir, log_path, slots=1)
-        try:
+        async with running_daemon(params, cache_dir, log_path, slots=1) as daemon:
             stream = await Stream.open(daemon.socket_path)
             try:
                 await ask(stream, warm_up)
@@ -277,15 +250,7 @@ async def restore_run(params: dict[str, Any], workdir: Path, index: int,
                 result["stats_second_daemon"] = (await op(stream, "stats")).get("cache")
             finally:
                 await stream.close()
-        finally:
-            await stop_daemon(daemon)
         result["log_problems"] = log_problems(log_path)
-    except BaseException:
-        log(f"  daemon log (tail): {log_tail(log_path)}")
-        raise
-    finally:
-        shutil.rmtree(cache_dir, ignore_errors=True)
-        log_path.unlink(missing_ok=True)
     rows = {"cold": cold["ram"], "cold_2": cold["disk"], "seed": seed, "slot": warm,
             "ram": ram, "disk": disk}
     for name, row in rows.items():
@@ -389,9 +354,8 @@ async def churn_daemon(params: dict[str, Any], workdir: Path, rounds: int, cold:
     request = {**REQUEST, "max_tokens": CHURN_TOKENS, "cache_prompt": not cold}
     result: dict[str, Any] = {}
     requests: list[dict[str, Any]] = []
-    try:
-        daemon = await start_daemon(params, cache_dir, log_path, slots=CHURN_SLOTS)
-        try:
+    with daemon_files(cache_dir, log_path):
+        async with running_daemon(params, cache_dir, log_path, slots=CHURN_SLOTS) as daemon:
             if prompts is None:
                 prompts = [await fit_prompt(daemon.socket_path, CHURN_PROMPT_TOKENS, seed=100 + i)
                            for i in range(CHURN_PROMPTS)]
@@ -422,16 +386,8 @@ async def churn_daemon(params: dict[str, Any], workdir: Path, rounds: int, cold:
             finally:
                 for stream in streams:
                     await stream.close()
-        finally:
-            await stop_daemon(daemon)
         result["disk"] = dir_usage(cache_dir)
         result["log_problems"] = log_problems(log_path)
-    except BaseException:
-        log(f"  daemon log (tail): {log_tail(log_path)}")
-        raise
-    finally:
-        shutil.rmtree(cache_dir, ignore_errors=True)
-        log_path.unlink(missing_ok=True)
     result["request_log"] = requests
     result.update(churn_figures(requests))
     return result
@@ -487,29 +443,12 @@ def churn_server(binary: str, params: dict[str, Any], prompts: list[str],
     try:
         server_request(server.port, filler_text(WARM_UP_WORDS, 990), 1, cache=False)
         for round_ in range(rounds + 1):
-            results: list[dict[str, Any] | BaseException | None] = [None] * CHURN_CLIENTS
-            go = threading.Event()
+            def client(index: int, round_: int = round_) -> dict[str, Any]:
+                return server_request(
+                    server.port, churn_prompt(prompts, index, round_), CHURN_TOKENS)
 
-            def client(index: int, round_: int = round_,
-                       results: list[Any] = results, go: threading.Event = go) -> None:
-                go.wait()
-                try:
-                    results[index] = server_request(
-                        server.port, churn_prompt(prompts, index, round_), CHURN_TOKENS)
-                except BaseException as error:  # reported below
-                    results[index] = error
-
-            threads = [threading.Thread(target=client, args=(i,), daemon=True)
-                       for i in range(CHURN_CLIENTS)]
-            for thread in threads:
-                thread.start()
-            started = time.perf_counter()
-            go.set()
-            for thread in threads:
-                thread.join(TIMEOUT_S)
+            results, started = run_together(CHURN_CLIENTS, client)
             for index, result in enumerate(results):
-                if not isinstance(result, dict):
-                    raise RuntimeError(f"llama-server client {index}: {result!r}")
                 requests.append({**result, "client": index, "round": round_})
             log(f"  llama-server, round {round_}/{rounds}: {time.perf_counter() - started:.1f}"
                 f" s, mean first token "

@@ -35,7 +35,6 @@ import socket
 import statistics
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,6 +49,7 @@ from benchlib import (
     filler_text,
     log,
     paired_ratio,
+    run_together,
     summary,
 )
 
@@ -371,37 +371,20 @@ class LlamaServer:
                        for _ in range(clients)]
         for connection in connections:
             connection.connect()
-        go = threading.Event()
-        results: list[tuple[int, float] | BaseException] = [ValueError()] * clients
 
-        def client(index: int) -> None:
+        def client(index: int) -> tuple[int, float]:
             connection = connections[index]
             body = json.dumps({"prompt": CLIENT_PROMPTS[index], "n_predict": tokens,
                                "stream": False, **GREEDY_SERVER})
             try:
-                go.wait()
                 connection.request("POST", "/completion", body,
                                    {"Content-Type": "application/json"})
-                response = connection.getresponse()
-                reply = json.loads(response.read())
-                results[index] = (int(reply["tokens_predicted"]), time.perf_counter())
-            except BaseException as error:  # reported by the caller
-                results[index] = error
+                reply = json.loads(connection.getresponse().read())
+                return int(reply["tokens_predicted"]), time.perf_counter()
             finally:
                 connection.close()
 
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-        for thread in threads:
-            thread.start()
-        started = time.perf_counter()
-        go.set()
-        for thread in threads:
-            thread.join(TIMEOUT_S)
-        runs: list[tuple[int, float]] = []
-        for result in results:
-            if isinstance(result, BaseException):
-                raise RuntimeError(f"a llama-server client failed: {result!r}")
-            runs.append(result)
+        runs, started = run_together(clients, client)
         return sum(n for n, _ in runs) / (max(t for _, t in runs) - started)
 
     def stop(self) -> None:

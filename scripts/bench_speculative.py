@@ -26,12 +26,11 @@ from __future__ import annotations
 import json
 import socket
 import statistics
-import threading
 import time
 from typing import Any
 
 from bench_concurrency import LlamaServer
-from benchlib import TIMEOUT_S, log, summary
+from benchlib import TIMEOUT_S, log, run_together, summary
 
 SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod")
 EDIT_CLIENTS = 4
@@ -150,27 +149,11 @@ class ServerSide:
 
 def aggregate(side: DaemonSide | ServerSide, prompts: list[str], tokens: int) -> float:
     """Completion tokens/s of len(prompts) greedy requests sent at once."""
-    go = threading.Event()
-    results: list[Any] = [None] * len(prompts)
+    def client(index: int) -> tuple[dict[str, Any], float]:
+        return (side.generate(prompts[index], tokens, {"temperature": 0.0}),
+                time.perf_counter())
 
-    def client(index: int) -> None:
-        go.wait()
-        try:
-            results[index] = (side.generate(prompts[index], tokens, {"temperature": 0.0}),
-                              time.perf_counter())
-        except BaseException as error:  # reported below
-            results[index] = error
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    started = time.perf_counter()
-    go.set()
-    for thread in threads:
-        thread.join(TIMEOUT_S)
-    for result in results:
-        if not isinstance(result, tuple):
-            raise RuntimeError(f"a client failed: {result!r}")
+    results, started = run_together(len(prompts), client)
     total = sum(reply["tokens"] for reply, _ in results)
     return float(total / (max(at for _, at in results) - started))
 

@@ -14,9 +14,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -27,6 +29,7 @@ FILLER_WORDS = """model token cache socket daemon river mountain garden library 
 window harbor lantern market paper thread kernel memory compass winter summer orbit valley
 bridge castle forest desert ocean island quickly slowly carefully brightly quietly"""
 TIMEOUT_S = 120.0
+_T = TypeVar("_T")
 
 
 def log(message: str) -> None:
@@ -126,33 +129,57 @@ class Daemon:
         self.log_path: Path | None = None
 
     @classmethod
-    async def start(cls, params: dict[str, Any], log_path: Path | None = None) -> Daemon:
+    async def start(cls, params: dict[str, Any], log_path: Path | None = None, *,
+                    config: str = "", log_level: str = "warning",
+                    append: bool = False) -> Daemon:
+        """Spawn the daemon and wait for READY=1; RuntimeError (with its log's tail) as
+        soon as it exits instead. `config`: TOML sections of its own, `[cache]` included
+        (by default a prompt store in the workdir, so that no run restores states an
+        earlier run left in the user's cache). `append`: add to `log_path`'s lines."""
         workdir = Path(tempfile.mkdtemp(prefix="sfbench-", dir="/tmp"))
-        config = workdir / "config.toml"
+        config_path = workdir / "config.toml"
         server = f'[server]\nslots = {params["slots"]}\n' if params.get("slots") else ""
-        # A prompt store of its own (the default settings), so that no run restores
-        # states an earlier run left in the user's cache.
-        config.write_text(f'{server}[model]\npath = "{params["model"]}"\n'
-                          f'n_ctx = {params["n_ctx"]}\n[cache]\ndir = "{workdir}/prompts"\n'
-                          '[log]\nlevel = "warning"\n')
+        if "[cache]" not in config:
+            config += f"[cache]\ndir = {json.dumps(str(workdir / 'prompts'))}\n"
+        config_path.write_text(f'{server}[model]\npath = {json.dumps(params["model"])}\n'
+                               f'n_ctx = {params["n_ctx"]}\n{config}'
+                               f'[log]\nlevel = "{log_level}"\n')
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         notify.bind(str(workdir / "n"))
         notify.setblocking(False)
         loop = asyncio.get_running_loop()
         # A log file, not a pipe, when the daemon may log much before stop() reads it.
-        stderr = log_path.open("wb") if log_path is not None else subprocess.PIPE
+        stderr = (log_path.open("ab" if append else "wb") if log_path is not None
+                  else subprocess.PIPE)
         started = time.perf_counter()
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "sfcore_daemon", "--config", str(config),
-            "--socket", str(workdir / "s"), cwd=REPO,
-            env={**os.environ, "NOTIFY_SOCKET": str(workdir / "n")},
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
+        process: asyncio.subprocess.Process | None = None
         try:
-            while b"READY=1" not in await asyncio.wait_for(loop.sock_recv(notify, 4096),
-                                                           TIMEOUT_S):
-                pass
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "sfcore_daemon", "--config", str(config_path),
+                "--socket", str(workdir / "s"), cwd=REPO,
+                env={**os.environ, "NOTIFY_SOCKET": str(workdir / "n")},
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
+            deadline = started + TIMEOUT_S
+            while True:
+                if process.returncode is not None or time.perf_counter() > deadline:
+                    tail = log_tail(log_path) if log_path is not None else ""
+                    raise RuntimeError(f"the daemon did not start (exit "
+                                       f"{process.returncode}): {tail}")
+                try:
+                    if b"READY=1" in await asyncio.wait_for(loop.sock_recv(notify, 4096), 1.0):
+                        break
+                except TimeoutError:
+                    pass
+        except BaseException:
+            if process is not None and process.returncode is None:
+                process.kill()
+                await process.wait()
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
         finally:
             notify.close()
+            if log_path is not None:
+                stderr.close()  # type: ignore[union-attr]  # the child has its own copy
         daemon = cls(process, workdir, (time.perf_counter() - started) * 1e3)
         daemon.log_path = log_path
         return daemon
@@ -167,6 +194,40 @@ class Daemon:
         if self.process.returncode != 0:
             raise RuntimeError(f"the daemon exited with {self.process.returncode}: {log}")
         return log
+
+
+def log_tail(path: Path, chars: int = 2000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+
+def run_together(clients: int, client: Callable[[int], _T]) -> tuple[list[_T], float]:
+    """Call client(0) ... client(clients - 1) from as many threads, released at once:
+    their results and the perf_counter() of the release. RuntimeError names the first
+    client that raised (or did not finish within TIMEOUT_S)."""
+    go = threading.Event()
+    results: list[Any] = [None] * clients
+    failed: list[BaseException | None] = [None] * clients
+
+    def run(index: int) -> None:
+        go.wait()
+        try:
+            results[index] = client(index)
+        except BaseException as error:  # reported below, on the caller's thread
+            failed[index] = error
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    started = time.perf_counter()
+    go.set()
+    deadline = started + TIMEOUT_S
+    for index, thread in enumerate(threads):
+        thread.join(max(0.0, deadline - time.perf_counter()))
+        if thread.is_alive():
+            raise RuntimeError(f"client {index} did not finish within {TIMEOUT_S:.0f} s")
+        if failed[index] is not None:
+            raise RuntimeError(f"client {index} failed: {failed[index]!r}")
+    return results, started
 
 
 def summary(values: list[float]) -> dict[str, float]:
