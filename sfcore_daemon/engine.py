@@ -22,6 +22,7 @@ from .llama_c import C
 from .model import EngineClosed, LoadAborted, Model, ModelLoadError, llama_cpp_version
 from .models import known_sha256, model_sha256
 from .promptstore import PromptStore
+from .sampling import import_numpy_beside
 from .speculative import DraftSettings
 from .steploop import StepLoop
 
@@ -96,9 +97,11 @@ class Engine:
 
     def _main(self) -> None:
         try:
+            importing = import_numpy_beside()
             self._load()
             if self._abort_load:
                 raise LoadAborted("the model load was stopped")
+            importing.join()  # before the first request: no import then competes for the GIL
             self.warm_up()
             if self.store is not None and known_sha256(self.model_path) is not None:
                 # The first request after a restart finds the states on disk. (Not

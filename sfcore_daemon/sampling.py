@@ -1,11 +1,14 @@
 """Sampler chains: how each request picks its next token from a row of logits.
 
 A chain is llama.cpp's own C sampler chain, built once per request; the decode thread
-calls `llama_sampler_sample` on it (or, with a grammar, `GrammarSampler.sample`).
+calls `llama_sampler_sample` on it (or, with a grammar, `GrammarSampler.sample`). A
+plain greedy request (temperature 0, no repeat penalty, no grammar) takes numpy's
+argmax of the row instead: the same token, without the chain's candidate array.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,3 +61,36 @@ def make_chain(vocab: Any, sampling: Sampling, prompt: list[int]) -> Any:
     seed = C.LLAMA_DEFAULT_SEED if sampling.seed is None else sampling.seed % SEED_MODULUS
     add(chain, C.llama_sampler_init_dist(seed))
     return chain
+
+
+# numpy once `import_numpy_beside` has imported it: llama.cpp's chain builds a 262,144-
+# entry candidate array for every token (209 us per token here, top_k(1) then greedy);
+# numpy's argmax reads the row in about 30 us. Imported on a thread beside the model
+# load (llama.cpp's C code, which releases the GIL), so it costs start-up nothing; the
+# daemon does not import it otherwise (llama_c.py).
+_imported: dict[str, Any] = {}
+
+
+def import_numpy_beside() -> threading.Thread:
+    """Start importing numpy on a thread of its own; join it before serving."""
+    def run() -> None:
+        try:
+            import numpy
+        except ImportError:  # the chain then draws every token, as before
+            return
+        _imported["numpy"] = numpy
+
+    thread = threading.Thread(target=run, name="sfcore-import", daemon=True)
+    thread.start()
+    return thread
+
+
+def is_plain_greedy(sampling: Sampling) -> bool:
+    """Whether the chain for `sampling` is an argmax and nothing else."""
+    return sampling.temperature <= 0 and sampling.repeat_penalty == 1.0 and "numpy" in _imported
+
+
+def argmax(ctx: Any, row: int, n_vocab: int) -> int:
+    """The token with the highest logit in `row` (the first of equals, like top_k(1))."""
+    row_logits = C.llama_get_logits_ith(ctx, row)
+    return int(_imported["numpy"].ctypeslib.as_array(row_logits, shape=(n_vocab,)).argmax())

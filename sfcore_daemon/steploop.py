@@ -20,7 +20,7 @@ from .kvcache import KVCache, SeqCells, shared_prefix
 from .llama_c import C
 from .model import Model
 from .promptstore import Entry, PromptStore
-from .sampling import make_chain
+from .sampling import argmax, is_plain_greedy, make_chain
 from .speculative import DraftSettings, NgramDrafter, NgramStore
 
 # llama_decode's return value when the abort callback said stop.
@@ -47,7 +47,7 @@ _BOUNDARY_GAP = 8  # tokens at least between two kept boundaries
 class _Seq(SeqCells):
     """One slot's sequence and the step loop's state for its job."""
 
-    __slots__ = ("job", "sampler", "next_prompt", "chunk_end", "n_out", "limit",
+    __slots__ = ("job", "sampler", "argmax", "next_prompt", "chunk_end", "n_out", "limit",
                  "generating", "last_token", "parked", "drafter", "draft", "loading",
                  "keep_state", "keep_prefix", "prompt_kept", "boundaries", "protect_from")
 
@@ -55,6 +55,7 @@ class _Seq(SeqCells):
         super().__init__(seq_id)
         self.job: Job | None = None
         self.sampler: Any = None
+        self.argmax = False  # its chain is an argmax: numpy's is taken (sampling.py)
         self.next_prompt = 0  # the first prompt token not yet in the cache
         self.chunk_end = 0  # the end of the prompt chunk in the current step
         self.n_out = 0
@@ -120,6 +121,7 @@ class StepLoop:
         # evaluated after a cache hit is cut exactly as in a cold run.
         self._prefill_chunk = batch - batch % model.n_ubatch if reproducible else batch
         self._n_batch = batch
+        self._n_vocab = model.info.n_vocab
         self._seqs = [_Seq(seq_id) for seq_id in range(slots)]
         # Restored states are not cold-run bytes: reproducible mode keeps none.
         self._store = None if reproducible else store
@@ -216,6 +218,7 @@ class StepLoop:
             seq.generating = False
             seq.limit = min(job.max_tokens, self.n_ctx - len(job.prompt))
             seq.sampler = make_chain(self._vocab, job.sampling, job.prompt)
+            seq.argmax = job.grammar is None and is_plain_greedy(job.sampling)
             if job.grammar is not None:  # it counts its tokens against the same limit
                 job.grammar.begin(seq.limit)
             seq.drafter = (NgramDrafter(self._drafts, job.prompt, self._learned)
@@ -393,6 +396,8 @@ class StepLoop:
         assert job is not None
         grammar = job.grammar
         try:
+            if seq.argmax:
+                return argmax(self._ctx, row, self._n_vocab)
             if grammar is None:
                 token: int = C.llama_sampler_sample(seq.sampler, self._ctx, row)
                 return token

@@ -135,3 +135,31 @@ def test_a_short_file_is_not_a_state(tmp_path: Path, size: int) -> None:
         assert not path.exists() and store.counters.errors == 1
     finally:
         store.close(5)
+
+
+def test_clear_forgets_every_state_and_file_after_the_queued_writes(tmp_path: Path) -> None:
+    store = opened(tmp_path, disk=1 << 20)
+    folder = tmp_path / ("a" * 32)
+    in_progress = folder / ".someone-else.partial"
+    in_progress.write_bytes(bytes(100))
+    try:
+        store.put([1, 2, 3, 4], bytearray(500))
+        store.put([1, 2, 3, 4, 5, 6], bytearray(700))
+        listed = store.states(3)
+        assert [(s.tokens, s.n_tokens, s.nbytes) for s in listed] == [
+            ([1, 2, 3], 6, 700), ([1, 2, 3], 4, 500)]  # most recently used first
+        assert all(s.ram and s.disk for s in listed)
+        # Queued right behind the two writes: they are done first, then removed.
+        cleared = store.clear().result(10)
+        assert cleared.states == 2 and cleared.files == 2 and cleared.bytes > 1200
+        assert store.states(3) == []
+        assert store.find([1, 2, 3, 4, 5, 6, 7])[0] is None
+        assert store.figures() == (0, 0, 0, 0)
+        assert [path.name for path in folder.iterdir()] == [in_progress.name]
+        # The store goes on as before.
+        store.put([7, 7, 7, 7], bytearray(300))
+        assert store.flush(10)
+        assert [s.n_tokens for s in store.states(1)] == [4]
+        assert (folder / state_name([7, 7, 7, 7])).exists()
+    finally:
+        store.close(5)

@@ -1,0 +1,69 @@
+"""A plain greedy request's token comes from numpy's argmax of its logits row instead of
+llama.cpp's sampler chain (sampling.py): the same token on every row of a real decode of
+the real model."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+
+from sfcore_daemon import models
+from sfcore_daemon.config import ModelConfig
+from sfcore_daemon.llama_c import C
+from sfcore_daemon.model import Model
+from sfcore_daemon.sampling import (
+    Sampling,
+    argmax,
+    import_numpy_beside,
+    is_plain_greedy,
+    make_chain,
+)
+
+TEXT = ("def mean(values):\n    return sum(values) / len(values)\n\n"
+        "Die Katze schläft auf dem warmen Fensterbrett. 東京は日本の首都です。 "
+        "The quick brown fox jumps over the lazy dog, again and again and again")
+GREEDY = Sampling(temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
+                  seed=None)
+
+
+@pytest.fixture(scope="module")
+def decoded() -> Iterator[tuple[Model, int]]:
+    """The model after one decode of TEXT with logits on every row; the row count."""
+    importing = import_numpy_beside()
+    model = Model.load(models.resolve_model_path(""), ModelConfig(n_ctx=512), 2, 2, slots=1,
+                       draft_rows=128)
+    importing.join(60)
+    tokens = model.tokenize(TEXT)[:128]
+    batch = C.llama_batch_init(len(tokens), 0, 1)
+    try:
+        for row, token in enumerate(tokens):
+            batch.token[row], batch.pos[row], batch.logits[row] = token, row, 1
+            batch.n_seq_id[row], batch.seq_id[row][0] = 1, 0
+        batch.n_tokens = len(tokens)
+        assert C.llama_decode(model.ctx, batch) == 0
+        yield model, len(tokens)
+    finally:
+        C.llama_batch_free(batch)
+        assert model.close(10)
+
+
+def test_argmax_draws_what_the_greedy_chain_draws_on_every_row(
+        decoded: tuple[Model, int]) -> None:
+    model, rows = decoded
+    assert is_plain_greedy(GREEDY)
+    chain = make_chain(model.vocab, GREEDY, [])
+    try:
+        for row in range(rows):
+            assert argmax(model.ctx, row, model.info.n_vocab) == \
+                C.llama_sampler_sample(chain, model.ctx, row), row
+    finally:
+        C.llama_sampler_free(chain)
+
+
+def test_only_a_chain_that_is_an_argmax_is_replaced() -> None:
+    import_numpy_beside().join(60)
+    assert is_plain_greedy(GREEDY)
+    assert not is_plain_greedy(dataclasses.replace(GREEDY, temperature=0.7))
+    assert not is_plain_greedy(dataclasses.replace(GREEDY, repeat_penalty=1.1))
