@@ -28,7 +28,10 @@ SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed"
 FILLER_WORDS = """model token cache socket daemon river mountain garden library engine signal
 window harbor lantern market paper thread kernel memory compass winter summer orbit valley
 bridge castle forest desert ocean island quickly slowly carefully brightly quietly"""
-TIMEOUT_S = 120.0
+# The longest wait for any one reply or start. A hang bound, not a speed limit: on a
+# 2-core machine that something else keeps busy, llama.cpp's spinning threads run
+# several times slower, so the test of the bench raises it (SFCORE_BENCH_TIMEOUT_S).
+TIMEOUT_S = float(os.environ.get("SFCORE_BENCH_TIMEOUT_S", "120"))
 _T = TypeVar("_T")
 
 
