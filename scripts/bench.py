@@ -788,18 +788,24 @@ def main() -> int:
 
 def run_speculative(params: dict[str, Any], runs: int, llama_server: str | None,
                     header: str) -> dict[str, Any]:
-    """scripts/bench_speculative.py against one daemon started here."""
+    """scripts/bench_speculative.py against two daemons started here: one takes the
+    requests with speculation, the other the same requests without it."""
     import bench_speculative
 
     async def measure() -> dict[str, list[dict[str, Any]]]:
-        # One event loop for the daemon's whole life: its process belongs to the loop
-        # that started it. The section itself is synchronous (threads, blocking sockets).
-        daemon = await Daemon.start(params)
+        # One event loop for the daemons' whole life: a process belongs to the loop that
+        # started it. The section itself is synchronous (threads, blocking sockets).
+        with_speculation = await Daemon.start(params)
         try:
-            return await asyncio.to_thread(bench_speculative.run, params, daemon.socket_path,
-                                           runs, llama_server)
+            without = await Daemon.start(params)
+            try:
+                return await asyncio.to_thread(
+                    bench_speculative.run, params,
+                    (with_speculation.socket_path, without.socket_path), runs, llama_server)
+            finally:
+                await without.stop()
         finally:
-            await daemon.stop()
+            await with_speculation.stop()
 
     samples = uvloop.run(measure())
     spec_header = f"{header}; llama-server -np {bench_speculative.EDIT_CLIENTS}"
