@@ -260,6 +260,20 @@ func main() {
 	must(err)
 	out["stats"] = json.RawMessage(stats.Raw)
 
+	// The prompt store keeps the state of a prompt of min_tokens (256) tokens or more as
+	// it is read; a clear forgets it, and the next listing is empty.
+	storeLine := "The owl sleeps in the barn and the fox sleeps in the den.\\n"
+	storePrompt := strings.Repeat(storeLine, 28)
+	_, err = c.Generate(ctx, storePrompt, &sfcore.Options{MaxTokens: sfcore.Int(1)})
+	must(err)
+	out["storePrompt"] = storePrompt
+	out["cacheListed"], err = c.Cache(ctx, false)
+	must(err)
+	out["cacheCleared"], err = c.Cache(ctx, true)
+	must(err)
+	out["cacheAfterClear"], err = c.Cache(ctx, false)
+	must(err)
+
 	must(c.Close())
 	_, err = c.Health(ctx)
 	var connErr *sfcore.ConnError
@@ -317,6 +331,19 @@ async def test_library_ops_cancel_and_errors(go: Go, tmp_path: Path) -> None:
     requests = result["stats"]["requests"]
     assert requests["by_outcome"]["cancelled"] == 3
     assert requests["by_op"]["cancel"] == 4
+
+    listed, cleared = result["cacheListed"], result["cacheCleared"]
+    assert listed["enabled"] is True and listed["removed_states"] == 0, listed
+    assert Path(listed["dir"]).parent == daemon.directory / "prompts", listed
+    assert listed["states"], listed
+    for state in listed["states"]:
+        assert state["tokens"] >= 256 and state["bytes"] > 0 and state["ram"] is True, state
+        assert state["preview"] and result["storePrompt"].startswith(state["preview"]), state
+    assert cleared["enabled"] is True and cleared["states"] == [], cleared
+    assert cleared["removed_states"] == len(listed["states"]), cleared
+    assert cleared["removed_files"] >= 1 and cleared["removed_bytes"] > 0, cleared
+    assert result["cacheAfterClear"]["states"] == [], result["cacheAfterClear"]
+    assert result["cacheAfterClear"]["removed_states"] == 0
 
     assert result["afterClose"] is True
     assert result["unreachable"]["connError"] is True

@@ -252,6 +252,64 @@ async def test_library_ops_cancel_and_errors(tmp_path: Path) -> None:
     assert daemon.socket_path + ".missing" in result["unreachable"]["message"]
 
 
+# --- the prompt store: cache() lists and clears it ---
+
+CACHE_SCRIPT = """
+import { connect } from %(index)s;
+
+const out = {};
+const client = await connect(process.argv[2]);
+out.empty = await client.cache();
+// Evaluating more than min_tokens prompt tokens keeps the prompt's state.
+out.generated = await client.generate(process.argv[3], { max_tokens: 4, temperature: 0 });
+out.listed = await client.cache();
+out.cleared = await client.cache({ clear: true });
+out.after = await client.cache({ clear: false });
+await client.close();
+console.log(JSON.stringify(out));
+"""
+
+STORE_PROMPT = ("The warehouse keeps its grey stones in boxes on three shelves; each shelf holds "
+                "twelve boxes, and every box is weighed before it is moved.")
+STORE_MIN_TOKENS = 16
+
+
+@pytest.mark.asyncio
+async def test_library_cache_lists_and_clears_the_prompt_store(tmp_path: Path) -> None:
+    script = tmp_path / "cache.mjs"
+    script.write_text(CACHE_SCRIPT % {"index": json.dumps((CLIENT / "index.js").as_uri())})
+    config = {"cache": {"min_tokens": STORE_MIN_TOKENS, "ram_mb": 64}, "server": {"slots": 1}}
+    async with running_daemon(config) as daemon:
+        code, out, err = await run(node(), str(script), daemon.socket_path, STORE_PROMPT,
+                                   timeout=60)
+        store = daemon.directory / "prompts"
+    assert code == 0, err
+    result = json.loads(out)
+
+    empty, listed, cleared, after = (result[key]
+                                     for key in ("empty", "listed", "cleared", "after"))
+    for reply in (empty, listed, cleared, after):
+        assert reply["type"] == "cache" and reply["enabled"] is True, reply
+        assert isinstance(reply["dir"], str) and Path(reply["dir"]).parent == store, reply
+        assert isinstance(reply["states"], list), reply
+        for key in ("removed_states", "removed_files", "removed_bytes"):
+            assert isinstance(reply[key], int) and reply[key] >= 0, reply
+    assert empty["states"] == [] and empty["removed_states"] == 0
+    assert after["states"] == [] and after["removed_states"] == after["removed_files"] == 0
+
+    prompt_tokens = result["generated"]["usage"]["promptTokens"]
+    assert prompt_tokens > STORE_MIN_TOKENS
+    states = listed["states"]
+    assert states and listed["removed_states"] == listed["removed_bytes"] == 0, listed
+    for state in states:
+        assert set(state) == {"tokens", "bytes", "ram", "disk", "preview"}, state
+        assert STORE_MIN_TOKENS <= state["tokens"] <= prompt_tokens, state
+        assert state["bytes"] > 0 and state["ram"] is True, state
+        assert isinstance(state["disk"], bool), state
+        assert state["preview"] and STORE_PROMPT.startswith(state["preview"]), state
+    assert cleared["states"] == [] and cleared["removed_states"] == len(states), cleared
+
+
 # --- structured output: structured.js asks for a document by JSON Schema ---
 
 STRUCTURED = CLIENT / "structured.js"

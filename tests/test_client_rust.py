@@ -101,7 +101,7 @@ def build() -> Iterator[dict[str, Any]]:
         lockfile = (crate / "Cargo.lock").read_text()
     examples = CACHE / "target" / "debug" / "examples"
     yield {"generate": examples / "generate", "ops": examples / "ops",
-           "structured": examples / "structured", "lock": lockfile,
+           "structured": examples / "structured", "cache": examples / "cache", "lock": lockfile,
            "build": built.stderr, "test": tested.stdout}
 
 
@@ -225,6 +225,77 @@ async def test_ops_example_chat_tokenize_cancel(build: dict[str, Any]) -> None:
     assert stats["requests"]["by_op"]["cancel"] == 5, stats
     # Stopped streams were drained, not abandoned: the whole run used one connection.
     assert stats["connections"]["total"] == 1, stats
+
+
+# --- the prompt store: examples/cache.rs lists and clears it (Client::cache) ---
+
+# Kept by the store (with min_tokens 64): its prompt's state, and those of its last line starts.
+STORED_PROMPT = "\n".join(
+    f"Line {i}: the {('cat', 'dog', 'owl')[i % 3]} sleeps {i * 3 % 17} hours." for i in range(16)
+) + "\nQuestion: which animal sleeps longest?"
+
+
+def python_cache(socket_path: str) -> dict[str, Any]:
+    with Client(socket_path, timeout=60) as client:
+        return client.cache()
+
+
+async def test_cache_example_lists_and_clears_the_prompt_store(build: dict[str, Any]) -> None:
+    async with running_daemon({"cache": {"min_tokens": 64}}) as daemon:
+        stored = await run_async(build["generate"], "--socket", daemon.socket_path,
+                                 "--max-tokens", "4", "--temperature", "0", STORED_PROMPT)
+        assert stored.returncode == 0, stored.stderr
+        listed = await run_async(build["cache"], "--socket", daemon.socket_path)
+        reference = await asyncio.wait_for(
+            asyncio.to_thread(python_cache, daemon.socket_path), RUN_TIMEOUT_S)
+        cleared = await run_async(build["cache"], "--socket", daemon.socket_path, "--clear")
+        # The clear answers once the files are gone (the daemon writes its slot's cells
+        # only when it stops).
+        files_after_clear = sorted((daemon.directory / "prompts").glob("*/*"))
+        after = await run_async(build["cache"], "--socket", daemon.socket_path)
+    for result in (listed, cleared, after):
+        assert (result.returncode, result.stderr) == (0, ""), result
+        assert result.stdout.endswith("\n") and result.stdout.count("\n") == 1, result
+    listed_line, cleared_line, after_line = (
+        json.loads(result.stdout) for result in (listed, cleared, after))
+
+    assert listed_line["type"] == "cache" and listed_line["id"].startswith("rs-"), listed_line
+    assert listed_line["enabled"] is True, listed_line
+    assert Path(listed_line["dir"]).parent == daemon.directory / "prompts", listed_line
+    states = listed_line["states"]
+    assert states, listed_line
+    for state in states:
+        assert set(state) == {"tokens", "bytes", "ram", "disk", "preview"}, state
+        assert state["tokens"] >= 64 and state["bytes"] > 0, state
+        assert isinstance(state["ram"], bool) and isinstance(state["disk"], bool), state
+        assert STORED_PROMPT.startswith(state["preview"]), state
+    assert listed_line["removed_states"] == listed_line["removed_files"] == 0, listed_line
+    assert listed_line["removed_bytes"] == 0, listed_line
+    # The Python client lists the same store (a state's `disk` may have turned true since,
+    # once its file was written).
+    assert (reference["enabled"], reference["dir"]) == (True, listed_line["dir"]), reference
+    assert [(state["tokens"], state["bytes"], state["preview"]) for state in reference["states"]] \
+        == [(state["tokens"], state["bytes"], state["preview"]) for state in states], reference
+
+    assert cleared_line["type"] == "cache" and cleared_line["enabled"] is True, cleared_line
+    assert cleared_line["id"].startswith("rs-"), cleared_line
+    assert cleared_line["states"] == [], cleared_line
+    assert cleared_line["removed_states"] == len(states), cleared_line
+    assert cleared_line["removed_files"] >= 0 and cleared_line["removed_bytes"] >= 0, cleared_line
+    assert files_after_clear == [], files_after_clear
+    assert after_line["enabled"] is True and after_line["states"] == [], after_line
+    assert after_line["removed_states"] == after_line["removed_files"] == 0, after_line
+
+
+async def test_cache_example_exit_codes(build: dict[str, Any], tmp_path: Path) -> None:
+    missing = str(tmp_path / "nobody-listens.sock")
+    result = await run_async(build["cache"], "--socket", missing)
+    assert result.returncode == 3, result
+    assert missing in result.stderr and "daemon running" in result.stderr, result.stderr
+    assert result.stdout == ""
+    result = await run_async(build["cache"], "--purge")
+    assert (result.returncode, result.stdout) == (2, ""), result
+    assert "usage" in result.stderr, result.stderr
 
 
 # --- structured output: examples/structured.rs asks for a document by JSON Schema ---

@@ -222,6 +222,38 @@ type Stats struct {
 	Raw        json.RawMessage `json:"-"`
 }
 
+// CacheState is one state the daemon's prompt store holds.
+type CacheState struct {
+	// Tokens is the stored prefix's length: a prompt that starts with its text restores it.
+	Tokens int `json:"tokens"`
+	// Bytes is the state's size (in RAM; its file adds a header).
+	Bytes int64 `json:"bytes"`
+	// RAM and Disk say where it is kept.
+	RAM  bool `json:"ram"`
+	Disk bool `json:"disk"`
+	// Preview is the first 80 characters of its text.
+	Preview string `json:"preview"`
+}
+
+// CacheReply is the `cache` reply: what the prompt store holds, and what a clear removed.
+type CacheReply struct {
+	// Enabled is false when the store is off (by config, or in reproducible mode); then
+	// States is empty and a clear does nothing.
+	Enabled bool `json:"enabled"`
+	// Dir is the folder of this model and build's state files; "" without a disk tier
+	// (null in the reply).
+	Dir string `json:"dir"`
+	// States are the stored states, most recently used first; empty (not nil) after a
+	// clear.
+	States []CacheState `json:"states"`
+	// What a clear removed: states forgotten (RAM and disk), files and their bytes
+	// removed from Dir. 0 for a list.
+	RemovedStates int             `json:"removed_states"`
+	RemovedFiles  int             `json:"removed_files"`
+	RemovedBytes  int64           `json:"removed_bytes"`
+	Raw           json.RawMessage `json:"-"`
+}
+
 // line is one reply line: the fields of token, done and error lines. The fields of the
 // other replies are decoded from raw by the call that asked for them.
 type line struct {
@@ -577,6 +609,26 @@ func (c *Client) Stats(ctx context.Context) (*Stats, error) {
 		return nil, err
 	}
 	return &st, nil
+}
+
+// Cache lists the states of the daemon's prompt store; with clear it first forgets all
+// of them, in RAM and on disk (this model and build's files), and returns once the files
+// are gone. What the slots hold at that moment is not a stored state and stays.
+func (c *Client) Cache(ctx context.Context, clear bool) (*CacheReply, error) {
+	action := "list"
+	if clear {
+		action = "clear"
+	}
+	var reply CacheReply
+	err := c.object(ctx, map[string]any{"op": "cache", "action": action}, "cache", &reply,
+		&reply.Raw)
+	if err != nil {
+		return nil, err
+	}
+	if reply.States == nil {
+		reply.States = []CacheState{}
+	}
+	return &reply, nil
 }
 
 // Tokenize returns the token ids of text; addSpecial adds the BOS token as the model

@@ -229,6 +229,57 @@ func TestStreamErrorAndPipelinedReplies(t *testing.T) {
 	}
 }
 
+func TestCache(t *testing.T) {
+	// The fake store holds one state until a clear. The clear's null dir is what a daemon
+	// without a disk tier sends; the last listing's null states come out as an empty slice.
+	requests := make(chan map[string]any, 3)
+	served := 0
+	path := fakeDaemon(t, func(req map[string]any, w *bufio.Writer) bool {
+		requests <- req
+		served++
+		switch {
+		case served == 1 && req["action"] == "list":
+			reply(w, map[string]any{"type": "cache", "id": req["id"], "enabled": true,
+				"dir": "/tmp/p/3f9c", "states": []map[string]any{{"tokens": 1989,
+					"bytes": 13945128, "ram": true, "disk": false, "preview": "You are"}},
+				"removed_states": 0, "removed_files": 0, "removed_bytes": 0})
+		case req["action"] == "clear":
+			reply(w, map[string]any{"type": "cache", "id": req["id"], "enabled": true,
+				"dir": nil, "states": []any{}, "removed_states": 1, "removed_files": 2,
+				"removed_bytes": 13945200})
+		default:
+			reply(w, map[string]any{"type": "cache", "id": req["id"], "enabled": true,
+				"dir": nil, "states": nil, "removed_states": 0, "removed_files": 0,
+				"removed_bytes": 0})
+		}
+		return true
+	})
+	c := mustDial(t, path)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	want := []CacheState{{Tokens: 1989, Bytes: 13945128, RAM: true, Preview: "You are"}}
+	listed, err := c.Cache(ctx, false)
+	if err != nil || !listed.Enabled || listed.Dir != "/tmp/p/3f9c" || listed.RemovedStates != 0 ||
+		fmt.Sprint(listed.States) != fmt.Sprint(want) ||
+		!strings.Contains(string(listed.Raw), `"tokens":1989`) {
+		t.Fatalf("list: %+v %v", listed, err)
+	}
+	cleared, err := c.Cache(ctx, true)
+	if err != nil || cleared.Dir != "" || cleared.States == nil || len(cleared.States) != 0 ||
+		cleared.RemovedStates != 1 || cleared.RemovedFiles != 2 || cleared.RemovedBytes != 13945200 {
+		t.Fatalf("clear: %+v %v", cleared, err)
+	}
+	after, err := c.Cache(ctx, false)
+	if err != nil || after.States == nil || len(after.States) != 0 || after.RemovedStates != 0 {
+		t.Fatalf("list after clear: %+v %v", after, err)
+	}
+	for i, action := range []string{"list", "clear", "list"} {
+		if req := <-requests; req["op"] != "cache" || req["action"] != action {
+			t.Errorf("request %d: %v, want action %q", i, req, action)
+		}
+	}
+}
+
 func TestContextCancelSendsCancel(t *testing.T) {
 	cancelled := make(chan any, 1)
 	path := fakeDaemon(t, func(req map[string]any, w *bufio.Writer) bool {

@@ -182,6 +182,35 @@ export interface StatsReply {
   decode_tok_s: number;
 }
 
+/** A state the prompt store holds (see `Client.cache`). */
+export interface CacheState {
+  /** Its length in tokens: a prompt that starts with these tokens restores them. */
+  tokens: number;
+  /** The state's size. */
+  bytes: number;
+  /** Where it is kept. */
+  ram: boolean;
+  disk: boolean;
+  /** The first 80 characters of its text. */
+  preview: string;
+}
+
+export interface CacheReply {
+  type: "cache";
+  id: RequestId;
+  /** false when the store is off (`[cache] enabled = false`, or reproducible mode); then
+   * `states` is empty and a clear does nothing. */
+  enabled: boolean;
+  /** The folder of this model and build's state files; null without a disk tier. */
+  dir: string | null;
+  /** Most recently used first (empty after a clear). */
+  states: CacheState[];
+  /** What a clear removed; 0 for a list. */
+  removed_states: number;
+  removed_files: number;
+  removed_bytes: number;
+}
+
 export interface ConnectOptions {
   socketPath?: string;
   /** Milliseconds to wait for the connection (default 10000; 0: no limit). */
@@ -201,6 +230,8 @@ export declare class Client {
   health(): Promise<HealthReply>;
   info(): Promise<InfoReply>;
   stats(): Promise<StatsReply>;
+  /** What the prompt store holds; `clear: true` first forgets all of it (RAM and disk). */
+  cache(options?: { clear?: boolean }): Promise<CacheReply>;
   tokenize(text: string, options?: { addSpecial?: boolean; add_special?: boolean }): Promise<number[]>;
   detokenize(tokens: number[]): Promise<string>;
   /** Cancel an earlier request of this connection; resolves to whether it was pending. */

@@ -336,6 +336,15 @@ export class Client {
     return this.#expect(await this.#request({ op: "stats" }), "stats");
   }
 
+  /** The `cache` line: what the prompt store holds, {enabled, dir, states: [{tokens, bytes,
+   * ram, disk, preview}, ...] (most recently used first), removed_states, removed_files,
+   * removed_bytes}. `{ clear: true }` first forgets every stored state, in RAM and on disk,
+   * and resolves once the files are gone (the removed_* fields say what went). */
+  async cache({ clear = false } = {}) {
+    const request = { op: "cache", action: clear ? "clear" : "list" };
+    return this.#expect(await this.#request(request), "cache");
+  }
+
   /** Token ids of `text` (options.addSpecial / add_special: add BOS, default true). */
   async tokenize(text, options = {}) {
     const request = { op: "tokenize", text };

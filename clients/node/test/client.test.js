@@ -139,6 +139,28 @@ test("concurrent requests are pipelined and matched in order", async () => {
   await client.close();
 });
 
+test("cache() lists or clears the prompt store; the reply is the line as sent", async () => {
+  const stored = { tokens: 80, bytes: 4096, ram: true, disk: false, preview: "You are" };
+  const { socketPath, state } = await fakeDaemon((request, socket) => {
+    const clear = request.action === "clear";
+    socket.write(line({ type: "cache", id: request.id, enabled: true, dir: "/tmp/p",
+      states: clear ? [] : [stored], removed_states: clear ? 1 : 0,
+      removed_files: 0, removed_bytes: 0 }));
+  });
+  const client = await connect(socketPath);
+  const listed = await client.cache();
+  const cleared = await client.cache({ clear: true });
+  const listedAgain = await client.cache({ clear: false });
+  assert.deepEqual(listed, { type: "cache", id: 1, enabled: true, dir: "/tmp/p",
+    states: [stored], removed_states: 0, removed_files: 0, removed_bytes: 0 });
+  assert.equal(cleared.removed_states, 1);
+  assert.deepEqual(cleared.states, []);
+  assert.deepEqual(state.requests, [{ op: "cache", action: "list", id: 1 },
+    { op: "cache", action: "clear", id: 2 }, { op: "cache", action: "list", id: 3 }]);
+  assert.equal(listedAgain.id, 3);
+  await client.close();
+});
+
 test("leaving an iteration early sends cancel for the request", async () => {
   const { socketPath, state } = await fakeDaemon((request, socket) => {
     if (request.op === "generate") {

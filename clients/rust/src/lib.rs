@@ -516,8 +516,8 @@ pub enum Reply<'a> {
         code: String,
         message: String,
     },
-    /// Any other line (`health`, `info`, `stats`, `tokens`, `text`, `cancelled`, ...),
-    /// kept whole.
+    /// Any other line (`health`, `info`, `stats`, `cache`, `tokens`, `text`, `cancelled`,
+    /// ...), kept whole.
     Other {
         kind: String,
         id: Option<Id<'a>>,
@@ -991,6 +991,18 @@ impl Client {
     /// The `stats` line: counters since the daemon started.
     pub fn stats(&mut self) -> Result<Value, Error> {
         self.single(serde_json::json!({"op": "stats"}), "stats")
+    }
+
+    /// The `cache` line: what the prompt store holds (`enabled`, `dir`, and `states`, most
+    /// recently used first, each with `tokens`, `bytes`, `ram`, `disk`, `preview`). With
+    /// `clear` the daemon first forgets every stored state, in RAM and on disk, and
+    /// `removed_states`, `removed_files`, `removed_bytes` say what went (0 for a list).
+    pub fn cache(&mut self, clear: bool) -> Result<Value, Error> {
+        let action = if clear { "clear" } else { "list" };
+        self.single(
+            serde_json::json!({"op": "cache", "action": action}),
+            "cache",
+        )
     }
 
     /// The model's token ids for `text` (`add_special`: add BOS etc. as the model expects).
@@ -1514,6 +1526,45 @@ mod tests {
         let error = client.generate("x", &options).unwrap_err();
         assert_eq!(error.code(), Some("invalid_request"));
         assert_eq!(client.tokenize("x", true).unwrap(), [2, 3]);
+        daemon.join().unwrap();
+    }
+
+    #[test]
+    fn cache_lists_and_clears() {
+        let state = r#"{"tokens":120,"bytes":843776,"ram":true,"disk":false,"preview":"Line 0"}"#;
+        let script = vec![
+            (
+                r#"{"op":"cache","action":"list","id":"rs-1"}"#,
+                format!(
+                    "{{\"type\":\"cache\",\"id\":\"rs-1\",\"enabled\":true,\"dir\":null,\"states\":[{state}],\
+                     \"removed_states\":0,\"removed_files\":0,\"removed_bytes\":0}}\n"
+                ),
+            ),
+            (
+                r#"{"op":"cache","action":"clear","id":"rs-2"}"#,
+                "{\"type\":\"cache\",\"id\":\"rs-2\",\"enabled\":true,\"dir\":null,\"states\":[],\
+                 \"removed_states\":1,\"removed_files\":0,\"removed_bytes\":843776}\n"
+                    .to_string(),
+            ),
+            (
+                r#""op":"cache""#,
+                "{\"type\":\"stats\",\"id\":\"rs-3\"}\n".to_string(),
+            ),
+        ];
+        let (mut client, daemon) = fake_daemon(script);
+        let listed = client.cache(false).unwrap();
+        assert_eq!(listed["enabled"], true);
+        assert_eq!(
+            listed["states"][0],
+            serde_json::from_str::<Value>(state).unwrap()
+        );
+        assert_eq!(listed["removed_states"], 0);
+        let cleared = client.cache(true).unwrap();
+        assert_eq!(cleared["states"], serde_json::json!([]));
+        assert_eq!(cleared["removed_states"], 1);
+        assert_eq!(cleared["removed_bytes"], 843776);
+        // A line of another type is not the reply: the connection is out of step.
+        assert!(matches!(client.cache(false), Err(Error::Unexpected(_))));
         daemon.join().unwrap();
     }
 
