@@ -469,7 +469,7 @@ def server_label(kv: str, n_ctx: int) -> str:
 CHURN_SIDES = {  # key, label
     "cache": "sfcore daemon, cache on (default [cache], fresh dir)",
     "cold": "sfcore daemon, all cold (`cache_prompt: false`)",
-    "llama-server": f"llama-server -np {CHURN_SLOTS} --cache-ram {LLAMA_SERVER_CACHE_RAM_MB}",
+    "llama-server": "llama-server",  # labelled as run: server_label
 }
 
 

@@ -10,10 +10,10 @@ Workloads, each request greedy unless said otherwise, `--tokens` tokens:
 
 Sides, all up together, measured one right after the other in each run (the order
 rotates by run): the daemon with speculation (requests as sent) and without it
-(`"speculative": false`), each its own process, so both have seen the same requests
-and hold the same cells when their first tokens are timed; llama-server (`--llama-server PATH` or
-LLAMA_SERVER) plain and with each `--spec-type ngram-*`, each its own process with
-`-np 4`. Every run uses prompts no earlier run used (each side sees the same ones), so no
+(`"speculative": false`), each its own process, so both have seen the same requests and
+hold the same cells when their first tokens are timed; llama-server (`--llama-server
+PATH` or LLAMA_SERVER) plain and with each `--spec-type ngram-*`, each its own process
+with `-np 4`. Every run uses prompts no earlier run used (each side sees the same ones), so no
 side answers from n-grams it learned from the same request before.
 
 Single-client rates are the generation rate each server reports for itself (the daemon:
