@@ -119,10 +119,10 @@ class Engine:
         try:
             model = self.model = Model.load(
                 self.model_path, self.config, self.n_threads, self.n_threads_batch,
-                # The prompt store's sequence ids: a scratch one and one per slot
-                # (kvcache.KVCache.state and .protect).
+                # The prompt store's sequence ids: a scratch one, one per slot and a pad
+                # (kvcache.KVCache.state, .protect and .restore).
                 slots=self.slots, draft_rows=self._draft_rows(),
-                spare_seqs=self.slots + 1 if self.store is not None else 0,
+                spare_seqs=self.slots + 2 if self.store is not None else 0,
                 progress=self._load_progress)
         except ModelLoadError:
             if self._abort_load:

@@ -11,6 +11,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from .llama_c import C
+from .seqstate import window_pad
+
+# llama_state_seq_*_ext: the window layers' part of a state alone.
+_PARTIAL_ONLY = 1
 
 
 class SeqCells:
@@ -57,6 +61,10 @@ class KVCache:
         # A sequence id no slot uses: a prefix of a slot's cells is copied there (a
         # reference, not a copy of rows) so that its state can be taken alone.
         self._scratch = scratch
+        # The id whose cells hold a restored sequence's window rows in place (see
+        # restore and seqstate.window_pad), after the scratch id and its per-slot ids.
+        self._pad = None if scratch is None else scratch + 1 + len(seqs)
+        self._padded_for = -1  # the slot whose restore the pad cells serve
         self._memory = memory
         self._seqs = seqs
         self._n_ubatch = n_ubatch
@@ -110,6 +118,7 @@ class KVCache:
         return n
 
     def forget(self, seq: SeqCells) -> None:
+        self.unplace(seq)
         C.llama_memory_seq_rm(self._memory, seq.id, -1, -1)
         seq.cached.clear()
         seq.prompt_rows = 0
@@ -132,6 +141,37 @@ class KVCache:
         """Drop what `protect` kept for `seq`."""
         if self._scratch is not None and self._n_swa:
             C.llama_memory_seq_rm(self._memory, self._scratch + 1 + seq.id, -1, -1)
+
+    def _place(self, seq: SeqCells, data: bytearray, n: int) -> None:
+        """Fill the window cache's first cells with pad cells, so that the window rows
+        of the state restored next land where a cold run puts them: a cold prompt read
+        into an empty pool has its row at position p in cell p of both caches, and a
+        restore alone would put the window rows at the window cache's first cells.
+        Only with an empty pool: elsewhere there is no one cold layout to match."""
+        if (self._pad is None or not self._n_swa
+                or any(other.cached for other in self._seqs if other is not seq)):
+            return
+        C.llama_memory_seq_rm(self._memory, seq.id, -1, -1)
+        pad = window_pad(data, n - min(n, self._n_swa))
+        if pad is None:
+            return
+        blob, window_cells = pad
+        if window_cells != min(n, self._n_swa):
+            return  # a window this module does not know: no guess at its cells
+        placed = C.llama_state_seq_set_data_ext(
+            self._ctx, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), blob.size,
+            self._pad, _PARTIAL_ONLY)
+        self._padded_for = seq.id
+        if not placed:
+            self.unplace(seq)
+
+    def unplace(self, seq: SeqCells) -> None:
+        """Free the pad cells of `seq`'s placed restore, if any (at its job's end: until
+        then they stand where a cold run has the sequence's own older window rows)."""
+        if self._padded_for == seq.id:
+            assert self._pad is not None
+            C.llama_memory_seq_rm(self._memory, self._pad, -1, -1)
+            self._padded_for = -1
 
     def _rows_present(self, seq_id: int, n: int) -> bool:
         """Whether sequence `seq_id` has the rows a token at position n attends to."""
@@ -167,10 +207,14 @@ class KVCache:
                 C.llama_memory_seq_rm(self._memory, sid, -1, -1)
         return data if written == size else None
 
-    def restore(self, seq: SeqCells, data: bytearray, tokens: list[int], n: int) -> bool:
+    def restore(self, seq: SeqCells, data: bytearray, tokens: list[int], n: int, *,
+                place: bool = False) -> bool:
         """Put a stored state of `tokens` into `seq` and keep its first `n` rows (n is
         len(tokens) or one less); False (and `seq` empty) if llama.cpp refuses it or
-        its rows do not line up."""
+        its rows do not line up. `place`: when no other sequence holds cells, its
+        window rows go where a cold run of the same prompt puts them (see `_place`)."""
+        if place:
+            self._place(seq, data, len(tokens))
         view = (ctypes.c_uint8 * len(data)).from_buffer(data)
         try:
             loaded = C.llama_state_seq_set_data(self._ctx, view, len(data), seq.id)

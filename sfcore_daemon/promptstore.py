@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -196,6 +196,18 @@ class PromptStore:
                         best, best_n = entry, n
                 shared_most = max(shared_most, min(shared, limit))
         return best, best_n, shared_most
+
+    def find_at(self, prompt: list[int], ends: Collection[int]) -> Entry | None:
+        """The longest stored state of a prefix of `prompt` that ends at one of `ends`."""
+        best: Entry | None = None
+        with self._lock:
+            for entry in self._entries.values():
+                tokens = entry.tokens
+                if (len(tokens) in ends and (best is None or len(tokens) > len(best.tokens))
+                        and (entry.data is not None or entry.path is not None)
+                        and shared_prefix(tokens, prompt, len(tokens)) == len(tokens)):
+                    best = entry
+        return best
 
     def stored_prefix(self, tokens: list[int]) -> int:
         """The length of the longest stored text that `tokens` starts with (0: none),
