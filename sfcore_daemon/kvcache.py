@@ -148,8 +148,7 @@ class KVCache:
         into an empty pool has its row at position p in cell p of both caches, and a
         restore alone would put the window rows at the window cache's first cells.
         Only with an empty pool: elsewhere there is no one cold layout to match."""
-        if (self._pad is None or not self._n_swa
-                or any(other.cached for other in self._seqs if other is not seq)):
+        if not self.can_place(seq):
             return
         C.llama_memory_seq_rm(self._memory, seq.id, -1, -1)
         pad = window_pad(data, n - min(n, self._n_swa))
@@ -164,6 +163,12 @@ class KVCache:
         self._padded_for = seq.id
         if not placed:
             self.unplace(seq)
+
+    def can_place(self, seq: SeqCells) -> bool:
+        """Whether a restore into `seq` would be placed: a sliding-window model, a pad
+        sequence id, and no other slot holding cells."""
+        return (self._pad is not None and self._n_swa > 0
+                and not any(other.cached for other in self._seqs if other is not seq))
 
     def unplace(self, seq: SeqCells) -> None:
         """Free the pad cells of `seq`'s placed restore, if any (at its job's end: until

@@ -16,11 +16,13 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from .job import EndReason, Job
-from .kvcache import KVCache, SeqCells, shared_prefix
+from .kvcache import KVCache, shared_prefix
 from .llama_c import C
 from .model import Model
-from .promptstore import Entry, PromptStore
+from .promptstates import PromptStates
+from .promptstore import PromptStore
 from .sampling import argmax, is_plain_greedy, make_chain
+from .sequence import Seq
 from .speculative import DraftSettings, NgramDrafter, NgramStore
 
 # llama_decode's return value when the abort callback said stop.
@@ -30,66 +32,11 @@ _ABORTABLE_PREFILL = 128
 # When every active sequence waits for a wide grammar pass: how long to wait for one
 # before looking at the inbox again.
 _PARKED_WAIT_S = 0.005
-# Prompt tokens a stored state must save beyond what the slots give, to be restored:
-# restoring costs about what evaluating a few tokens does.
-_RESTORE_GAIN = 16
 # Prompt tokens left from which a prompt waits for the older ones in the prefill order.
 _SHORT_REST = 64
-# A long prompt's state is also kept at the last few turn or line starts of its tail
-# (a control token such as <start_of_turn>, or the token after a newline): where the
-# next prompt with the same system text and another question tends to leave it, as a
-# state can continue only where its text ends.
-_BOUNDARIES = 2
-_BOUNDARY_SCAN = 512  # tokens before the prompt's end searched for them
-_BOUNDARY_GAP = 8  # tokens at least between two kept boundaries
-# Tokens a longer stored state may save over one that ends at a chunk cut, for the
-# latter to be restored (it gives the cold run's bytes; see _cuts).
-_EXACT_SLACK = 32
 
 
-class _Seq(SeqCells):
-    """One slot's sequence and the step loop's state for its job."""
-
-    __slots__ = ("job", "sampler", "argmax", "next_prompt", "chunk_end", "n_out", "limit",
-                 "generating", "last_token", "parked", "drafter", "draft", "loading",
-                 "keep_state", "keep_prefix", "prompt_kept", "boundaries", "protect_from", "cuts")
-
-    def __init__(self, seq_id: int) -> None:
-        super().__init__(seq_id)
-        self.job: Job | None = None
-        self.sampler: Any = None
-        self.argmax = False  # its chain is an argmax: numpy's is taken (sampling.py)
-        self.next_prompt = 0  # the first prompt token not yet in the cache
-        self.chunk_end = 0  # the end of the prompt chunk in the current step
-        self.n_out = 0
-        self.limit = 0
-        self.generating = False  # past its prompt: adds one token a step
-        self.last_token = 0  # sampled, not yet decoded
-        # Its next token is being drawn by a wide grammar pass on another thread; the
-        # sequence sits out of the steps until then.
-        self.parked: Future[int] | None = None
-        # Speculative decoding (speculative.py): None when the job does not speculate.
-        self.drafter: NgramDrafter | None = None
-        self.draft: list[int] = []  # the tokens after last_token in this step's batch
-        # A stored state being read from disk for its prompt (the entry, the rows to
-        # keep, the read); the sequence sits out of the steps until it is there.
-        self.loading: tuple[Entry, int, Future[bytearray | None]] | None = None
-        # Whether its cells may be kept in the prompt store (not after cache_prompt: false).
-        self.keep_state = False
-        # A prefix its prompt shares with an earlier text (a common system prompt): its
-        # state is stored once the prompt is read, to be restored for the next one.
-        self.keep_prefix = 0
-        self.prompt_kept = False  # its prompt's states were taken (or were not worth it)
-        # The turn or line starts whose states are taken once the prompt is read, and
-        # the first row those states need kept meanwhile (-1: none; see _protect).
-        self.boundaries: list[int] = []
-        self.protect_from = -1
-        # Where its prompt's chunks end besides n_batch multiples, ascending: the turn
-        # or line starts a stored state may end at (_cuts).
-        self.cuts: list[int] = []
-
-
-def _long_rest(seq: _Seq) -> bool:
+def _long_rest(seq: Seq) -> bool:
     job = seq.job
     assert job is not None
     return len(job.prompt) - seq.next_prompt > _SHORT_REST
@@ -128,14 +75,14 @@ class StepLoop:
         self._prefill_chunk = batch - batch % model.n_ubatch if reproducible else batch
         self._n_batch = batch
         self._n_vocab = model.info.n_vocab
-        self._seqs = [_Seq(seq_id) for seq_id in range(slots)]
-        # Restored states are not cold-run bytes: reproducible mode keeps none.
-        self._store = None if reproducible else store
-        self._n_swa = C.llama_model_n_swa(model.model)
+        self._seqs = [Seq(seq_id) for seq_id in range(slots)]
+        # Reproducible mode keeps no states: its bytes never depend on the cache.
+        store = None if reproducible else store
+        n_swa = C.llama_model_n_swa(model.model)
         self._cells = KVCache(model.memory, self._seqs, model.n_ubatch, reproducible,
-                              model.ctx, self._n_swa,
-                              slots if self._store is not None else None)
-        self._active: list[_Seq] = []  # sequences with a job, in the order they began
+                              model.ctx, n_swa, slots if store is not None else None)
+        self._states = PromptStates(store, self._cells, model, n_swa, self._seqs)
+        self._active: list[Seq] = []  # sequences with a job, in the order they began
         # One batch for every step, sized for n_batch tokens of one sequence each.
         self._batch: Any = C.llama_batch_init(batch, 0, 1)
         for row in range(batch):
@@ -165,7 +112,7 @@ class StepLoop:
             if not active:
                 job = inbox.get()  # idle: sleep until work comes
                 if job is None:
-                    self._keep_all()
+                    self._states.keep_all()
                     return
                 self._begin(job)
             # Whatever arrived meanwhile joins this very step.
@@ -178,7 +125,7 @@ class StepLoop:
                     for seq in list(active):
                         self._unpark(seq)
                         self._end(seq, "cancelled")
-                    self._keep_all()
+                    self._states.keep_all()
                     return
                 self._begin(job)
             if not active:
@@ -202,10 +149,10 @@ class StepLoop:
         seq = self._seqs[job.slot]
         try:
             for slot in job.evict:
-                self._keep(self._seqs[slot], len(self._seqs[slot].cached))
+                self._states.keep(self._seqs[slot], len(self._seqs[slot].cached))
                 self._cells.forget(self._seqs[slot])
             if shared_prefix(seq.cached, job.prompt) < len(seq.cached):
-                self._keep(seq, len(seq.cached))  # its cells are about to be overwritten
+                self._states.keep(seq, len(seq.cached))  # its cells are about to be overwritten
             n_reused = self._cells.reuse_prefix(seq, job.prompt) if job.cache_prompt else 0
             if n_reused == 0:
                 self._cells.forget(seq)
@@ -215,12 +162,12 @@ class StepLoop:
             seq.keep_prefix = 0
             seq.prompt_kept = False
             seq.loading = None
-            seq.cuts = self._cuts(job.prompt)
-            if job.cache_prompt and self._store is not None:
-                self._restore(seq, job)
+            seq.cuts = self._states.cuts(job.prompt)
+            if job.cache_prompt and self._states.enabled:
+                self._states.restore(seq, job)
             seq.next_prompt = job.n_cached
             if seq.loading is None:
-                self._protect(seq, job)
+                self._states.protect(seq, job)
             seq.n_out = 0
             seq.generating = False
             seq.limit = min(job.max_tokens, self.n_ctx - len(job.prompt))
@@ -258,7 +205,7 @@ class StepLoop:
                     continue
                 self._take(seq, token, woken)
             if seq.loading is not None and seq.loading[2].done():
-                self._loaded(seq)
+                self._states.loaded(seq)
         for seq in list(active):
             assert seq.job is not None
             # A parked sequence ends once its pass returns: the pass uses its samplers.
@@ -270,8 +217,8 @@ class StepLoop:
             return
         batch = self._batch
         tokens, positions, seq_ids, wants = batch.token, batch.pos, batch.seq_id, batch.logits
-        outputs: list[tuple[_Seq, int]] = []
-        prefilling: list[_Seq] = []
+        outputs: list[tuple[Seq, int]] = []
+        prefilling: list[Seq] = []
         stepping = [seq for seq in active if seq.generating and seq.parked is None]
         n = 0
         spare = self._draft_rows  # draft rows left in this step
@@ -312,6 +259,10 @@ class StepLoop:
                    if not seq.generating and seq.parked is None and seq.loading is None]
         if len(reading) > 1:
             reading.sort(key=_long_rest)  # stable: oldest first within each group
+        # A prompt read alone is cut at its cuts too (promptstates.PromptStates.cuts):
+        # a cold run's bytes come only from a batch of its own. Beside other rows a cut
+        # would just delay the rest of the prompt by a step.
+        alone = n == 0 and len(reading) == 1
         for seq in reading:
             if budget <= 0:
                 break
@@ -319,7 +270,7 @@ class StepLoop:
             assert job is not None
             prompt, pos, sid = job.prompt, seq.next_prompt, seq.id
             end = min(pos - pos % chunk + chunk, len(prompt), pos + budget)
-            for cut in seq.cuts:
+            for cut in seq.cuts if alone else ():
                 if pos < cut < end:
                     end = cut
                     break
@@ -392,15 +343,15 @@ class StepLoop:
             if drawn is not None:
                 self._take(seq, drawn, woken)
         self._wake(woken)
-        if self._store is not None:
+        if self._states.enabled:
             # Once the first tokens are on their way: the states of prompts read whole
             # this step, while their cells are the prompt (a sliding-window cache lets
             # later tokens overwrite rows a prefix's state needs).
             for seq in prefilling:
                 if seq.job is not None and seq.job.t_prompt_done == now:
-                    self._keep_prompt(seq, seq.job)
+                    self._states.keep_prompt(seq, seq.job)
 
-    def _sample(self, seq: _Seq, row: int) -> int | None:
+    def _sample(self, seq: Seq, row: int) -> int | None:
         """The sequence's next token from the logits of `row`; None when a wide grammar
         pass will draw it (the sequence is parked) or the job ended with an error."""
         job = seq.job
@@ -422,7 +373,7 @@ class StepLoop:
             self._end(seq, "error")
             return None
 
-    def _verify(self, seq: _Seq, row: int, woken: list[Job]) -> None:
+    def _verify(self, seq: Seq, row: int, woken: list[Job]) -> None:
         """Sample the rows of the pending token and its draft in order, exactly as one
         token a step would: each draft token is kept while it equals what the chain
         drew from the row before it; the first that differs ends the run, and the
@@ -455,7 +406,7 @@ class StepLoop:
             if seq.job is None:
                 break
 
-    def _take(self, seq: _Seq, token: int, woken: list[Job]) -> None:
+    def _take(self, seq: Seq, token: int, woken: list[Job]) -> None:
         """A sampled token: the end of the job, or a piece of its output and the
         sequence's next input."""
         job = seq.job
@@ -492,13 +443,13 @@ class StepLoop:
             woken[0].loop.call_soon_threadsafe(_drain_each, woken)
 
     @staticmethod
-    def _unpark(seq: _Seq) -> None:
+    def _unpark(seq: Seq) -> None:
         """Wait for the sequence's wide grammar pass (it uses the samplers _end frees)."""
         if seq.parked is not None:
             wait([seq.parked])
             seq.parked = None
 
-    def _end(self, seq: _Seq, reason: EndReason) -> None:
+    def _end(self, seq: Seq, reason: EndReason) -> None:
         job = seq.job
         assert job is not None
         job.end_reason = reason
@@ -511,8 +462,8 @@ class StepLoop:
             job.grammar.free()
         seq.loading = None
         if reason != "error" and not seq.prompt_kept and job.t_prompt_done:
-            self._keep_prompt(seq, job)  # it ended in the step that read its prompt
-        self._unprotect(seq)
+            self._states.keep_prompt(seq, job)  # it ended in the step that read its prompt
+        self._states.unprotect(seq)
         self._cells.unplace(seq)
         job.kept = list(seq.cached)
         if seq.drafter is not None and reason != "error":
@@ -522,157 +473,6 @@ class StepLoop:
         seq.job = None
         self._active.remove(seq)
         job.loop.call_soon_threadsafe(job._finished)
-
-    # --- the prompt store (promptstore.py) --------------------------------------------
-
-    def _restore(self, seq: _Seq, job: Job) -> None:
-        """Give `seq` a stored state of the prompt's prefix when it is longer than what
-        the slots hold: at once from RAM, or from disk through the reader thread.
-        A prefix shared with an earlier text but stored nowhere is marked for keeping."""
-        store = self._store
-        assert store is not None
-        entry, n, shared = store.find(job.prompt)
-        common = max(shared, job.n_cached)
-        if common >= store.min_tokens and common > (n if entry is not None else 0):
-            seq.keep_prefix = common
-        if entry is not None and seq.cuts:
-            # A state that ends where the prompt's own chunks are cut continues with
-            # the cold run's bytes (kvcache.KVCache.restore): worth a few more tokens.
-            exact = store.find_at(job.prompt, seq.cuts)
-            if exact is not None and n - len(exact.tokens) <= _EXACT_SLACK:
-                entry, n = exact, len(exact.tokens)
-        if entry is None or n < job.n_cached + _RESTORE_GAIN:
-            return
-        data = store.take_ram(entry)
-        if data is None:
-            seq.loading = (entry, n, store.load(entry))
-            return
-        if self._cells.restore(seq, data, entry.tokens, n, place=n in seq.cuts):
-            job.n_cached, job.cache_source = n, "ram"
-        else:
-            store.counters.errors += 1
-            job.n_cached, job.cache_source, job.restore_failed = 0, "none", True
-
-    def _loaded(self, seq: _Seq) -> None:
-        """A state read from disk is there (or could not be read): restore it, or go
-        on with what the slot held."""
-        assert seq.loading is not None and seq.job is not None
-        (entry, n, read), seq.loading = seq.loading, None
-        job = seq.job
-        try:
-            data = read.result()
-        except Exception:  # a reader bug must not fail the request: evaluate instead
-            data = None
-        if data is None:
-            return  # the reader removed a bad file and warned; the prompt is evaluated
-        if self._cells.restore(seq, data, entry.tokens, n, place=n in seq.cuts):
-            job.n_cached, job.cache_source = n, "disk"
-        else:
-            assert self._store is not None
-            self._store.counters.errors += 1
-            job.n_cached, job.cache_source, job.restore_failed = 0, "none", True
-        seq.next_prompt = job.n_cached
-        self._protect(seq, job)
-
-    def _keep_prompt(self, seq: _Seq, job: Job) -> None:
-        """The states worth keeping of a prompt just read: the whole prompt and its last
-        turn or line starts if it took long to evaluate, and a prefix it shares with an
-        earlier text."""
-        store = self._store
-        seq.prompt_kept = True
-        if store is None:
-            return
-        if len(job.prompt) - job.n_cached >= store.min_tokens:
-            self._keep(seq, len(job.prompt))
-            for boundary in seq.boundaries:
-                self._keep(seq, boundary)
-        if seq.keep_prefix:
-            self._keep(seq, seq.keep_prefix, exact=True)
-        self._unprotect(seq)
-
-    def _protect(self, seq: _Seq, job: Job) -> None:
-        """Plan the states its prompt gives once read, and which rows they need kept
-        from llama.cpp's reuse until then: a state of a prefix ending at b needs the
-        window before b, rows a sliding-window cache hands to other sequences' tokens
-        once the prompt has gone a window past them (under 8-slot churn 2 of 12
-        system prompts had lost theirs: every one of their next requests was cold)."""
-        store = self._store
-        seq.boundaries = []
-        if store is None or not seq.keep_state:
-            return
-        if len(job.prompt) - job.n_cached >= store.min_tokens:
-            seq.boundaries = seq.cuts[::-1]
-        marks = [b for b in (*seq.boundaries, seq.keep_prefix) if b > 0]
-        if marks and self._n_swa:
-            seq.protect_from = max(0, min(marks) - self._n_swa)
-
-    def _unprotect(self, seq: _Seq) -> None:
-        if seq.protect_from >= 0:
-            self._cells.release(seq)
-            seq.protect_from = -1
-
-    def _keep(self, seq: _Seq, n: int, *, exact: bool = False) -> None:
-        """Save the state of `seq`'s first `n` cells in the prompt store, unless short
-        or within min_tokens of a stored prefix of them: a slot that answered a
-        question after a restored system prompt is let go without a copy of its
-        cells (under churn that was a copy and a disk write per request, each the
-        size of the whole prefix, for a few dozen tokens of gain). `exact`: a prefix
-        other prompts share, worth its own state unless stored already (restored
-        there, the next prompt evaluates just what differs)."""
-        store = self._store
-        if store is None or not seq.keep_state or n < store.min_tokens or n > len(seq.cached):
-            return
-        tokens = seq.cached[:n]
-        if n - store.stored_prefix(tokens) < (1 if exact else store.min_tokens):
-            return
-        data = self._cells.state(seq, n)
-        if data is not None:
-            store.put(tokens, data)
-
-    def _cuts(self, prompt: list[int]) -> list[int]:
-        """Where a prompt long enough for the prompt store is cut into chunks besides
-        n_batch multiples: its last _BOUNDARIES turn or line starts, whose states are
-        kept once it is read. A state restored there continues with the rows a cold
-        run reads next, row for row, so the restored prompt computes the cold run's
-        bytes (the window rows placed, kvcache.KVCache.restore). The two extra decode
-        calls cost nothing measurable: cold first token 0.92-0.97x of uncut in an
-        alternated A/B at 301-1676 tokens. Depends only on the prompt, not the cache."""
-        store = self._store
-        if store is None or len(prompt) <= store.min_tokens:
-            return []
-        return self._boundaries(prompt, store.min_tokens)[::-1]
-
-    def _boundaries(self, prompt: list[int], lowest: int) -> list[int]:
-        """The last _BOUNDARIES turn or line starts in `prompt`'s tail, at `lowest` or
-        later (see _BOUNDARIES)."""
-        found: list[int] = []
-        vocab, model = self._vocab, self.model
-        pieces = model.pieces
-        stop = max(lowest, len(prompt) - _BOUNDARY_SCAN) - 1
-        for index in range(len(prompt) - 2, stop, -1):
-            token = prompt[index]
-            if C.llama_vocab_is_control(vocab, token):
-                boundary = index  # the state ends before the control token
-            else:
-                piece = pieces.get(token)
-                if piece is None:
-                    piece = model.piece(token)
-                if b"\n" not in piece:
-                    continue
-                boundary = index + 1  # after the newline
-            # (The whole prompt's own state serves the prompt sent again.)
-            if (boundary < lowest or boundary >= len(prompt) - 1
-                    or (found and found[-1] - boundary < _BOUNDARY_GAP)):
-                continue
-            found.append(boundary)
-            if len(found) == _BOUNDARIES:
-                break
-        return found
-
-    def _keep_all(self) -> None:
-        """At shutdown: every slot's cells into the store (the daemon drains first)."""
-        for seq in self._seqs:
-            self._keep(seq, len(seq.cached))
 
     def _should_abort(self, _data: Any) -> bool:
         self.progress += 1

@@ -1,0 +1,203 @@
+"""The step loop's side of the prompt store (promptstore.py), on the decode thread: which
+stored state a new prompt restores, where its prompt is cut into chunks, and which
+states of its cells are kept, and when.
+
+A state continues only where its text ends, and a sliding-window model's state holds
+just the last window of its window layers, so states are taken at places the next
+prompt is likely to leave the text: a prompt's end, the last turn or line starts of its
+tail, a prefix two prompts share, a slot's cells before they are overwritten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .job import Job
+from .kvcache import KVCache
+from .llama_c import C
+from .model import Model
+from .promptstore import PromptStore
+from .sequence import Seq
+
+# Prompt tokens a stored state must save beyond what the slots give, to be restored:
+# restoring costs about what evaluating a few tokens does.
+_RESTORE_GAIN = 16
+# A long prompt's state is also kept at the last few turn or line starts of its tail
+# (a control token such as <start_of_turn>, or the token after a newline): where the
+# next prompt with the same system text and another question tends to leave it, as a
+# state can continue only where its text ends.
+_BOUNDARIES = 2
+_BOUNDARY_SCAN = 512  # tokens before the prompt's end searched for them
+_BOUNDARY_GAP = 8  # tokens at least between two kept boundaries
+# Tokens a longer stored state may save over one that ends at a chunk cut, for the
+# latter to be restored (it gives the cold run's bytes; see PromptStates.cuts).
+_EXACT_SLACK = 32
+
+
+class PromptStates:
+    """Restores and keeps the states of the slots' sequences. With `store` None (no
+    store, or reproducible mode) nothing is kept or cut, and `restore` is never called."""
+
+    def __init__(self, store: PromptStore | None, cells: KVCache, model: Model, n_swa: int,
+                 seqs: Sequence[Seq]) -> None:
+        self._store = store
+        self._cells = cells
+        self._model = model
+        self._vocab = model.vocab
+        self._n_swa = n_swa
+        self._seqs = seqs
+
+    @property
+    def enabled(self) -> bool:
+        return self._store is not None
+
+    def restore(self, seq: Seq, job: Job) -> None:
+        """Give `seq` a stored state of the prompt's prefix when it is longer than what
+        the slots hold: at once from RAM, or from disk through the reader thread.
+        A prefix shared with an earlier text but stored nowhere is marked for keeping."""
+        store = self._store
+        assert store is not None
+        entry, n, shared = store.find(job.prompt)
+        common = max(shared, job.n_cached)
+        if common >= store.min_tokens and common > (n if entry is not None else 0):
+            seq.keep_prefix = common
+        if entry is not None and seq.cuts and self._cells.can_place(seq):
+            # A state that ends where the prompt's own chunks are cut, restored into an
+            # empty pool, continues with the cold run's bytes (KVCache.restore): worth a
+            # few more tokens. Beside other slots' cells there are no such bytes to get.
+            exact = store.find_at(job.prompt, seq.cuts)
+            if exact is not None and n - len(exact.tokens) <= _EXACT_SLACK:
+                entry, n = exact, len(exact.tokens)
+        if entry is None or n < job.n_cached + _RESTORE_GAIN:
+            return
+        data = store.take_ram(entry)
+        if data is None:
+            seq.loading = (entry, n, store.load(entry))
+            return
+        if self._cells.restore(seq, data, entry.tokens, n, place=n in seq.cuts):
+            job.n_cached, job.cache_source = n, "ram"
+        else:
+            store.counters.errors += 1
+            job.n_cached, job.cache_source, job.restore_failed = 0, "none", True
+
+    def loaded(self, seq: Seq) -> None:
+        """A state read from disk is there (or could not be read): restore it, or go
+        on with what the slot held."""
+        assert seq.loading is not None and seq.job is not None
+        (entry, n, read), seq.loading = seq.loading, None
+        job = seq.job
+        try:
+            data = read.result()
+        except Exception:  # a reader bug must not fail the request: evaluate instead
+            data = None
+        if data is None:
+            return  # the reader removed a bad file and warned; the prompt is evaluated
+        if self._cells.restore(seq, data, entry.tokens, n, place=n in seq.cuts):
+            job.n_cached, job.cache_source = n, "disk"
+        else:
+            assert self._store is not None
+            self._store.counters.errors += 1
+            job.n_cached, job.cache_source, job.restore_failed = 0, "none", True
+        seq.next_prompt = job.n_cached
+        self.protect(seq, job)
+
+    def keep_prompt(self, seq: Seq, job: Job) -> None:
+        """The states worth keeping of a prompt just read: the whole prompt and its last
+        turn or line starts if it took long to evaluate, and a prefix it shares with an
+        earlier text."""
+        store = self._store
+        seq.prompt_kept = True
+        if store is None:
+            return
+        if len(job.prompt) - job.n_cached >= store.min_tokens:
+            self.keep(seq, len(job.prompt))
+            for boundary in seq.boundaries:
+                self.keep(seq, boundary)
+        if seq.keep_prefix:
+            self.keep(seq, seq.keep_prefix, exact=True)
+        self.unprotect(seq)
+
+    def protect(self, seq: Seq, job: Job) -> None:
+        """Plan the states its prompt gives once read, and which rows they need kept
+        from llama.cpp's reuse until then: a state of a prefix ending at b needs the
+        window before b, rows a sliding-window cache hands to other sequences' tokens
+        once the prompt has gone a window past them (under 8-slot churn 2 of 12
+        system prompts had lost theirs: every one of their next requests was cold)."""
+        store = self._store
+        seq.boundaries = []
+        if store is None or not seq.keep_state:
+            return
+        if len(job.prompt) - job.n_cached >= store.min_tokens:
+            seq.boundaries = seq.cuts[::-1]
+        marks = [b for b in (*seq.boundaries, seq.keep_prefix) if b > 0]
+        if marks and self._n_swa:
+            seq.protect_from = max(0, min(marks) - self._n_swa)
+
+    def unprotect(self, seq: Seq) -> None:
+        if seq.protect_from >= 0:
+            self._cells.release(seq)
+            seq.protect_from = -1
+
+    def keep(self, seq: Seq, n: int, *, exact: bool = False) -> None:
+        """Save the state of `seq`'s first `n` cells in the prompt store, unless short
+        or within min_tokens of a stored prefix of them: a slot that answered a
+        question after a restored system prompt is let go without a copy of its
+        cells (under churn that was a copy and a disk write per request, each the
+        size of the whole prefix, for a few dozen tokens of gain). `exact`: a prefix
+        other prompts share, worth its own state unless stored already (restored
+        there, the next prompt evaluates just what differs)."""
+        store = self._store
+        if store is None or not seq.keep_state or n < store.min_tokens or n > len(seq.cached):
+            return
+        tokens = seq.cached[:n]
+        if n - store.stored_prefix(tokens) < (1 if exact else store.min_tokens):
+            return
+        data = self._cells.state(seq, n)
+        if data is not None:
+            store.put(tokens, data)
+
+    def cuts(self, prompt: list[int]) -> list[int]:
+        """Where a prompt long enough for the prompt store is cut into chunks besides
+        n_batch multiples while it is read alone (steploop): its last _BOUNDARIES turn
+        or line starts, whose states are kept once it is read. A state restored there
+        continues with the rows a cold run reads next, row for row, so the restored
+        prompt computes the cold run's bytes (the window rows placed,
+        kvcache.KVCache.restore). The two extra decode calls cost nothing measurable:
+        cold first token 0.92-0.97x of uncut in an alternated A/B at 301-1676 tokens.
+        Depends only on the prompt, not on the cache."""
+        store = self._store
+        if store is None or len(prompt) <= store.min_tokens:
+            return []
+        return self._boundaries(prompt, store.min_tokens)[::-1]
+
+    def _boundaries(self, prompt: list[int], lowest: int) -> list[int]:
+        """The last _BOUNDARIES turn or line starts in `prompt`'s tail, at `lowest` or
+        later (see _BOUNDARIES)."""
+        found: list[int] = []
+        vocab, model = self._vocab, self._model
+        pieces = model.pieces
+        stop = max(lowest, len(prompt) - _BOUNDARY_SCAN) - 1
+        for index in range(len(prompt) - 2, stop, -1):
+            token = prompt[index]
+            if C.llama_vocab_is_control(vocab, token):
+                boundary = index  # the state ends before the control token
+            else:
+                piece = pieces.get(token)
+                if piece is None:
+                    piece = model.piece(token)
+                if b"\n" not in piece:
+                    continue
+                boundary = index + 1  # after the newline
+            # (The whole prompt's own state serves the prompt sent again.)
+            if (boundary < lowest or boundary >= len(prompt) - 1
+                    or (found and found[-1] - boundary < _BOUNDARY_GAP)):
+                continue
+            found.append(boundary)
+            if len(found) == _BOUNDARIES:
+                break
+        return found
+
+    def keep_all(self) -> None:
+        """At shutdown: every slot's cells into the store (the daemon drains first)."""
+        for seq in self._seqs:
+            self.keep(seq, len(seq.cached))
