@@ -23,8 +23,6 @@ from __future__ import annotations
 import struct
 from typing import Any, NamedTuple
 
-import numpy as np
-
 _HEAD = 8  # magic (u32), seq id (i32)
 _U32 = struct.Struct("<I")
 _LAYER = struct.Struct("<iQ")  # type, row size
@@ -103,6 +101,8 @@ def window_pad(state: bytes | bytearray, n_cells: int) -> tuple[Any, int] | None
     rows = sum(_LAYER.size + row * n_cells for _, row in window.layers)
     # numpy's zeros come from calloc: untouched pages cost nothing until llama.cpp
     # reads them (a bytearray of the 23 MB of a 2000-token pad took 16 ms to zero).
+    # Imported here: the daemon loads numpy beside the model, not at import.
+    import numpy as np
     out = np.zeros(_HEAD + 8 + len(cell) * n_cells + 8 + rows, np.uint8).data.cast("B")
     out[:_HEAD] = state[:_HEAD]
     struct.pack_into("<II", out, _HEAD, 1, n_cells)
