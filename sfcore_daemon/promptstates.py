@@ -57,17 +57,14 @@ class PromptStates:
         A prefix shared with an earlier text but stored nowhere is marked for keeping."""
         store = self._store
         assert store is not None
-        entry, n, shared = store.find(job.prompt)
+        # A state that ends where the prompt's own chunks are cut, restored into an
+        # empty pool, continues with the cold run's bytes (KVCache.restore): worth a
+        # few more tokens. Beside other slots' cells there are no such bytes to get.
+        cuts = seq.cuts if self._cells.can_place(seq) else ()
+        entry, n, shared = store.find(job.prompt, cuts, _EXACT_SLACK)
         common = max(shared, job.n_cached)
         if common >= store.min_tokens and common > (n if entry is not None else 0):
             seq.keep_prefix = common
-        if entry is not None and seq.cuts and self._cells.can_place(seq):
-            # A state that ends where the prompt's own chunks are cut, restored into an
-            # empty pool, continues with the cold run's bytes (KVCache.restore): worth a
-            # few more tokens. Beside other slots' cells there are no such bytes to get.
-            exact = store.find_at(job.prompt, seq.cuts)
-            if exact is not None and n - len(exact.tokens) <= _EXACT_SLACK:
-                entry, n = exact, len(exact.tokens)
         if entry is None or n < job.n_cached + _RESTORE_GAIN:
             return
         data = store.take_ram(entry)

@@ -174,16 +174,19 @@ class PromptStore:
 
     # --- the decode thread ------------------------------------------------------------
 
-    def find(self, prompt: list[int]) -> tuple[Entry | None, int, int]:
+    def find(self, prompt: list[int], prefer: Collection[int] = (),
+             slack: int = 0) -> tuple[Entry | None, int, int]:
         """The stored state to restore for `prompt`, the rows to keep of it, and the
         longest prefix `prompt` shares with any stored text.
 
         A state can continue only where its text ends (a sliding-window model keeps
         just the last window of rows): it fits a prompt that starts with its whole
         text, and keeps all of it, or all but one row when the text is the whole
-        prompt (the last prompt token must be evaluated, for its logits).
+        prompt (the last prompt token must be evaluated, for its logits). A state that
+        ends at one of `prefer` wins over longer ones that keep at most `slack` rows more.
         """
         best: Entry | None = None
+        preferred: Entry | None = None
         best_n = shared_most = 0
         limit = len(prompt) - 1
         with self._lock:
@@ -194,20 +197,12 @@ class PromptStore:
                     n = min(shared, limit)
                     if n > best_n:
                         best, best_n = entry, n
+                    if n in prefer and (preferred is None or n > len(preferred.tokens)):
+                        preferred = entry
                 shared_most = max(shared_most, min(shared, limit))
+        if preferred is not None and best_n - len(preferred.tokens) <= slack:
+            return preferred, len(preferred.tokens), shared_most
         return best, best_n, shared_most
-
-    def find_at(self, prompt: list[int], ends: Collection[int]) -> Entry | None:
-        """The longest stored state of a prefix of `prompt` that ends at one of `ends`."""
-        best: Entry | None = None
-        with self._lock:
-            for entry in self._entries.values():
-                tokens = entry.tokens
-                if (len(tokens) in ends and (best is None or len(tokens) > len(best.tokens))
-                        and (entry.data is not None or entry.path is not None)
-                        and shared_prefix(tokens, prompt, len(tokens)) == len(tokens)):
-                    best = entry
-        return best
 
     def stored_prefix(self, tokens: list[int]) -> int:
         """The length of the longest stored text that `tokens` starts with (0: none),

@@ -48,11 +48,11 @@ def _part(data: bytes | bytearray, offset: int, ext: int) -> tuple[Part, int] | 
             return None
         if cells == 0:
             return Part(0, ext, []), offset
-        for _ in range(cells):
-            (n_seq,) = _U32.unpack_from(data, offset + 4)
-            if n_seq != 1:  # a sequence's own state: one id per cell
-                return None
-            offset += 8 + ext + 4
+        # A sequence's own state: one id per cell, so every cell has the same size.
+        (n_seq,) = _U32.unpack_from(data, offset + 4)
+        if n_seq != 1:
+            return None
+        offset += cells * (8 + ext + 4)
         v_trans, n_layer = struct.unpack_from("<II", data, offset)
         offset += 8
         if v_trans:

@@ -42,6 +42,25 @@ def test_a_state_fits_a_prompt_that_starts_with_its_whole_text() -> None:
         store.close(5)
 
 
+def test_a_state_at_a_preferred_end_wins_within_the_slack() -> None:
+    store = opened(None)
+    try:
+        store.put([1, 2, 3, 4, 5], bytearray(b"x" * 10))
+        store.put([1, 2, 3, 4, 5, 6, 7, 8], bytearray(b"y" * 10))
+        prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+        # Ends at 5, three rows short of the longest: taken with a slack of 3, not 2.
+        entry, n, shared = store.find(prompt, [5], 3)
+        assert entry is not None and entry.tokens == [1, 2, 3, 4, 5] and n == 5
+        assert shared == 8
+        entry, n, _ = store.find(prompt, [5], 2)
+        assert entry is not None and n == 8
+        # A preferred end no stored text has changes nothing.
+        entry, n, _ = store.find(prompt, [6], 32)
+        assert entry is not None and n == 8
+    finally:
+        store.close(10)
+
+
 def test_the_ram_budget_drops_the_least_recently_used_first() -> None:
     store = opened(None, ram=25)
     try:
