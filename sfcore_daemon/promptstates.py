@@ -141,13 +141,16 @@ class PromptStates:
         question after a restored system prompt is let go without a copy of its
         cells (under churn that was a copy and a disk write per request, each the
         size of the whole prefix, for a few dozen tokens of gain). `exact`: a prefix
-        other prompts share, worth its own state unless stored already (restored
-        there, the next prompt evaluates just what differs)."""
+        other prompts share, worth its own state unless a stored one ends less than
+        _RESTORE_GAIN tokens before it (restored there, the next prompt evaluates just
+        what differs). Under churn the 8 restored prompts of a round each shared a few
+        tokens of their question with a stored state: a copy and a disk write apiece
+        held the step loop for ~235 ms and slowed the next steps, to save 3 tokens."""
         store = self._store
         if store is None or not seq.keep_state or n < store.min_tokens or n > len(seq.cached):
             return
         tokens = seq.cached[:n]
-        if n - store.stored_prefix(tokens) < (1 if exact else store.min_tokens):
+        if n - store.stored_prefix(tokens) < (_RESTORE_GAIN if exact else store.min_tokens):
             return
         data = self._cells.state(seq, n)
         if data is not None:

@@ -32,14 +32,29 @@ _ABORTABLE_PREFILL = 128
 # When every active sequence waits for a wide grammar pass: how long to wait for one
 # before looking at the inbox again.
 _PARKED_WAIT_S = 0.005
-# Prompt tokens left from which a prompt waits for the older ones in the prefill order.
+# Prompt tokens left up to which a prompt is a short rest (a question after a restored or
+# reused prefix, a chat's new turn, a short prompt): read whole, before the long ones.
 _SHORT_REST = 64
+# Rows of short rests in one step, unless the shortest alone has more. A step's cost grows
+# with its rows (about 4.5 ms a row at 1000 cells of context, over ~15 ms a step), so a
+# burst's mean first token is lowest when its shortest prompts go first, one or a few a
+# step: 8 restored questions of ~18 tokens in one step all waited ~800 ms for it; one a
+# step, their first tokens came at ~100 ms intervals. (docs/performance.md, "Parallel
+# slots": the 12-client churn's mean first token 1254 -> 906 ms.)
+_SHORT_STEP_ROWS = 32
 
 
-def _long_rest(seq: Seq) -> bool:
+def _rest(seq: Seq) -> int:
     job = seq.job
     assert job is not None
-    return len(job.prompt) - seq.next_prompt > _SHORT_REST
+    return len(job.prompt) - seq.next_prompt
+
+
+def _reading_order(seq: Seq) -> tuple[bool, int]:
+    """Short rests first, the fewest tokens left first; then the long prompts (the
+    sort is stable: oldest request first among them)."""
+    rest = _rest(seq)
+    return (rest > _SHORT_REST, rest if rest <= _SHORT_REST else 0)
 
 
 def _drain_each(jobs: list[Job]) -> None:
@@ -248,17 +263,20 @@ class StepLoop:
                     wants[n] = 1
                     n += 1
                 spare -= len(draft)
-        # Then prompt tokens: first the prompts with at most _SHORT_REST tokens left (a
-        # restored or reused prefix's question, a chat's new turn: their first token
-        # is near), then the others, oldest request first. Alone, a prompt goes in
-        # whole n_batch chunks; beside streaming sequences, at most prefill_per_step
-        # tokens a step, so their next token is never held up by a whole long prompt.
+        # Then prompt tokens: first the short rests (their first token is near), the
+        # shortest first, each whole and at most _SHORT_STEP_ROWS rows of them a step;
+        # then the others, oldest request first. Alone, a prompt goes in whole n_batch
+        # chunks; beside streaming sequences, at most prefill_per_step tokens a step,
+        # so their next token is never held up by a whole long prompt.
         budget = self._n_batch - n if n == 0 else min(self._prefill_per_step, self._n_batch - n)
         chunk = self._prefill_chunk
         reading = [seq for seq in active
                    if not seq.generating and seq.parked is None and seq.loading is None]
         if len(reading) > 1:
-            reading.sort(key=_long_rest)  # stable: oldest first within each group
+            reading.sort(key=_reading_order)
+            first_rest = _rest(reading[0])
+            if first_rest <= _SHORT_REST:
+                budget = min(budget, max(_SHORT_STEP_ROWS, first_rest))
         # A prompt read alone is cut at its cuts too (promptstates.PromptStates.cuts):
         # a cold run's bytes come only from a batch of its own. Beside other rows a cut
         # would just delay the rest of the prompt by a step.
@@ -269,6 +287,8 @@ class StepLoop:
             job = seq.job
             assert job is not None
             prompt, pos, sid = job.prompt, seq.next_prompt, seq.id
+            if prefilling and budget < len(prompt) - pos <= _SHORT_REST:
+                continue  # a short rest is read whole
             end = min(pos - pos % chunk + chunk, len(prompt), pos + budget)
             for cut in seq.cuts if alone else ():
                 if pos < cut < end:

@@ -314,3 +314,24 @@ async def test_a_prefix_another_slot_is_using_is_shared_not_evaluated_again() ->
         assert usage["prompt_tokens"] - usage["cached_tokens"] < 16, usage
         assert cold["usage"]["cached_tokens"] == 0
         assert done["text"] == cold["text"], (done["text"], cold["text"])
+
+
+async def test_of_two_prompts_that_arrive_together_the_shorter_gets_its_first_token_first() -> None:
+    # Two short cold prompts, pipelined in one write, the shorter first. Read in one
+    # step they would get their first tokens together, and the longer, which arrived
+    # second, would show the shorter wait; the step loop reads the shorter in a step of
+    # its own first (steploop._SHORT_STEP_ROWS), and the longer a step later.
+    shorter = {"id": "shorter", "prompt": "Name a colour.", "max_tokens": 2,
+               "temperature": 0, "cache_prompt": False}
+    longer = {"id": "longer", "max_tokens": 2, "temperature": 0, "cache_prompt": False,
+              "prompt": "Here is a list of animals: cat, dog, horse, cow, sheep, goat, pig,"
+                        " duck, goose, hen, rabbit, mouse. Which of them can fly?"}
+    async with running_daemon({"server": {"slots": 2}}) as daemon, daemon.client() as client:
+        await client.send(shorter, longer)
+        first, second = done_of(await client.reply(120)), done_of(await client.reply(120))
+    rests = [done["usage"]["prompt_tokens"] - done["usage"]["cached_tokens"]
+             for done in (first, second)]
+    # Both are short rests, and together more than one step of them holds.
+    assert rests[0] < rests[1] <= 64 and sum(rests) > 32, rests
+    assert first["timings"]["first_token_ms"] < second["timings"]["first_token_ms"], (
+        first["timings"], second["timings"])
