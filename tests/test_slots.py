@@ -318,9 +318,9 @@ async def test_a_prefix_another_slot_is_using_is_shared_not_evaluated_again() ->
 
 async def test_of_two_prompts_that_arrive_together_the_shorter_gets_its_first_token_first() -> None:
     # Two short cold prompts, pipelined in one write, the shorter first. Read in one
-    # step they would get their first tokens together, and the longer, which arrived
-    # second, would show the shorter wait; the step loop reads the shorter in a step of
-    # its own first (steploop._SHORT_STEP_ROWS), and the longer a step later.
+    # step, both would get their first token at its end, and the shorter, which arrived
+    # first, would show the longer wait; the step loop reads the shorter in a step of
+    # its own (steploop._SHORT_STEP_ROWS), and the longer a step later.
     shorter = {"id": "shorter", "prompt": "Name a colour.", "max_tokens": 2,
                "temperature": 0, "cache_prompt": False}
     longer = {"id": "longer", "max_tokens": 2, "temperature": 0, "cache_prompt": False,
