@@ -131,6 +131,10 @@ class SpeculativeConfig(_Section, frozen=True):
     # 0: none. Off by default: with it, a request sent again drafts from its earlier
     # answer, verifies in other batch shapes and may come out as other bytes.
     store_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 0
+    # Drafts are cut or grown so that a step's logit rows are a multiple of this:
+    # llama.cpp's CPU kernel for the output matrix takes rows four at a time and sweeps
+    # the whole matrix again for a remainder (speculative.aligned_lengths). 1: as drafted.
+    row_multiple: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
 
     def __post_init__(self) -> None:
         if self.draft_start > self.draft_max:

@@ -366,7 +366,7 @@ class RequestHandlers:
             mode=settings.mode if self._speculates else "off",
             draft_max=settings.draft_max, draft_start=settings.draft_start,
             ngram_max=settings.ngram_max, ngram_min=settings.ngram_min,
-            store_tokens=settings.store_tokens)
+            store_tokens=settings.store_tokens, row_multiple=settings.row_multiple)
 
     def _cache_settings(self, engine: Engine) -> CacheSettings:
         config = self.config.cache

@@ -239,6 +239,7 @@ class SpeculativeSettings(Struct, kw_only=True):
     ngram_max: int
     ngram_min: int
     store_tokens: int
+    row_multiple: int
 
 
 class CacheSettings(Struct, kw_only=True):
@@ -298,6 +299,8 @@ class SpeculativeCounts(Struct, kw_only=True):
     requests: int  # generations that drafted at least one token
     drafted: int
     accepted: int
+    steps: int  # a generation's steps with a draft, summed over generations
+    aligned_steps: int  # of those, the steps with a multiple of row_multiple logit rows
 
 
 class CacheCounts(Struct, kw_only=True):

@@ -224,6 +224,8 @@ class Generation:
             self._stats.speculative_requests += 1
             self._stats.drafted_tokens += job.drafted
             self._stats.accepted_tokens += job.accepted
+            self._stats.draft_steps += job.draft_steps
+            self._stats.aligned_steps += job.aligned_steps
 
     @property
     def _truncated(self) -> bool:

@@ -47,6 +47,7 @@ class DraftSettings:
     ngram_max: int  # the longest n-gram matched (tried first)
     ngram_min: int  # the shortest
     store_tokens: int = 0  # finished requests' output kept for other requests' drafts
+    row_multiple: int = 1  # a step's logit rows are made a multiple of this
 
     @property
     def step_rows(self) -> int:
@@ -62,7 +63,7 @@ def draft_settings(config: SpeculativeConfig) -> DraftSettings | None:
         return None
     return DraftSettings(draft_max=config.draft_max, draft_start=config.draft_start,
                          ngram_max=config.ngram_max, ngram_min=config.ngram_min,
-                         store_tokens=config.store_tokens)
+                         store_tokens=config.store_tokens, row_multiple=config.row_multiple)
 
 
 class NgramStore:
@@ -115,6 +116,7 @@ class NgramStore:
 
 
 _SEPARATOR = -1  # between two requests' texts in the store: no draft runs across it
+_NO_MATCH: tuple[list[int], int] = ([], 0)
 
 
 class NgramDrafter:
@@ -150,40 +152,47 @@ class NgramDrafter:
     def draft(self, room: int) -> list[int]:
         """Up to `room` tokens likely to follow the sequence's text; [] when nothing
         matches or drafting has not paid lately."""
+        continuation, length = self.propose(room)
+        return continuation[:length]
+
+    def propose(self, room: int) -> tuple[list[int], int]:
+        """What its best match continues with, up to `room` tokens, and how many of
+        them to draft (at most `room`; 0 when nothing matches or drafting has not paid
+        lately). The rest may pad a step to a cheaper size (aligned_lengths)."""
         if room < MIN_DRAFT or self._pause:
-            return []
+            return _NO_MATCH
         tokens = self._tokens
         length = len(tokens)
         self._index(tokens, length)
         settings = self._settings
-        room = min(room, self._limit)
-        want = max(min(room, settings.draft_start), MIN_DRAFT)  # for a store match
+        limit = min(room, self._limit)
+        want = max(min(limit, settings.draft_start), MIN_DRAFT)  # for a store match
         store = self._store
         for n, positions in self._maps:
             if store is not None and n < store.n:
                 # The store's matches are ngram_max long: better than a shorter match
                 # in the sequence's own text.
-                draft = store.draft(tokens, want)
-                if len(draft) >= MIN_DRAFT:
-                    return draft
+                continuation = store.draft(tokens, room)
+                if len(continuation) >= MIN_DRAFT:
+                    return continuation, min(want, len(continuation))
                 store = None
             if length <= n:
                 continue
             start = positions.get(tuple(tokens[length - n:]))
             if start is not None:
                 reach = _REACH * _match_length(tokens, start, n, settings.draft_max // _REACH)
-                want = max(min(room, max(settings.draft_start, reach)), MIN_DRAFT)
-                draft = tokens[start:start + want]
-                if len(draft) < want:
+                want = max(min(limit, max(settings.draft_start, reach)), MIN_DRAFT)
+                continuation = tokens[start:start + room]
+                if len(continuation) < room:
                     # The match runs into the end of the text: the text is periodic
                     # with period length - start there, so the draft repeats.
-                    draft = (draft * (want // len(draft) + 1))[:want]
-                return draft
+                    continuation = (continuation * (room // len(continuation) + 1))[:room]
+                return continuation, want
         if store is not None:
-            draft = store.draft(tokens, want)
-            if len(draft) >= MIN_DRAFT:
-                return draft
-        return []
+            continuation = store.draft(tokens, room)
+            if len(continuation) >= MIN_DRAFT:
+                return continuation, min(want, len(continuation))
+        return _NO_MATCH
 
     def learn(self) -> None:
         """Give the shared store what this sequence generated (as its request ends)."""
@@ -237,3 +246,45 @@ def _match_length(tokens: list[int], start: int, n: int, most: int) -> int:
         else:
             high = mid - 1
     return low
+
+
+def aligned_lengths(rows: int, lengths: list[int], most: list[int], multiple: int,
+                    spare: int) -> list[int]:
+    """Draft lengths that make a step's logit rows a multiple of `multiple`.
+
+    `rows`: the step's other logit rows (each generating sequence's pending token);
+    `lengths`: the drafts as proposed; `most`: how long each may grow (its match's
+    continuation within its room); `spare`: draft rows the step has left. llama.cpp's
+    CPU kernel for the default model's output matrix (Q8_0, llamafile's tinyBLAS) takes
+    logit rows four at a time and sweeps the whole 178 MB matrix once more for any 1-3
+    left over, so 4k+1 rows cost about what 4k+4 do (measured: 5 rows 50.6 ms, 8 rows
+    53.3, 4 rows 34.5; docs/performance.md). A step 1 row past a multiple drops that
+    row (the longest draft's last token, its least likely); 2 or more past, or below
+    the first multiple, the longest drafts grow into the free rows. Never below 0 or
+    past `most`; unchanged when neither fits.
+    """
+    total = rows + sum(lengths)
+    over = total % multiple
+    if multiple <= 1 or over == 0 or not any(lengths):
+        return lengths
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if 2 * over >= multiple or total < multiple:
+        grow = min(multiple - over, spare)
+        grown = list(lengths)
+        for i in order:
+            extra = min(grow, most[i] - grown[i])
+            if extra > 0:
+                grown[i] += extra
+                grow -= extra
+        if grow == 0 and (rows + sum(grown)) % multiple == 0:
+            return grown
+        if total < multiple:
+            return lengths
+    cut = list(lengths)
+    for i in order:
+        take = min(over, cut[i])
+        cut[i] -= take
+        over -= take
+        if over == 0:
+            return cut
+    return lengths

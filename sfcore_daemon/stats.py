@@ -51,6 +51,8 @@ class Stats:
         self.speculative_requests = 0
         self.drafted_tokens = 0
         self.accepted_tokens = 0
+        self.draft_steps = 0
+        self.aligned_steps = 0
         # The prompt store: generations by where their cached rows came from.
         self.cache_hits = {"slot": 0, "ram": 0, "disk": 0}
         self.restored_tokens = 0
@@ -106,6 +108,8 @@ class Stats:
                                   closed_early=self.grammar_closed_early),
             speculative=SpeculativeCounts(requests=self.speculative_requests,
                                           drafted=self.drafted_tokens,
-                                          accepted=self.accepted_tokens),
+                                          accepted=self.accepted_tokens,
+                                          steps=self.draft_steps,
+                                          aligned_steps=self.aligned_steps),
             cache=self.cache_counts(store),
         )

@@ -23,7 +23,7 @@ from .promptstates import PromptStates
 from .promptstore import PromptStore
 from .sampling import argmax, is_plain_greedy, make_chain
 from .sequence import Seq
-from .speculative import DraftSettings, NgramDrafter, NgramStore
+from .speculative import MIN_DRAFT, DraftSettings, NgramDrafter, NgramStore, aligned_lengths
 
 # llama_decode's return value when the abort callback said stop.
 _DECODE_ABORTED = 2
@@ -236,10 +236,10 @@ class StepLoop:
         prefilling: list[Seq] = []
         stepping = [seq for seq in active if seq.generating and seq.parked is None]
         n = 0
-        spare = self._draft_rows  # draft rows left in this step
-        sharing = len(stepping)  # sequences still to get a share of them
         # Every generating sequence first: its pending token and its draft, if any,
         # each row asking for logits.
+        if self._drafts is not None:
+            self._plan_drafts(stepping)
         for seq in stepping:
             pos, sid = len(seq.cached), seq.id
             tokens[n] = seq.last_token
@@ -248,21 +248,13 @@ class StepLoop:
             wants[n] = 1
             outputs.append((seq, n))
             n += 1
-            drafter = seq.drafter
-            share = spare // sharing
-            sharing -= 1
-            if drafter is not None and share > 0:
-                # Never past max_tokens: the last token sampled is never decoded, so
-                # the draft cells stay within the job's KV reservation.
-                draft = seq.draft = drafter.draft(min(seq.limit - seq.n_out - 1, share))
-                for token in draft:
-                    pos += 1
-                    tokens[n] = token
-                    positions[n] = pos
-                    seq_ids[n][0] = sid
-                    wants[n] = 1
-                    n += 1
-                spare -= len(draft)
+            for token in seq.draft:
+                pos += 1
+                tokens[n] = token
+                positions[n] = pos
+                seq_ids[n][0] = sid
+                wants[n] = 1
+                n += 1
         # Then prompt tokens: first the short rests (their first token is near), the
         # shortest first, each whole and at most _SHORT_STEP_ROWS rows of them a step;
         # then the others, oldest request first. Alone, a prompt goes in whole n_batch
@@ -370,6 +362,46 @@ class StepLoop:
             for seq in prefilling:
                 if seq.job is not None and seq.job.t_prompt_done == now:
                     self._states.keep_prompt(seq, seq.job)
+
+    def _plan_drafts(self, stepping: list[Seq]) -> None:
+        """Each speculating sequence's draft for this step (seq.draft): the step's draft
+        rows shared evenly, then the lengths rounded so that the step's logit rows are
+        a multiple of row_multiple (speculative.aligned_lengths)."""
+        assert self._drafts is not None
+        spare = self._draft_rows  # draft rows left in this step
+        sharing = len(stepping)  # sequences still to get a share of them
+        drafting: list[tuple[Seq, list[int]]] = []
+        lengths: list[int] = []
+        for seq in stepping:
+            share = spare // sharing
+            sharing -= 1
+            drafter = seq.drafter
+            if drafter is None or share < MIN_DRAFT:
+                continue
+            # Never past max_tokens: the last token sampled is never decoded, so the
+            # draft cells stay within the job's KV reservation. The continuation may
+            # run past the share by what aligning could add.
+            room = min(seq.limit - seq.n_out - 1, share + self._drafts.row_multiple - 1)
+            continuation, length = drafter.propose(room)
+            length = min(length, share)
+            if length:
+                drafting.append((seq, continuation))
+                lengths.append(length)
+                spare -= length
+        if not drafting:
+            return
+        multiple = self._drafts.row_multiple
+        lengths = aligned_lengths(len(stepping), lengths,
+                                  [len(continuation) for _, continuation in drafting],
+                                  multiple, spare)
+        aligned = (len(stepping) + sum(lengths)) % multiple == 0
+        for (seq, continuation), length in zip(drafting, lengths, strict=True):
+            if length:
+                seq.draft = continuation[:length]
+                job = seq.job
+                assert job is not None
+                job.draft_steps += 1
+                job.aligned_steps += aligned
 
     def _sample(self, seq: Seq, row: int) -> int | None:
         """The sequence's next token from the logits of `row`; None when a wide grammar

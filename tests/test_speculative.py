@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from sfcore_daemon.speculative import DraftSettings, NgramDrafter, NgramStore
+from sfcore_daemon.speculative import DraftSettings, NgramDrafter, NgramStore, aligned_lengths
 from tests.fault_support import health, poll_until
 from tests.harness import Daemon, done_of, merge, running_daemon, tokens_text
 
@@ -95,6 +95,37 @@ def test_a_match_drafts_twice_as_far_as_it_runs_back_and_failure_pauses_it() -> 
     assert (drafter.drafted, drafter.accepted) == (30, 7)
 
 
+def test_a_proposal_carries_the_continuation_beyond_the_draft() -> None:
+    drafter = NgramDrafter(SETTINGS, [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2])
+    continuation, length = drafter.propose(7)
+    assert (continuation, length) == ([3, 4, 5, 6, 7, 8, 9], 4)  # draft_start of room 7
+    assert drafter.draft(7) == continuation[:length]
+    looping = NgramDrafter(SETTINGS, [7, 8, 9, 7, 8])
+    assert looping.propose(8) == ([9, 7, 8, 9, 7, 8, 9, 7], 4)  # the period repeats to room
+    assert NgramDrafter(SETTINGS, [1, 2, 3]).propose(8) == ([], 0)
+
+
+def test_drafts_are_rounded_to_whole_multiples_of_logit_rows() -> None:
+    # One sequence (1 pending row): 1 + 4 = 5 rows, one past 4: the draft's last token
+    # goes; 1 + 5 = 6: grown by 2 to 8 rows; 1 + 2 = 3, below 4: grown to 4.
+    assert aligned_lengths(1, [4], [20], 4, 60) == [3]
+    assert aligned_lengths(1, [5], [20], 4, 59) == [7]
+    assert aligned_lengths(1, [2], [20], 4, 62) == [3]
+    assert aligned_lengths(1, [7], [20], 4, 57) == [7]  # already whole
+    # Growth stops at a draft's continuation or the step's spare rows; then it is cut.
+    assert aligned_lengths(1, [5], [6], 4, 59) == [3]
+    assert aligned_lengths(1, [5], [20], 4, 1) == [3]
+    assert aligned_lengths(1, [2], [2], 4, 62) == [2]  # below 4 and cannot grow: as is
+    # Several sequences: 3 pending rows + 2 + 4 = 9 -> the longest draft loses its last;
+    # 3 + 4 + 3 = 10 -> the longest grows by 2 (its continuation allows), else the next.
+    assert aligned_lengths(3, [2, 4, 0], [8, 8, 0], 4, 58) == [2, 3, 0]
+    assert aligned_lengths(3, [4, 3, 0], [30, 30, 0], 4, 57) == [6, 3, 0]
+    assert aligned_lengths(3, [4, 3, 0], [5, 30, 0], 4, 57) == [5, 4, 0]
+    # A multiple of 1 changes nothing; nor does a step without drafts.
+    assert aligned_lengths(1, [5], [20], 1, 59) == [5]
+    assert aligned_lengths(5, [0, 0], [0, 0], 4, 64) == [0, 0]
+
+
 def test_a_later_request_drafts_what_an_earlier_one_generated() -> None:
     store = NgramStore(3, 1000)
     earlier = NgramDrafter(SETTINGS, [1, 2, 3], store)
@@ -156,7 +187,32 @@ async def test_greedy_with_speculation_equals_greedy_without() -> None:
             drafted += fast["usage"]["drafted_tokens"]
             accepted += fast["usage"]["accepted_tokens"]
         counts = (await stats(daemon))["speculative"]
-        assert counts == {"requests": 3, "drafted": drafted, "accepted": accepted}
+        assert {key: counts[key] for key in ("requests", "drafted", "accepted")} == {
+            "requests": 3, "drafted": drafted, "accepted": accepted}
+
+
+@pytest_asyncio_mark
+async def test_every_verifying_step_has_a_whole_multiple_of_logit_rows() -> None:
+    # row_multiple 4 (the default): a draft is cut or grown so that its step's logit
+    # rows (each sequence's pending token plus the drafts) are a multiple of 4. Only a
+    # draft that can neither grow nor shrink stays as is: 2 tokens (3 rows) with no
+    # room left before max_tokens, at most one such step per request.
+    for slots in (1, 2):
+        async with running_daemon({"server": {"slots": slots}}) as daemon:
+            requests = [{**COPY_CODE, "id": "code", "max_tokens": 96},
+                        {**COPY_JSON, "id": "json", "max_tokens": 64}][:slots]
+            clients = [await daemon.connect() for _ in requests]
+            try:
+                for client, request in zip(clients, requests, strict=True):
+                    await client.send({"temperature": 0, "stream": False, **request})
+                dones = [done_of(await client.reply(240)) for client in clients]
+            finally:
+                for client in clients:
+                    await client.close()
+            counts = (await stats(daemon))["speculative"]
+        assert all(done["usage"]["accepted_tokens"] > 0 for done in dones)
+        assert counts["steps"] >= 4, counts
+        assert counts["aligned_steps"] >= counts["steps"] - slots, counts
 
 
 @pytest_asyncio_mark
@@ -299,7 +355,7 @@ async def test_speculation_is_reported_and_can_be_refused() -> None:
             info = await client.final({"op": "info"})
             assert info["config"]["speculative"] == {
                 "mode": "ngram", "draft_max": 64, "draft_start": 4, "ngram_max": 4,
-                "ngram_min": 2, "store_tokens": 0}
+                "ngram_min": 2, "store_tokens": 0, "row_multiple": 4}
             bad = await client.final({"id": "x", "prompt": "hi", "speculative": "yes"})
             assert bad["type"] == "error" and bad["code"] == "invalid_request"
             assert "speculative" in bad["message"] and bad["id"] == "x"
