@@ -4,7 +4,9 @@
 llama.cpp directly, the daemon's context settings, one sequence:
 
 1. The time of one `llama_decode` of 1 + k rows, every row asking for logits (the shape of
-   a verification step), median of 7, for k = 0 .. 64.
+   a verification step), median of 9, the sizes in a shuffled order each round, on both
+   sides of each multiple of 4 (llama.cpp's output-matrix kernel takes logit rows four at
+   a time and sweeps the matrix again for 1-3 left over: speculative.aligned_lengths).
 2. Greedy one token a step for 200 tokens (the reference), then the same tokens fed back
    1 + k at a time as if every draft were right: each position where a row's argmax is not
    the reference token, with the logit gap (top logit minus the reference token's).
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import random
 import statistics
 import time
 from typing import Any
@@ -31,7 +34,8 @@ PROMPTS = {
             "def total_price(items):\n    return sum(item.price * item.quantity for item in "
             "items)\n```<end_of_turn>\n<start_of_turn>model\n",
 }
-DRAFTS = (0, 1, 2, 4, 8, 16, 32, 64)
+DRAFTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 15, 16, 23, 24, 31, 32, 63, 64)
+ROUNDS = 9
 
 
 class Context:
@@ -113,16 +117,19 @@ def main() -> int:
     args = parser.parse_args()
     context = Context(models.resolve_model_path(args.model or ""))
     prompt = context.tokenize(PROMPTS["free"])
-    print("| rows in the step | ms (median of 7) |")
-    print("|---|---|")
-    for drafts in DRAFTS:
-        times = []
-        for _ in range(7):
+    times: dict[int, list[float]] = {drafts: [] for drafts in DRAFTS}
+    order = random.Random(0)
+    for _ in range(ROUNDS):  # every size in each round: the machine's drift spreads evenly
+        for drafts in order.sample(DRAFTS, len(DRAFTS)):
             context.fresh(prompt)
             started = time.perf_counter()
             context.decode(list(range(1000, 1001 + drafts)), len(prompt), True)
-            times.append(time.perf_counter() - started)
-        print(f"| {1 + drafts} | {statistics.median(times) * 1e3:.1f} |")
+            times[drafts].append(time.perf_counter() - started)
+    print(f"| rows in the step | ms (median of {ROUNDS}) | ms a row |")
+    print("|---|---|---|")
+    for drafts in DRAFTS:
+        median = statistics.median(times[drafts]) * 1e3
+        print(f"| {1 + drafts} | {median:.1f} | {median / (1 + drafts):.2f} |")
     print()
     print("| prompt | rows verified together | positions (of 200) whose argmax differs: "
           "(index, logit gap) |")

@@ -17,7 +17,8 @@ with `-np 4`. Every run uses prompts no earlier run used (each side sees the sam
 side answers from n-grams it learned from the same request before.
 
 Single-client rates are the generation rate each server reports for itself (the daemon:
-`timings.decode_tok_s`, first to last token; llama-server: `timings.predicted_per_second`);
+`timings.decode_tok_s`, first to last token; llama-server: `timings.predicted_per_second`),
+a run's figure the median of SINGLE_PROMPTS requests with prompts of their own;
 edit x4 is completion tokens over the wall-clock time from the first send to the last
 reply, seen by the client. Acceptance = accepted / drafted tokens.
 """
@@ -35,6 +36,11 @@ from benchlib import TIMEOUT_S, log, run_together, summary
 
 SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod")
 EDIT_CLIENTS = 4
+# Single-client requests per workload, side and run, each with a prompt of its own: a run's
+# figure is their median. Which text a greedy request writes moves with the kernels its rows
+# go through (docs/performance.md, Numerics), so one prompt a run measured the text more
+# than the server: the same drafter made 78 and 151 tok/s on two edit prompts of one sitting.
+SINGLE_PROMPTS = 3
 
 MODULE = '''import json
 import os
@@ -203,21 +209,25 @@ def run(params: dict[str, Any], daemon_paths: tuple[str, str], runs: int,
         # Variant 0 warms every side up (first-touch costs, prompt caches) unmeasured.
         for index in range(runs + 1):
             order = names[index % len(names):] + names[:index % len(names)]
-            variant_work = workloads(index)
             edit_prompts = [edit_prompt(index * EDIT_CLIENTS + i + 100)
                             for i in range(EDIT_CLIENTS)]
             figures: dict[str, dict[str, Any]] = {name: {} for name in names}
-            for workload, (prompt, sampling) in variant_work.items():
-                for name in order:
-                    # Cold prompts for every side: every variant's edit prompt starts
-                    # with the same module, which a slot would otherwise have cached.
-                    reply = sides[name].generate(prompt, tokens,
-                                                 {**sampling, "cache_prompt": False})
-                    figures[name][workload] = reply["tok_s"]
-                    figures[name][f"{workload} acceptance"] = (
-                        reply["accepted"] / reply["drafted"] if reply["drafted"] else None)
-                    if workload == "edit":
-                        figures[name]["first token ms"] = reply["first_token_ms"]
+            replies: dict[tuple[str, str], list[dict[str, Any]]] = {}
+            for variant in range(index * SINGLE_PROMPTS, (index + 1) * SINGLE_PROMPTS):
+                for workload, (prompt, sampling) in workloads(variant).items():
+                    for name in order:
+                        # Cold prompts for every side: every variant's edit prompt starts
+                        # with the same module, which a slot would otherwise have cached.
+                        replies.setdefault((name, workload), []).append(sides[name].generate(
+                            prompt, tokens, {**sampling, "cache_prompt": False}))
+            for (name, workload), answers in replies.items():
+                figures[name][workload] = statistics.median(reply["tok_s"] for reply in answers)
+                drafted = sum(reply["drafted"] for reply in answers)
+                figures[name][f"{workload} acceptance"] = (
+                    sum(reply["accepted"] for reply in answers) / drafted if drafted else None)
+                if workload == "edit":
+                    figures[name]["first token ms"] = statistics.median(
+                        reply["first_token_ms"] for reply in answers)
             for name in order:
                 try:
                     figures[name]["edit x4"] = aggregate(sides[name], edit_prompts, tokens)

@@ -311,6 +311,30 @@ async def test_a_prefix_seen_once_comes_back_for_another_question_after_a_restar
         assert 0 < question < 16
 
 
+async def test_a_shared_prefix_gets_a_state_only_well_past_a_stored_one(cache_dir: Path) -> None:
+    # The first prompt keeps its states, one at the line start before its question.
+    # The next shares a few tokens more with it ("Question: how"): a state there would
+    # save those few tokens over the stored one, and is not taken (each copy held the
+    # step loop ~30 ms under churn). The third shares 20+ tokens of the second's
+    # question: that prefix is worth a state of its own, and a later prompt with that
+    # question restores it.
+    question = ("\nQuestion: how many records are there, counting every red, green, blue "
+                "and amber box in the list above?")
+    async with running_daemon(store_config(cache_dir)) as daemon, daemon.client() as client:
+        await generate(client, LONG + QUESTION_1)
+        saved = (await cache_stats(client))["saved"]
+        assert saved >= 2  # the whole prompt and its line starts
+        second = await generate(client, LONG + question + "\nAnswer:")
+        assert second["timings"]["cache_source"] == "slot"
+        assert (await cache_stats(client))["saved"] == saved
+        third = await generate(client, LONG + question + " Answer in words.\nAnswer:")
+        assert (await cache_stats(client))["saved"] == saved + 1
+        await generate(client, OTHER)  # the one slot goes to another prompt
+        fourth = await generate(client, LONG + question + " Answer in digits.\nAnswer:")
+        assert fourth["timings"]["cache_source"] == "ram", fourth
+        assert fourth["usage"]["cached_tokens"] >= third["usage"]["cached_tokens"] - 1
+
+
 async def test_the_cache_op_lists_the_states_and_clears_ram_and_disk(cache_dir: Path) -> None:
     async with running_daemon(store_config(cache_dir)) as daemon:
         await warm_answer(daemon)
