@@ -75,6 +75,10 @@ class Context:
         return list((ctypes.c_float * self.n_vocab).from_address(
             ctypes.addressof(pointer.contents)))
 
+    def row_pointer(self, index: int) -> Any:
+        """llama.cpp's logits of output row `index` (valid until the next decode)."""
+        return C.llama_get_logits_ith(self.ctx, index)
+
     def fresh(self, prompt: list[int]) -> None:
         C.llama_memory_clear(self.memory, False)
         self.decode(prompt, 0, False)

@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""The daemon's drafter against llama.cpp's ngram-mod on the same texts, replayed.
+
+Live, each server writes its own greedy text: from 4 rows a step llama.cpp's kernels round
+otherwise (docs/performance.md, Numerics), so the daemon and llama-server answer the same
+edit prompt with texts that part after a few dozen tokens, and a run's rate says as much
+about the text as about the drafter. This script takes the texts out of it, with llama.cpp
+driven directly in one process:
+
+1. The cost of one `llama_decode` of R rows, every row asking for logits, for R = 1 .. 65
+   (median of 5, the sizes in a shuffled order each round).
+2. Greedy references, one token a step, for the bench's edit and free prompts
+   (scripts/bench_speculative.py), 256 tokens each.
+3. Each reference replayed step by step: a drafter proposes, the draft is accepted up to
+   the first token that differs from the reference, the step costs what step 1 measured
+   for its rows. Drafters: the daemon's (`sfcore_daemon.speculative`, with and without
+   rounding a step's rows to a multiple of 4) and llama.cpp's ngram-mod as its
+   `common/ngram-mod.cpp` and `common/speculative.cpp` build it (a table of 24-gram ->
+   next token shared by all requests and kept across them, drafts of 48 to 64 tokens),
+   fed the requests in the bench's order (with an edit prompt of the bench's edit x4 row
+   after each edit and free one, learned from but not timed); and the daemon's with its
+   opt-in store of earlier answers (`store_tokens`), fed the same way. Replayed tok/s =
+   256 / the summed step costs.
+
+    .venv/bin/python scripts/bench_spec_replay.py [--prompts 12] [--model PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import numpy
+from bench_spec_rows import Context
+from bench_speculative import FREE_STARTS, edit_prompt
+
+from sfcore_daemon import models
+from sfcore_daemon.speculative import DraftSettings, NgramDrafter, NgramStore, aligned_lengths
+
+TOKENS = 256
+MAX_ROWS = 65  # the daemon's draft_max (64) + its pending token; ngram-mod's n_max too
+# llama.cpp's defaults for --spec-type ngram-mod (common/common.h).
+MOD_MATCH, MOD_MAX, MOD_MIN = 24, 64, 48
+# ngram-mod adds the n-grams of a growing text in chunks, and empties its table after 5
+# drafts in a row with less than a quarter accepted (common/speculative.cpp).
+MOD_CHUNK = 32
+MOD_LOW, MOD_LOW_STREAK = 0.25, 5
+DAEMON = DraftSettings(draft_max=64, draft_start=4, ngram_max=4, ngram_min=2)
+STORE_TOKENS = 65536  # for the side with [speculative] store_tokens (off by default)
+
+
+def step_costs(context: Context, prompt: list[int], rounds: int = 5) -> dict[int, float]:
+    times: dict[int, list[float]] = {rows: [] for rows in range(1, MAX_ROWS + 1)}
+    order = random.Random(0)
+    for _ in range(rounds):
+        for rows in order.sample(list(times), len(times)):
+            context.fresh(prompt)
+            started = time.perf_counter()
+            context.decode(list(range(1000, 1000 + rows)), len(prompt), True)
+            times[rows].append(time.perf_counter() - started)
+    return {rows: statistics.median(values) for rows, values in times.items()}
+
+
+def greedy(context: Context, prompt: list[int]) -> list[int]:
+    """One token a step, as a request without speculation."""
+    def top(row: int) -> int:
+        logits = numpy.ctypeslib.as_array(context.row_pointer(row), shape=(context.n_vocab,))
+        return int(logits.argmax())
+
+    context.fresh(prompt)
+    tokens = [top(len(prompt) - 1)]
+    while len(tokens) < TOKENS:
+        context.decode([tokens[-1]], len(prompt) + len(tokens) - 1, True)
+        tokens.append(top(0))
+    return tokens
+
+
+def replay(prompt: list[int], output: list[int], cost: dict[int, float], multiple: int,
+           store: NgramStore | None = None) -> float:
+    """The daemon's drafter (one request, the step loop's rules) over a reference; with
+    `store`, also drafting from (and then adding to) earlier requests' outputs."""
+    drafter = NgramDrafter(DAEMON, prompt, store)
+    drafter.append(output[0])
+    done, seconds = 1, 0.0
+    while done < len(output):
+        share = DAEMON.draft_max
+        continuation, length = drafter.propose(min(len(output) - done - 1, share + multiple - 1))
+        length = min(length, share)
+        if length:
+            length = aligned_lengths(1, [length], [len(continuation)], multiple, share - length)[0]
+        draft = continuation[:length]
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == output[done + accepted]:
+            accepted += 1
+        seconds += cost[1 + len(draft)]
+        if draft:
+            drafter.verified(len(draft), accepted)
+        for token in output[done:done + accepted + 1]:
+            drafter.append(token)
+        done += accepted + 1
+    drafter.learn()
+    return len(output) / seconds
+
+
+class NgramMod:
+    """llama.cpp's ngram-mod: the last MOD_MATCH tokens -> the token that followed them,
+    one table for every request (its hash table, without collisions)."""
+
+    def __init__(self) -> None:
+        self.table: dict[tuple[int, ...], int] = {}
+        self.low = 0  # drafts in a row with less than MOD_LOW accepted
+
+    def learn(self, tokens: list[int], start: int, end: int) -> None:
+        for index in range(start, end):
+            self.table[tuple(tokens[index:index + MOD_MATCH])] = tokens[index + MOD_MATCH]
+
+    def replay(self, prompt: list[int], output: list[int], cost: dict[int, float]) -> float:
+        text = list(prompt)
+        if len(text) > MOD_MATCH:
+            self.learn(text, 0, len(text) - MOD_MATCH)
+        learned = max(len(text) - MOD_MATCH, 0)
+        text.append(output[0])
+        done, seconds = 1, 0.0
+        while done < len(output):
+            # llama-server's "prompt" is the text without the token just sampled.
+            known = len(text) - 1
+            if learned + MOD_CHUNK < known:
+                self.learn(text, learned, known - MOD_MATCH)
+                learned = known - MOD_MATCH
+            room = min(MOD_MAX, len(output) - done - 1)
+            draft: list[int] = []
+            window = text[-MOD_MATCH:]
+            while len(draft) < room:
+                token = self.table.get(tuple(window[len(window) - MOD_MATCH:]))
+                if token is None:
+                    break
+                draft.append(token)
+                window.append(token)
+            if len(draft) < min(MOD_MIN, room):
+                draft = []
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == output[done + accepted]:
+                accepted += 1
+            seconds += cost[1 + len(draft)]
+            if draft:
+                self.low = self.low + 1 if accepted < MOD_LOW * len(draft) else 0
+                if self.low >= MOD_LOW_STREAK:
+                    self.table.clear()
+                    self.low = learned = 0
+            text.extend(output[done:done + accepted + 1])
+            done += accepted + 1
+        return len(output) / seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=12, help="edit and free prompts each")
+    parser.add_argument("--model", help="GGUF model (default: the embedded default model)")
+    args = parser.parse_args()
+    context = Context(models.resolve_model_path(args.model or ""))
+    cost = step_costs(context, context.tokenize(FREE_STARTS[0]))
+    texts: list[tuple[str, list[int], list[int]]] = []
+    # The bench's order: an edit and a free prompt, then the edit prompts its edit x4 row
+    # sends (replayed too, unmeasured: what the tables learn from them counts).
+    for variant in range(args.prompts):
+        for kind, text in (("edit", edit_prompt(variant)),
+                           ("free", FREE_STARTS[variant % len(FREE_STARTS)]),
+                           ("other edit", edit_prompt(variant + 100))):
+            prompt = context.tokenize(text)
+            texts.append((kind, prompt, greedy(context, prompt)))
+    mod = NgramMod()
+    store = NgramStore(DAEMON.ngram_max, STORE_TOKENS)
+    rates: dict[str, dict[str, list[float]]] = {
+        side: {"edit": [], "free": []} for side in
+        ("one token a step", "daemon", "daemon, row_multiple 1",
+         f"daemon, store_tokens {STORE_TOKENS}", "llama.cpp ngram-mod")}
+    for kind, prompt, output in texts:
+        if kind not in ("edit", "free"):
+            replay(prompt, output, cost, 4, store)
+            mod.replay(prompt, output, cost)
+            continue
+        rates["one token a step"][kind].append(len(output) / (cost[1] * len(output)))
+        rates["daemon"][kind].append(replay(prompt, output, cost, 4))
+        rates["daemon, row_multiple 1"][kind].append(replay(prompt, output, cost, 1))
+        rates[f"daemon, store_tokens {STORE_TOKENS}"][kind].append(
+            replay(prompt, output, cost, 4, store))
+        rates["llama.cpp ngram-mod"][kind].append(mod.replay(prompt, output, cost))
+    print(f"Replayed over {args.prompts} greedy references per workload, {TOKENS} tokens, step "
+          f"costs measured in this run (1 row {cost[1] * 1e3:.1f} ms, 4 rows "
+          f"{cost[4] * 1e3:.1f}, 5 rows {cost[5] * 1e3:.1f}, 64 rows {cost[64] * 1e3:.1f})")
+    print()
+    print("| drafter | edit tok/s (median) | free tok/s (median) | edit / ngram-mod | "
+          "free / ngram-mod |")
+    print("|---|---|---|---|---|")
+    # Every token drafted and accepted, in the cheapest steps: no drafter does better.
+    best = [0.0] + [float("inf")] * TOKENS
+    for done in range(1, TOKENS + 1):
+        best[done] = min(best[done - rows] + cost[rows]
+                         for rows in range(1, min(MAX_ROWS, done) + 1))
+    bound = TOKENS / best[TOKENS]
+    print(f"| every token drafted and accepted (a bound) | {bound:.1f} | {bound:.1f} | - | - |")
+    mod_edit = statistics.median(rates["llama.cpp ngram-mod"]["edit"])
+    mod_free = statistics.median(rates["llama.cpp ngram-mod"]["free"])
+    for side, by_kind in rates.items():
+        edit, free = statistics.median(by_kind["edit"]), statistics.median(by_kind["free"])
+        print(f"| {side} | {edit:.1f} | {free:.1f} | {edit / mod_edit:.3f} | "
+              f"{free / mod_free:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
