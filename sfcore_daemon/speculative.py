@@ -257,11 +257,11 @@ def aligned_lengths(rows: int, lengths: list[int], most: list[int], multiple: in
     continuation within its room); `spare`: draft rows the step has left. llama.cpp's
     CPU kernel for the default model's output matrix (Q8_0, llamafile's tinyBLAS) takes
     logit rows four at a time and sweeps the whole 178 MB matrix once more for any 1-3
-    left over, so 4k+1 rows cost about what 4k+4 do (measured: 5 rows 50.6 ms, 8 rows
-    53.3, 4 rows 34.5; docs/performance.md). A step 1 row past a multiple drops that
-    row (the longest draft's last token, its least likely); 2 or more past, or below
-    the first multiple, the longest drafts grow into the free rows. Never below 0 or
-    past `most`; unchanged when neither fits.
+    left over, so 4k+1 rows cost about what 4k+4 do (measured: 5 rows 59.0 ms, 8 rows
+    62.8, 4 rows 38.9; docs/performance.md, "Rows come in fours"). A step 1 row past a
+    multiple drops that row (the longest draft's last token, its least likely); 2 or
+    more past, or below the first multiple, the longest drafts grow into the free rows.
+    Never below 0 or past `most`; unchanged when neither fits.
     """
     total = rows + sum(lengths)
     over = total % multiple

@@ -161,6 +161,18 @@ async def generate(daemon: Daemon, request: dict[str, Any], **options: Any) -> d
     return done_of(lines)
 
 
+async def generate_at_once(daemon: Daemon, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Greedy, each on a connection of its own, all sent before any answer is read."""
+    clients = [await daemon.connect() for _ in requests]
+    try:
+        for client, request in zip(clients, requests, strict=True):
+            await client.send({"temperature": 0, "stream": False, **request})
+        return [done_of(await client.reply(240)) for client in clients]
+    finally:
+        for client in clients:
+            await client.close()
+
+
 async def stats(daemon: Daemon) -> dict[str, Any]:
     async with daemon.client() as client:
         return await client.final({"op": "stats"})
@@ -201,14 +213,7 @@ async def test_every_verifying_step_has_a_whole_multiple_of_logit_rows() -> None
         async with running_daemon({"server": {"slots": slots}}) as daemon:
             requests = [{**COPY_CODE, "id": "code", "max_tokens": 96},
                         {**COPY_JSON, "id": "json", "max_tokens": 64}][:slots]
-            clients = [await daemon.connect() for _ in requests]
-            try:
-                for client, request in zip(clients, requests, strict=True):
-                    await client.send({"temperature": 0, "stream": False, **request})
-                dones = [done_of(await client.reply(240)) for client in clients]
-            finally:
-                for client in clients:
-                    await client.close()
+            dones = await generate_at_once(daemon, requests)
             counts = (await stats(daemon))["speculative"]
         assert all(done["usage"]["accepted_tokens"] > 0 for done in dones)
         assert counts["steps"] >= 4, counts
@@ -306,14 +311,7 @@ async def test_four_slots_two_speculating_two_not_and_every_cell_accounted() -> 
             {**COPY_JSON, "id": "c", "max_tokens": 48},
             {**COPY_JSON, "id": "d", "max_tokens": 48, "speculative": False},
         ]
-        clients = [await daemon.connect() for _ in requests]
-        try:
-            for client, request in zip(clients, requests, strict=True):
-                await client.send({"temperature": 0, "stream": False, **request})
-            dones = [done_of(await client.reply(240)) for client in clients]
-        finally:
-            for client in clients:
-                await client.close()
+        dones = await generate_at_once(daemon, requests)
         by_id = {done["id"]: done for done in dones}
         for done in dones:
             assert done["finish_reason"] in ("length", "stop"), done
