@@ -61,6 +61,8 @@ def test_speculative_settings_are_checked(tmp_path: Path) -> None:
         load_config(write(tmp_path, "[speculative]\ndraft_max = 8\ndraft_start = 16\n"))
     with pytest.raises(ConfigError, match="ngram_min"):
         load_config(write(tmp_path, "[speculative]\nngram_max = 2\nngram_min = 3\n"))
+    with pytest.raises(ConfigError, match=r"`speculative\.row_multiple`"):
+        load_config(write(tmp_path, "[speculative]\nrow_multiple = 0\n"))
 
 
 def test_not_toml(tmp_path: Path) -> None:
