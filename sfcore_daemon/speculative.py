@@ -268,18 +268,18 @@ def aligned_lengths(rows: int, lengths: list[int], most: list[int], multiple: in
     if multiple <= 1 or over == 0 or not any(lengths):
         return lengths
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    if 2 * over >= multiple or total < multiple:
-        grow = min(multiple - over, spare)
+    need = multiple - over
+    if (2 * over >= multiple or total < multiple) and need <= spare:
         grown = list(lengths)
         for i in order:
-            extra = min(grow, most[i] - grown[i])
+            extra = min(need, most[i] - grown[i])
             if extra > 0:
                 grown[i] += extra
-                grow -= extra
-        if grow == 0 and (rows + sum(grown)) % multiple == 0:
+                need -= extra
+        if need == 0:
             return grown
-        if total < multiple:
-            return lengths
+    if total < multiple:
+        return lengths
     cut = list(lengths)
     for i in order:
         take = min(over, cut[i])
