@@ -167,7 +167,7 @@ def main() -> int:
     for variant in range(args.prompts):
         for kind, text in (("edit", edit_prompt(variant)),
                            ("free", FREE_STARTS[variant % len(FREE_STARTS)]),
-                           ("other edit", edit_prompt(variant + 100))):
+                           ("other edit", edit_prompt(args.prompts + variant))):
             prompt = context.tokenize(text)
             texts.append((kind, prompt, greedy(context, prompt)))
     mod = NgramMod()

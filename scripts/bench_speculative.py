@@ -13,8 +13,9 @@ rotates by run): the daemon with speculation (requests as sent) and without it
 (`"speculative": false`), each its own process, so both have seen the same requests and
 hold the same cells when their first tokens are timed; llama-server (`--llama-server
 PATH` or LLAMA_SERVER) plain and with each `--spec-type ngram-*`, each its own process
-with `-np 4`. Every run uses prompts no earlier run used (each side sees the same ones), so no
-side answers from n-grams it learned from the same request before.
+with `-np 4`. No edit request is made twice in a sitting (each side sees the same ones; every
+edit prompt renames a function to a name of its own), nor a free or sampled one up to
+`--runs 3` (12 of each), so no side drafts the answer it gave the same request before.
 
 Single-client rates are the generation rate each server reports for itself (the daemon:
 `timings.decode_tok_s`, first to last token; llama-server: `timings.predicted_per_second`),
@@ -72,12 +73,26 @@ def save_items(path, items):
     with open(path, "w") as handle:
         json.dump([item.__dict__ for item in items], handle, indent=2)
 '''
-RENAMES = [("total_price", "order_total"), ("cheapest", "lowest_priced"),
-           ("load_items", "read_items"), ("save_items", "write_items"),
-           ("total_price", "sum_prices"), ("cheapest", "find_cheapest"),
-           ("load_items", "items_from_file"), ("save_items", "items_to_file"),
-           ("total_price", "grand_total"), ("cheapest", "min_price_item"),
-           ("load_items", "parse_items"), ("save_items", "dump_items")]
+# The edit workload's renames: variant v renames FUNCTIONS[v % 4] to the (v // 4)th name of
+# its list (a digit appended past the lists' end), so every variant is a request no other
+# variant made. A server that keeps n-grams across requests (llama-server's ngram-mod
+# does) would otherwise draft the answer it gave the same request before: that measures
+# recall of a repeated request, not drafting from the text.
+FUNCTIONS = ("total_price", "cheapest", "load_items", "save_items")
+NEW_NAMES = {
+    "total_price": ("order_total", "sum_prices", "grand_total", "total_cost", "price_sum",
+                    "compute_total", "basket_total", "items_total", "total_value",
+                    "overall_price", "cart_total", "full_price"),
+    "cheapest": ("lowest_priced", "find_cheapest", "min_price_item", "least_expensive",
+                 "cheapest_item", "lowest_price", "bargain", "pick_cheapest", "min_item",
+                 "best_deal", "lowest_cost_item", "cheapest_entry"),
+    "load_items": ("read_items", "items_from_file", "parse_items", "load_inventory",
+                   "fetch_items", "read_inventory", "load_entries", "import_items",
+                   "open_items", "items_from_json", "load_products", "get_items"),
+    "save_items": ("write_items", "items_to_file", "dump_items", "store_items",
+                   "save_inventory", "write_inventory", "export_items", "persist_items",
+                   "save_entries", "items_to_json", "save_products", "put_items"),
+}
 FREE_STARTS = ["The history of the city of", "The river that runs through the valley",
                "In the year 1850, the small town of", "The old lighthouse keeper",
                "Scientists have long wondered why", "The recipe for a perfect loaf",
@@ -97,8 +112,17 @@ def turn(text: str) -> str:
     return f"<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n"
 
 
+def rename(variant: int) -> tuple[str, str]:
+    """The function edit prompt `variant` renames, and its new name: a pair of its own
+    for every variant."""
+    old = FUNCTIONS[variant % len(FUNCTIONS)]
+    names = NEW_NAMES[old]
+    lap, index = divmod(variant // len(FUNCTIONS), len(names))
+    return old, names[index] + (str(lap + 1) if lap else "")
+
+
 def edit_prompt(variant: int) -> str:
-    old, new = RENAMES[variant % len(RENAMES)]
+    old, new = rename(variant)
     return turn(f"Here is a Python module:\n```python\n{MODULE}```\nRewrite this module with "
                 f"the function `{old}` renamed to `{new}`. Output the whole module.")
 
@@ -168,7 +192,7 @@ def aggregate(side: DaemonSide | ServerSide, prompts: list[str], tokens: int) ->
 FIRST_TOKEN_PAIRS = 4  # first-token samples per run and daemon side, sent in turns
 
 
-def first_token_pairs(sides: dict[str, DaemonSide | ServerSide], variant: int,
+def first_token_pairs(sides: dict[str, DaemonSide | ServerSide], first_variant: int,
                       figures: dict[str, dict[str, Any]]) -> None:
     """Cold edit prompts of one token, to the daemon with and without speculation in
     turns (on, off, off, on, ...): the two processes have had the same requests, so they
@@ -176,7 +200,7 @@ def first_token_pairs(sides: dict[str, DaemonSide | ServerSide], variant: int,
     pair = ("daemon", "daemon, speculation off")
     samples: dict[str, list[float]] = {name: [] for name in pair}
     for index in range(FIRST_TOKEN_PAIRS):
-        prompt = edit_prompt(1000 + variant * FIRST_TOKEN_PAIRS + index)
+        prompt = edit_prompt(first_variant + index)
         for name in (pair if index % 2 == 0 else pair[::-1]):
             reply = sides[name].generate(prompt, 1, {"temperature": 0.0,
                                                      "cache_prompt": False})
@@ -206,10 +230,14 @@ def run(params: dict[str, Any], daemon_paths: tuple[str, str], runs: int,
         tokens = params["tokens"]
         samples: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
         names = list(sides)
-        # Variant 0 warms every side up (first-touch costs, prompt caches) unmeasured.
+        # Edit variants: the single-client ones first, then edit x4's, then the first-token
+        # probes', each request made once in the sitting. Index 0 warms every side up
+        # (first-touch costs, prompt caches) unmeasured.
+        x4_first = (runs + 1) * SINGLE_PROMPTS
+        probes_first = x4_first + (runs + 1) * EDIT_CLIENTS
         for index in range(runs + 1):
             order = names[index % len(names):] + names[:index % len(names)]
-            edit_prompts = [edit_prompt(index * EDIT_CLIENTS + i + 100)
+            edit_prompts = [edit_prompt(x4_first + index * EDIT_CLIENTS + i)
                             for i in range(EDIT_CLIENTS)]
             figures: dict[str, dict[str, Any]] = {name: {} for name in names}
             replies: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -233,7 +261,7 @@ def run(params: dict[str, Any], daemon_paths: tuple[str, str], runs: int,
                     figures[name]["edit x4"] = aggregate(sides[name], edit_prompts, tokens)
                 except RuntimeError as error:
                     raise RuntimeError(f"{name}, edit x4: {error}") from error
-            first_token_pairs(sides, index, figures)
+            first_token_pairs(sides, probes_first + index * FIRST_TOKEN_PAIRS, figures)
             if index == 0:
                 continue
             for name in names:
