@@ -4,7 +4,10 @@ The tuner pins itself to the configured CPU set, loads the model once with the
 daemon's own model and context settings, and sweeps:
 
 - decode threads (1..n pinned CPUs): greedy single-token decodes, tokens/s;
-- prefill threads x n_ubatch: a fixed prompt evaluated in n_batch chunks, tokens/s.
+- prefill threads x n_ubatch: a fixed prompt evaluated in n_batch chunks, tokens/s;
+- the cost of a step by its logit rows (one sequence, every row asking for logits, at
+  the best decode thread count): whether rows past a multiple of 2, 4 or 8 cost a whole
+  pass of the output matrix, which `[speculative] row_multiple` rounds drafts around.
 
 Decode speed does not depend on n_ubatch and prefill speed does not depend on the
 decode thread count, so the two sweeps are separate. Each figure is the median of
@@ -18,6 +21,7 @@ import ctypes
 import logging
 import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -50,6 +54,18 @@ TIE_TOLERANCE = 0.02
 DECODE_PROMPT_TOKENS = 16
 # Other processes' share of the pinned CPUs above which the figures are flagged.
 BUSY_WARNING = 0.10
+# Row multiples tried for [speculative] row_multiple, largest first. A kernel that takes
+# logit rows m at a time and makes another pass over the whole output matrix for the
+# rows left over (llamafile's tinyBLAS does with a Q8_0 output on x86: m = 4) costs about
+# as much for k*m + 1 rows as for k*m + m: the first row past a multiple costs at least
+# SAWTOOTH of the whole next multiple's rows. Where each row costs the same, that share
+# is 1/m.
+ROW_MULTIPLES = (8, 4, 2)
+ROW_GROUPS = (1, 2, 3)  # k in k*m: the multiples compared
+SAWTOOTH = 0.75
+# Step sizes are measured this many times per --runs run (each a few tens of ms), in a
+# shuffled order each round so that drift spreads over all of them.
+ROW_ROUNDS_PER_RUN = 3
 # Real text, so the prompt tokens look like what the daemon evaluates.
 PROMPT_TEXT = (
     "The quick brown fox jumps over the lazy dog. Local language models answer "
@@ -127,7 +143,8 @@ class Plan:
 
     @property
     def steps(self) -> int:
-        return len(self.decode_threads) + len(self.batch_threads) * len(self.ubatches)
+        # The last step: the logit-row costs.
+        return len(self.decode_threads) + len(self.batch_threads) * len(self.ubatches) + 1
 
 
 def make_plan(args: argparse.Namespace, config: Config, pinned: Sequence[int]) -> Plan:
@@ -196,10 +213,41 @@ class Result:
         return f"{min(self.rates):.1f}-{max(self.rates):.1f}"
 
 
+def row_sizes() -> tuple[int, ...]:
+    """The step sizes (logit rows) choose_row_multiple compares."""
+    return tuple(sorted({k * m + extra for m in ROW_MULTIPLES for k in ROW_GROUPS
+                         for extra in (0, 1, m)}))
+
+
+def leftover_shares(costs: dict[int, float]) -> dict[int, float]:
+    """For each candidate multiple m: the median over k of what the first row past k*m
+    adds to a step, as a share of what the next m rows together add."""
+    shares: dict[int, float] = {}
+    for m in ROW_MULTIPLES:
+        ratios = []
+        for k in ROW_GROUPS:
+            first = costs[k * m + 1] - costs[k * m]
+            whole = costs[(k + 1) * m] - costs[k * m]
+            # A whole group no dearer than the one row: that row is all of the cost.
+            ratios.append(first / whole if whole > 0 else (math.inf if first > 0 else 0.0))
+        shares[m] = statistics.median(ratios)
+    return shares
+
+
+def choose_row_multiple(costs: dict[int, float]) -> int:
+    """The largest multiple whose leftover rows cost about a whole group; 1 (no
+    rounding) where rows cost what they cost one by one."""
+    shares = leftover_shares(costs)
+    return next((m for m in ROW_MULTIPLES if shares[m] >= SAWTOOTH), 1)
+
+
 @dataclass(slots=True)
 class Sweep:
     decode: list[Result] = field(default_factory=list)
     prefill: list[Result] = field(default_factory=list)
+    # Median ms of a step by its logit rows, and the decode thread count they ran at.
+    row_costs: dict[int, float] = field(default_factory=dict)
+    row_threads: int = 1
     # Share of the pinned CPUs' time that other processes took meanwhile.
     others_share: float = 0.0
 
@@ -257,7 +305,10 @@ class Bench:
         from .model import context_params
 
         model_config = msgspec.structs.replace(self.config.model, n_ubatch=n_ubatch)
-        ctx = self.C.llama_init_from_model(self.model, context_params(model_config, 1, 1))
+        # Logits for every row of the largest step row_costs measures (llama.cpp
+        # aborts on a step with more logit rows than the context reserved).
+        params = context_params(model_config, 1, 1, draft_rows=max(row_sizes()))
+        ctx = self.C.llama_init_from_model(self.model, params)
         if not ctx:
             raise TuneError(f"cannot create a context with n_ctx={model_config.n_ctx} "
                             f"n_ubatch={n_ubatch} (out of memory?)")
@@ -313,6 +364,41 @@ class Context:
             C.llama_sampler_free(sampler)
         return n_tokens * 1e9 / elapsed
 
+    def row_costs(self, prompt: Any, n_threads: int, sizes: Sequence[int],
+                  rounds: int) -> dict[int, float]:
+        """Median ms of one llama_decode of each size in `sizes` (rows of one sequence
+        after a short prompt, every row asking for logits, as a step verifying a draft),
+        over `rounds` rounds in a shuffled order each."""
+        C, ctx = self.C, self.ctx
+        C.llama_set_n_threads(ctx, n_threads, n_threads)
+        self._clear()
+        self._evaluate(prompt, DECODE_PROMPT_TOKENS)
+        most = max(sizes)
+        batch = C.llama_batch_init(most, 0, 1)
+        order = random.Random(0)
+        samples: dict[int, list[float]] = {size: [] for size in sizes}
+        try:
+            for row in range(most):
+                batch.token[row] = prompt[row % len(prompt)]
+                batch.pos[row] = DECODE_PROMPT_TOKENS + row
+                batch.n_seq_id[row] = 1
+                batch.seq_id[row][0] = 0
+                batch.logits[row] = 1
+            for _ in range(rounds):
+                shuffled = list(sizes)
+                order.shuffle(shuffled)
+                for size in shuffled:
+                    batch.n_tokens = size
+                    started = time.perf_counter_ns()
+                    if C.llama_decode(ctx, batch) != 0:
+                        raise TuneError(f"llama_decode failed on a {size}-row step")
+                    C.llama_synchronize(ctx)
+                    samples[size].append((time.perf_counter_ns() - started) / 1e6)
+                    C.llama_memory_seq_rm(self.memory, 0, DECODE_PROMPT_TOKENS, -1)
+        finally:
+            C.llama_batch_free(batch)
+        return {size: statistics.median(times) for size, times in samples.items()}
+
     def _clear(self) -> None:
         # Outside the timed part: with data=True it zeroes the whole KV cache
         # (150 MB at n_ctx 8192 for the default model).
@@ -350,6 +436,12 @@ def run_sweep(bench: Bench, plan: Plan, progress: Callable[[str], None]) -> Swee
                     rates = measure(f"decode threads={threads}", partial(
                         context.decode_rate, prompt, threads, plan.decode_tokens))
                     sweep.decode.append(Result(threads, n_ubatch, rates))
+                sweep.row_threads = best(sweep.decode).threads
+                sweep.row_costs = context.row_costs(
+                    prompt, sweep.row_threads, row_sizes(), plan.runs * ROW_ROUNDS_PER_RUN)
+                step += 1
+                progress(f"[{step}/{plan.steps}] logit rows a step: row_multiple "
+                         f"{choose_row_multiple(sweep.row_costs)}")
             for threads in plan.batch_threads:
                 rates = measure(f"prefill threads_batch={threads} n_ubatch={n_ubatch}", partial(
                     context.prefill_rate, prompt, plan.prompt_tokens, threads))
@@ -409,7 +501,8 @@ def _busy_seconds(times: Any) -> float:
 
 def recommend(sweep: Sweep) -> Recommendation:
     decode, prefill = best(sweep.decode), best(sweep.prefill)
-    return Recommendation(decode.threads, prefill.threads, prefill.n_ubatch)
+    return Recommendation(decode.threads, prefill.threads, prefill.n_ubatch,
+                          choose_row_multiple(sweep.row_costs))
 
 
 def print_report(out: IO[str], sweep: Sweep, plan: Plan, config: Config,
@@ -424,6 +517,7 @@ def print_report(out: IO[str], sweep: Sweep, plan: Plan, config: Config,
     _print_table(out, sweep.prefill, with_ubatch=True)
     out.write(f"\n* best: fewest threads, then smallest n_ubatch, within {TIE_TOLERANCE:.0%} "
               "of the fastest\n\n")
+    _print_rows(out, sweep, plan)
     if sweep.others_share > BUSY_WARNING:
         out.write(f"note: other processes kept the pinned CPUs {sweep.others_share:.0%} busy "
                   "during the sweep,\nso these figures are off; rerun on an idle machine\n\n")
@@ -433,11 +527,26 @@ def print_report(out: IO[str], sweep: Sweep, plan: Plan, config: Config,
         pinned, runtime.n_threads, runtime.n_threads_batch)
     out.write(f"recommended: n_threads = {recommended.n_threads}, "
               f"n_threads_batch = {recommended.n_threads_batch}, "
-              f"n_ubatch = {recommended.n_ubatch}\n")
+              f"n_ubatch = {recommended.n_ubatch}, row_multiple = {recommended.row_multiple}\n")
     out.write(f"configured:  n_threads = {_configured(runtime.n_threads, n_threads)}, "
               f"n_threads_batch = {_configured(runtime.n_threads_batch, n_threads_batch)}, "
-              f"n_ubatch = {config.model.n_ubatch}\n")
+              f"n_ubatch = {config.model.n_ubatch}, "
+              f"row_multiple = {config.speculative.row_multiple}\n")
     return recommended
+
+
+def _print_rows(out: IO[str], sweep: Sweep, plan: Plan) -> None:
+    rounds = plan.runs * ROW_ROUNDS_PER_RUN
+    out.write(f"logit rows a step: one sequence after a {DECODE_PROMPT_TOKENS}-token prompt, "
+              f"every row with logits, threads={sweep.row_threads}, ms, median of "
+              f"{rounds} rounds\n")
+    sizes = sorted(sweep.row_costs)
+    out.write("  rows " + "".join(f"{size:>7}" for size in sizes) + "\n")
+    out.write("  ms   " + "".join(f"{sweep.row_costs[size]:>7.1f}" for size in sizes) + "\n")
+    shares = leftover_shares(sweep.row_costs)
+    out.write("  the first row past a multiple m, as a share of the next m rows: " + ", ".join(
+        f"m={m} {shares[m]:.2f}" for m in ROW_MULTIPLES) + f" (rounding pays from "
+        f"{SAWTOOTH:.2f})\n\n")
 
 
 def _print_table(out: IO[str], results: Sequence[Result], *, with_ubatch: bool) -> None:
@@ -515,7 +624,8 @@ def _tune(argv: list[str]) -> int:
         existed = target.exists()
         write_config(target, recommended)
         note = " (comments and layout are not preserved: tomli-w rewrites the file)"
-        sys.stdout.write(f"\nwrote n_threads, n_threads_batch and n_ubatch to {target}"
+        sys.stdout.write(f"\nwrote n_threads, n_threads_batch, n_ubatch and row_multiple to "
+                         f"{target}"
                          f"{note if existed else ''}\n")
     else:
         sys.stdout.write(f"\nrun with --write to store these values in {target}\n")

@@ -30,6 +30,7 @@ class Recommendation:
     n_threads: int
     n_threads_batch: int
     n_ubatch: int
+    row_multiple: int  # [speculative]
 
 
 def config_file(args: argparse.Namespace) -> Path:
@@ -49,7 +50,7 @@ def check_writable(path: Path) -> None:
 
 
 def write_config(path: Path, recommended: Recommendation) -> None:
-    """Set the three tuned keys in `path`, keeping every other key and value.
+    """Set the tuned keys in `path`, keeping every other key and value.
 
     The new text is validated with load_config before it atomically replaces the
     old file, so a reader never sees a half-written or invalid config.
@@ -59,6 +60,7 @@ def write_config(path: Path, recommended: Recommendation) -> None:
     runtime["n_threads"] = recommended.n_threads
     runtime["n_threads_batch"] = recommended.n_threads_batch
     model["n_ubatch"] = recommended.n_ubatch
+    _table(data, "speculative", path)["row_multiple"] = recommended.row_multiple
     n_batch = model.get("n_batch", Config().model.n_batch)
     if isinstance(n_batch, int) and n_batch < recommended.n_ubatch:
         model["n_batch"] = recommended.n_ubatch

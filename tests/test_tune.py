@@ -10,6 +10,7 @@ import pytest
 import tomli_w
 
 from sfcore_daemon.config import load_config
+from sfcore_daemon.tune import choose_row_multiple, row_sizes
 from tests.harness import BASE_CONFIG, merge, run_cli
 
 pytestmark = pytest.mark.asyncio
@@ -19,13 +20,15 @@ QUICK = ("--runs", "1", "--tokens", "8", "--prompt-tokens", "64", "--ubatch", "6
 SWEPT_UBATCH = {64, 128}
 TUNE_TIMEOUT_S = 120.0
 RECOMMENDED = re.compile(
-    r"^recommended: n_threads = (\d+), n_threads_batch = (\d+), n_ubatch = (\d+)$", re.M)
+    r"^recommended: n_threads = (\d+), n_threads_batch = (\d+), n_ubatch = (\d+), "
+    r"row_multiple = (\d+)$", re.M)
 
 # Non-default values the tuner must keep when it rewrites the file.
 USER_CONFIG = merge(BASE_CONFIG, {
     "server": {"max_queue": 7},
     "generation": {"temperature": 0.3},
     "model": {"n_ctx": 2048},
+    "speculative": {"draft_max": 32},
 })
 
 
@@ -35,11 +38,11 @@ def write_config(tmp_path: Path, config: dict[str, object] | None = None) -> Pat
     return path
 
 
-def recommended(output: str) -> tuple[int, int, int]:
+def recommended(output: str) -> tuple[int, int, int, int]:
     match = RECOMMENDED.search(output)
     assert match, output
-    n_threads, n_threads_batch, n_ubatch = map(int, match.groups())
-    return n_threads, n_threads_batch, n_ubatch
+    n_threads, n_threads_batch, n_ubatch, row_multiple = map(int, match.groups())
+    return n_threads, n_threads_batch, n_ubatch, row_multiple
 
 
 def assert_one_error_line(output: str) -> None:
@@ -55,10 +58,18 @@ async def test_write_stores_the_sweep_result_and_keeps_other_settings(tmp_path: 
                                  timeout=TUNE_TIMEOUT_S)
     assert code == 0, output
     assert "decode:" in output and "prefill:" in output, output
-    assert re.search(r"^\[6/6\] prefill threads_batch=\d+ n_ubatch=128: [\d.]+ tok/s$",
+    assert re.search(r"^\[7/7\] prefill threads_batch=\d+ n_ubatch=128: [\d.]+ tok/s$",
                      output, re.M), output
-    n_threads, n_threads_batch, n_ubatch = recommended(output)
-    assert f"wrote n_threads, n_threads_batch and n_ubatch to {path}" in output
+    n_threads, n_threads_batch, n_ubatch, row_multiple = recommended(output)
+    assert f"wrote n_threads, n_threads_batch, n_ubatch and row_multiple to {path}" in output
+    # Every measured step size has its cost, and the choice is the one the costs give.
+    rows = re.search(r"^  rows ([\d ]+)$", output, re.M)
+    times = re.search(r"^  ms   ([\d. ]+)$", output, re.M)
+    assert rows and times, output
+    costs = {int(size): float(ms)
+             for size, ms in zip(rows[1].split(), times[1].split(), strict=True)}
+    assert sorted(costs) == list(row_sizes()) and all(ms > 0 for ms in costs.values())
+    assert row_multiple == choose_row_multiple(costs)
 
     config = load_config(path)
     n_cpus = len(os.sched_getaffinity(0))
@@ -66,6 +77,8 @@ async def test_write_stores_the_sweep_result_and_keeps_other_settings(tmp_path: 
     assert 1 <= config.runtime.n_threads_batch == n_threads_batch <= n_cpus
     assert config.model.n_ubatch == n_ubatch
     assert n_ubatch in SWEPT_UBATCH
+    assert config.speculative.row_multiple == row_multiple
+    assert config.speculative.draft_max == 32
     assert config.server.max_queue == 7
     assert config.generation.temperature == 0.3
     assert config.model.n_ctx == 2048
