@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
         description="Measure decode and prompt (prefill) speed over thread counts and "
-                    "n_ubatch values on this machine, and recommend the fastest settings.",
+                    "n_ubatch values on this machine, and a step's cost by its logit rows, "
+                    "and recommend the fastest settings.",
     )
     parser.add_argument("--config", metavar="PATH",
                         help="config file (default: ./server_config.toml if present, "
@@ -436,12 +437,9 @@ def run_sweep(bench: Bench, plan: Plan, progress: Callable[[str], None]) -> Swee
                     rates = measure(f"decode threads={threads}", partial(
                         context.decode_rate, prompt, threads, plan.decode_tokens))
                     sweep.decode.append(Result(threads, n_ubatch, rates))
-                sweep.row_threads = best(sweep.decode).threads
-                sweep.row_costs = context.row_costs(
-                    prompt, sweep.row_threads, row_sizes(), plan.runs * ROW_ROUNDS_PER_RUN)
                 step += 1
-                progress(f"[{step}/{plan.steps}] logit rows a step: row_multiple "
-                         f"{choose_row_multiple(sweep.row_costs)}")
+                progress(f"[{step}/{plan.steps}] logit rows a step: "
+                         f"{_measure_rows(context, prompt, plan, sweep)}")
             for threads in plan.batch_threads:
                 rates = measure(f"prefill threads_batch={threads} n_ubatch={n_ubatch}", partial(
                     context.prefill_rate, prompt, plan.prompt_tokens, threads))
@@ -449,6 +447,16 @@ def run_sweep(bench: Bench, plan: Plan, progress: Callable[[str], None]) -> Swee
     sweep.others_share = watch.others_share()
     sweep.prefill.sort(key=lambda r: (r.n_ubatch, r.threads))
     return sweep
+
+
+def _measure_rows(context: Context, prompt: Any, plan: Plan, sweep: Sweep) -> str:
+    """Step costs by logit rows into `sweep`, at the best decode thread count."""
+    if context.n_batch < max(row_sizes()):
+        return f"not measured (n_batch {context.n_batch} is below {max(row_sizes())})"
+    sweep.row_threads = best(sweep.decode).threads
+    sweep.row_costs = context.row_costs(prompt, sweep.row_threads, row_sizes(),
+                                        plan.runs * ROW_ROUNDS_PER_RUN)
+    return f"row_multiple {choose_row_multiple(sweep.row_costs)}"
 
 
 def best(results: Sequence[Result]) -> Result:
@@ -499,10 +507,11 @@ def _busy_seconds(times: Any) -> float:
 # --- output -----------------------------------------------------------------------------
 
 
-def recommend(sweep: Sweep) -> Recommendation:
+def recommend(sweep: Sweep, configured_row_multiple: int) -> Recommendation:
     decode, prefill = best(sweep.decode), best(sweep.prefill)
-    return Recommendation(decode.threads, prefill.threads, prefill.n_ubatch,
-                          choose_row_multiple(sweep.row_costs))
+    row_multiple = (choose_row_multiple(sweep.row_costs) if sweep.row_costs
+                    else configured_row_multiple)
+    return Recommendation(decode.threads, prefill.threads, prefill.n_ubatch, row_multiple)
 
 
 def print_report(out: IO[str], sweep: Sweep, plan: Plan, config: Config,
@@ -521,7 +530,7 @@ def print_report(out: IO[str], sweep: Sweep, plan: Plan, config: Config,
     if sweep.others_share > BUSY_WARNING:
         out.write(f"note: other processes kept the pinned CPUs {sweep.others_share:.0%} busy "
                   "during the sweep,\nso these figures are off; rerun on an idle machine\n\n")
-    recommended = recommend(sweep)
+    recommended = recommend(sweep, config.speculative.row_multiple)
     runtime = config.runtime
     n_threads, n_threads_batch = cpus.derive_threads(
         pinned, runtime.n_threads, runtime.n_threads_batch)
@@ -536,6 +545,10 @@ def print_report(out: IO[str], sweep: Sweep, plan: Plan, config: Config,
 
 
 def _print_rows(out: IO[str], sweep: Sweep, plan: Plan) -> None:
+    if not sweep.row_costs:
+        out.write(f"logit rows a step: not measured (n_batch is below {max(row_sizes())}); "
+                  "row_multiple stays as configured\n\n")
+        return
     rounds = plan.runs * ROW_ROUNDS_PER_RUN
     out.write(f"logit rows a step: one sequence after a {DECODE_PROMPT_TOKENS}-token prompt, "
               f"every row with logits, threads={sweep.row_threads}, ms, median of "

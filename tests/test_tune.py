@@ -98,6 +98,20 @@ async def test_without_write_the_file_is_untouched(tmp_path: Path) -> None:
     assert path.read_bytes() == before
 
 
+async def test_a_batch_too_small_for_the_row_steps_keeps_the_configured_row_multiple(
+        tmp_path: Path) -> None:
+    config = merge(USER_CONFIG, {"model": {"n_batch": 16, "n_ubatch": 16},
+                                 "speculative": {"row_multiple": 2}})
+    path = write_config(tmp_path, config)
+    code, output = await run_cli("tune", "--config", str(path), "--threads", "1", "--runs",
+                                 "1", "--tokens", "8", "--prompt-tokens", "32", "--ubatch",
+                                 "16", "--write", timeout=TUNE_TIMEOUT_S)
+    assert code == 0, output
+    assert "logit rows a step: not measured (n_batch 16 is below 32)" in output, output
+    assert recommended(output)[3] == 2
+    assert load_config(path).speculative.row_multiple == 2
+
+
 @pytest.mark.parametrize("args", [
     ("--model", "/nonexistent.gguf"),
     ("--runs", "0"),
