@@ -192,7 +192,8 @@ def aggregate(side: DaemonSide | ServerSide, prompts: list[str], tokens: int) ->
 # First-token samples per run and daemon side, sent in pairs. One cold prompt's first token
 # moves by 15% from request to request on the 2-vCPU machine; with 12 samples a side the
 # ratio of the two medians passed and failed a 5% bound in turns with no code change (0.971,
-# 1.089, 0.980, 1.082 in four sittings), so: 30 pairs, and the median of their ratios.
+# 1.089, 0.980, 1.082 in four sittings), so: 10 pairs a run (30 with --runs 3), and the
+# median of their ratios.
 FIRST_TOKEN_PAIRS = 10
 
 
