@@ -11,7 +11,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
@@ -54,6 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def set_library_defaults(environ: MutableMapping[str, str]) -> None:
+    """Settings read from the environment by llama.cpp and the BLAS it links; each is a
+    default that the user's own environment overrides. Set before llama.cpp loads."""
+    environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    # A CUDA build without flash-attention kernels multiplies attention in cuBLAS, and
+    # cuBLAS's Hopper f16 kernel (sm90_xmma_gemm_f16f16_f16f16_f16_tn_n_tilesize64x64x64)
+    # hits an illegal instruction when a captured CUDA graph replays a step that has
+    # several sequences with several rows each (drafts, prompt chunks): the whole process
+    # aborts. f32 compute picks other kernels; single-row decode steps never use cuBLAS.
+    # Found with compute-sanitizer, docs/operations.md ("GPU"). Other builds ignore it.
+    environ.setdefault("GGML_CUDA_CUBLAS_COMPUTE_TYPE", "f32")
+
+
 def resolve_config(args: argparse.Namespace) -> Config:
     config = load_config(args.config)
     # Only flags the user gave: None means "not on the command line".
@@ -67,6 +80,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    set_library_defaults(os.environ)
     if argv[:1] == ["tune"]:
         from .tune import main as tune_main
 
@@ -90,8 +104,6 @@ def _main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"sfcore-daemon: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    # Must be set before llama.cpp (and any BLAS it links) is loaded.
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from . import cpus
 
     try:
