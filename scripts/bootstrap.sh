@@ -31,8 +31,9 @@ spec="."
 stamp=".venv/.sfcore-installed"
 want="$(sha256sum pyproject.toml clients/python/pyproject.toml 2>/dev/null | sha256sum | cut -d' ' -f1) $extras" || true
 # The pinned requirement, e.g. llama-cpp-python==0.3.36 (pyproject.toml is its one source).
-llama="$(grep -o 'llama-cpp-python==[^"]*' pyproject.toml)"
+llama="$(grep -o 'llama-cpp-python==[^"]*' pyproject.toml || true)"
 if [ "$gpu" = cuda ]; then
+    [ -n "$llama" ] || { echo "bootstrap: no llama-cpp-python==VERSION pin in pyproject.toml" >&2; exit 1; }
     cuda_cmake_args="-DGGML_CUDA=on${CMAKE_ARGS:+ $CMAKE_ARGS}"
     key="$(printf '%s\n' "$llama" "$cuda_cmake_args" "${CUDAARCHS:-}" | sha256sum | cut -c1-16)"
     wheels="${XDG_CACHE_HOME:-$HOME/.cache}/sfcore-ai/wheels/cuda-$key"
