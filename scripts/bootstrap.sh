@@ -60,7 +60,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
         # Replaces whatever build is installed; its dependencies come with the project below.
         .venv/bin/python -m pip install --quiet --force-reinstall --no-deps \
             "$wheels"/llama_cpp_python-*.whl
-    elif compgen -G ".venv/lib/python3*/site-packages/llama_cpp/lib/libggml-cuda*" > /dev/null; then
+    elif compgen -G ".venv/lib/python3*/site-packages/llama_cpp/lib/libggml-cuda*" > /dev/null \
+         || grep -qs '/sfcore-ai/wheels/cuda-' \
+              .venv/lib/python3*/site-packages/llama_cpp_python-*.dist-info/direct_url.json; then
         # Back from a CUDA build: the same version, so pip would keep it; take pip's CPU build.
         .venv/bin/python -m pip install --quiet --force-reinstall --no-deps "$llama"
     fi
