@@ -152,7 +152,10 @@ def _run(config: Config, pinned: list[int]) -> int:
 
 def _serve(config: Config, pinned: list[int], model_path: str, *,
            listening: ListeningSocket, n_threads: int, n_threads_batch: int) -> int:
+    import msgspec
+
     from .engine import Engine
+    from .gpu import gpu_layers
     from .logs import route_llama_logs
     from .model import ModelLoadError
     from .promptstore import prompt_store
@@ -160,6 +163,10 @@ def _serve(config: Config, pinned: list[int], model_path: str, *,
     from .speculative import draft_settings
 
     route_llama_logs()
+    # "auto" becomes the number llama.cpp is given, so that `info` and the prompt
+    # store's fingerprint (the same 0 a CPU build always had) show what was used.
+    config = msgspec.structs.replace(config, model=msgspec.structs.replace(
+        config.model, n_gpu_layers=gpu_layers(config.model.n_gpu_layers)))
     try:
         engine = Engine(model_path, config.model, n_threads, n_threads_batch,
                         slots=config.server.slots,

@@ -82,8 +82,9 @@ class ModelConfig(_Section, frozen=True):
     n_ubatch: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] = 512
     use_mmap: bool = True
     use_mlock: bool = False
-    # -1 offloads every layer; 0 keeps the model on the CPU.
-    n_gpu_layers: Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)] = 0
+    # -1 offloads every layer; 0 keeps the model on the CPU. "auto": -1 where the
+    # llama.cpp build has a GPU backend that finds a device, else 0 (gpu.py).
+    n_gpu_layers: Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)] | Literal["auto"] = "auto"
     flash_attn: bool | Literal["auto"] = "auto"
     reproducible: bool = False
     # Used by `chat` when the model file has no tokenizer.chat_template: a llama.cpp

@@ -19,6 +19,7 @@ from .chat import ChatTemplate, ChatTemplateError
 from .config import Config
 from .connection import Connection, ReplySlot
 from .engine import Engine
+from .gpu import gpu_layers
 from .grammar import GrammarError, GrammarSampler
 from .model import EngineClosed, TokenIdError
 from .promptstore import Cleared
@@ -187,7 +188,8 @@ class RequestHandlers:
                 threads_batch=engine.n_threads_batch, batch=model_config.n_batch,
                 ubatch=engine.n_ubatch, cpu_affinity=list(self.cpus),
                 mmap=model_config.use_mmap, mlock=model_config.use_mlock,
-                gpu_layers=model_config.n_gpu_layers, flash_attn=model_config.flash_attn,
+                gpu_layers=gpu_layers(model_config.n_gpu_layers),
+                flash_attn=model_config.flash_attn,
                 reproducible=model_config.reproducible,
                 slots=engine.slots, prefill_per_step=self.config.server.prefill_per_step,
                 speculative=self._speculative_settings(),

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import ModelConfig
+from .gpu import gpu_layers, placement
 from .llama_c import C
 from .logs import llama_log_router
 
@@ -53,7 +54,8 @@ class ModelInfo:
 class Model:
     """A loaded model and its context: the vocabulary, the tokenizer, token pieces."""
 
-    def __init__(self, path: str, model: Any, ctx: Any, load_seconds: float) -> None:
+    def __init__(self, path: str, model: Any, ctx: Any, load_seconds: float, *,
+                 n_gpu_layers: int = 0) -> None:
         self.path = path
         self.model = model
         self.ctx = ctx
@@ -65,6 +67,8 @@ class Model:
         self.n_batch: int = C.llama_n_batch(ctx)
         self.info = _read_model_info(model, self.vocab, path)
         self.system_info: str = C.llama_print_system_info().decode(errors="replace")
+        # Where the layers went, for the start-up log (gpu.Placement.line).
+        self.placement = placement(model, n_gpu_layers).line()
         self.bos_text = self._special_text(C.llama_vocab_bos(self.vocab))
         self.eos_text = self._special_text(C.llama_vocab_eos(self.vocab))
         self._bos = C.llama_vocab_bos(self.vocab)
@@ -95,7 +99,8 @@ class Model:
                 f"cannot create a context for {path} (n_ctx={config.n_ctx}); "
                 "see the llama.cpp messages above"
             )
-        return cls(path, model, ctx, time.perf_counter() - started)
+        return cls(path, model, ctx, time.perf_counter() - started,
+                   n_gpu_layers=gpu_layers(config.n_gpu_layers))
 
     def tokenize(self, text: str, add_special: bool = True,
                  parse_special: bool = True) -> list[int]:
@@ -213,7 +218,7 @@ def load_model(model_path: str, model_config: ModelConfig, progress: Any = None)
     """
     C.llama_backend_init()
     params = C.llama_model_default_params()
-    params.n_gpu_layers = model_config.n_gpu_layers
+    params.n_gpu_layers = gpu_layers(model_config.n_gpu_layers)
     params.load_mode = load_mode(model_config.use_mmap, model_config.use_mlock)
     if progress is not None:
         params.progress_callback = progress

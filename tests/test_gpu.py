@@ -1,0 +1,111 @@
+"""`[model] n_gpu_layers`: "auto" by default, resolved against the build; the start-up
+log says where the layers went (unit tests of the pure parts, and the real daemon on
+this machine's build, which in CI has no GPU backend)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import tomli_w
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sfcore_daemon.config import Config, ConfigError, load_config
+from sfcore_daemon.gpu import Placement, gpu_offload_supported, resolve_gpu_layers
+from tests.harness import running_daemon
+
+H200 = ("CUDA0 (NVIDIA H200)",)
+
+
+def _load(tmp_path: Path, value: str) -> Config:
+    path = tmp_path / "c.toml"
+    path.write_text(f"[model]\nn_gpu_layers = {value}\n")
+    return load_config(path)
+
+
+def test_the_default_is_auto_and_resolves_by_the_build() -> None:
+    assert Config().model.n_gpu_layers == "auto"
+    assert resolve_gpu_layers("auto", gpu_offload=True) == -1
+    assert resolve_gpu_layers("auto", gpu_offload=False) == 0
+
+
+@pytest.mark.parametrize("value", [-1, 0, 1, 7, 99])
+@pytest.mark.parametrize("gpu_offload", [True, False])
+def test_an_explicit_number_is_kept_whatever_the_build(value: int, gpu_offload: bool) -> None:
+    assert resolve_gpu_layers(value, gpu_offload) == value
+
+
+def test_the_config_file_takes_auto_or_a_layer_count(tmp_path: Path) -> None:
+    assert _load(tmp_path, '"auto"').model.n_gpu_layers == "auto"
+    assert _load(tmp_path, "-1").model.n_gpu_layers == -1
+    assert _load(tmp_path, "12").model.n_gpu_layers == 12
+
+
+@pytest.mark.parametrize("value", ['"all"', "-2", "1.5", "true", '""'])
+def test_anything_else_is_a_config_error_naming_the_key(tmp_path: Path, value: str) -> None:
+    with pytest.raises(ConfigError, match=r"`model\.n_gpu_layers`"):
+        _load(tmp_path, value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(value=st.one_of(st.integers(min_value=-(2**40), max_value=2**40), st.text(max_size=8),
+                       st.floats(allow_nan=False), st.booleans()))
+def test_any_value_is_a_layer_count_or_auto_or_refused(value: object) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "c.toml"
+        path.write_text(tomli_w.dumps({"model": {"n_gpu_layers": value}}))
+        try:
+            decoded = load_config(path).model.n_gpu_layers
+        except ConfigError as exc:
+            assert "`model.n_gpu_layers`" in str(exc)
+            accepted = value == "auto" or (type(value) is int and -1 <= value <= 2**31 - 1)
+            assert not accepted
+            return
+    assert decoded == value
+    assert type(decoded) is type(value)
+    assert resolve_gpu_layers(decoded, gpu_offload=True) == (-1 if value == "auto" else value)
+
+
+def test_the_placement_line_names_the_device_or_why_the_cpu() -> None:
+    assert Placement(-1, 19, ("CUDA", "CPU"), H200).line() == \
+        "model: 19/19 layers on CUDA0 (NVIDIA H200)"
+    assert Placement(40, 19, ("CUDA", "CPU"), H200).offloaded == 19
+    assert Placement(10, 19, ("CUDA", "CPU"), H200).line() == \
+        "model: 10/19 layers on CUDA0 (NVIDIA H200), the other 9 on the CPU"
+    assert Placement(0, 19, ("CUDA", "CPU"), H200).line() == \
+        "model: 19/19 layers on the CPU (n_gpu_layers = 0; unused: CUDA0 (NVIDIA H200))"
+    assert Placement(-1, 19, ("CUDA", "CPU"), ()).line() == \
+        "model: 19/19 layers on the CPU (the build has CUDA but found no GPU device)"
+    assert Placement(-1, 19, ("CPU",), ()).line() == \
+        "model: 19/19 layers on the CPU (this llama.cpp build has no GPU backend)"
+
+
+def _placement_lines(log: str) -> list[str]:
+    return [line.split(": ", 1)[1] for line in log.splitlines()
+            if " INFO sfcore_daemon" in line and ": model: " in line]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("setting", ["auto", -1])
+async def test_the_daemon_logs_where_the_layers_went_and_serves(setting: str | int) -> None:
+    # On a CPU build (CI's) "auto" is 0 and an explicit -1 stays -1; both load on the CPU.
+    gpu = gpu_offload_supported()
+    async with running_daemon({"model": {"n_gpu_layers": setting}}) as daemon:
+        async with daemon.client() as client:
+            health = await client.final({"op": "health"})
+            assert health["status"] == "ok"
+            info = await client.final({"op": "info"})
+            done = await client.final({"prompt": "Hi", "max_tokens": 2, "temperature": 0})
+        lines = _placement_lines(daemon.log)
+    expected = (-1 if gpu else 0) if setting == "auto" else setting
+    assert info["config"]["gpu_layers"] == expected
+    assert done["type"] == "done" and done["usage"]["completion_tokens"] == 2
+    assert len(lines) == 1, daemon.log
+    if gpu:
+        assert lines[0].startswith("model: 19/19 layers on "), lines
+        assert "CPU" not in lines[0]
+    else:
+        assert lines[0] == "model: 19/19 layers on the CPU " \
+                           "(this llama.cpp build has no GPU backend)"
