@@ -3,6 +3,9 @@
 # build llama.cpp with CUDA (libllama for the daemon, llama-bench, llama-server,
 # llama-quantize), make a random-weight model of the default model's exact shapes and
 # types, then the steps in $STEPS (all by default, in this order):
+#   probe        llama_decode with the step shapes that once aborted the daemon (several
+#                sequences of several rows each; probe_shapes.py): with the daemon's
+#                defaults they must run clean; a control with cuBLAS's f16 shows the fault
 #   stress       the daemon with its default config (speculation on, draft_max 64, 8 slots,
 #                n_gpu_layers "auto"), 8 concurrent greedy streaming clients, prompts of
 #                ~20, ~500 and ~1500 tokens, for $STRESS_S seconds (60): every request must
@@ -11,14 +14,14 @@
 #   daemon       the daemon's bench: 1 client (decode, first token), 4 and 8 clients
 #   server       the same against llama-server -np 8 -kvu --swa-full
 # Results: $OUT/results.md and results.json (stress.json, daemon.json, ... beside them);
-# the whole log in $OUT/full.log. Exit status 1 if the stress step failed.
+# the whole log in $OUT/full.log. Exit status 1 if the stress or a probe failed.
 #
 #   OUT=<dir> bash KIT/run.sh                                   (GPU machine; H100/H200)
 #   OUT=<dir> KIT_DATA=KIT bash scripts/gpu/run.sh              (the same, with the checkout's
 #                                                                scripts and the kit's data)
 #   OUT=<dir> BIN=<llama.cpp bin> SITE=<site dir> bash KIT/run.sh --dry   (CPU dry run)
 #
-# Env: STEPS ("stress llama-bench daemon server"), STRESS_S (60), STRESS_CLIENTS (8),
+# Env: STEPS ("probe stress llama-bench daemon server"), STRESS_S (60), STRESS_CLIENTS (8),
 #      STRESS_MAX_TOKENS (256), STRESS_LENGTHS (short,500,1500),
 #      DAEMON_ENV (e.g. "GGML_CUDA_DISABLE_GRAPHS=1 CUDA_LAUNCH_BLOCKING=1": set for
 #      both daemon runs), DAEMON_TOML (TOML merged over both daemons' configs, e.g.
@@ -42,7 +45,7 @@ DRY=0
 WORK=${WORK:-/tmp/gpukit}
 PY=${PY:-python3}
 JOBS=${JOBS:-16}
-STEPS=" ${STEPS:-stress llama-bench daemon server} "
+STEPS=" ${STEPS:-probe stress llama-bench daemon server} "
 STRESS_S=${STRESS_S:-60}
 if [ $DRY = 1 ]; then NGL=${NGL:-0}; DRYF=--dry; else NGL=${NGL:-99}; DRYF=; fi
 LOG=$OUT/full.log
@@ -260,6 +263,39 @@ daemon_config() {  # daemon_config OUT BASE-TOML: BASE with DAEMON_TOML merged o
   { echo "---- $1"; cat "$1"; } >> "$LOG"
 }
 STRESS_RC=0
+PROBE_RC=0
+
+# ------------------------------------------------------------------ 2b. shape probe
+# llama_decode driven directly (probe_shapes.py) with the step shapes that aborted the
+# daemon on an H200: several sequences of several rows each, which a CUDA graph captures
+# and replays once a shape repeats. With the daemon's defaults each probe must run out its
+# time; the control forces llama.cpp's own cuBLAS compute type (f16) and shows whether
+# this build and GPU have the fault at all (docs/gpu.md, "The crash").
+# probe NAME MUST-PASS ENV... -- ARGS...
+probe() {
+  local name=$1 must=$2 rc line envs=()
+  shift 2
+  while [ "$1" != "--" ]; do envs+=("$1"); shift; done
+  shift
+  env "${envs[@]}" PYTHONPATH="$DPY" LLAMA_CPP_LIB_PATH="$LIBDIR" timeout -k 5 60 \
+    $PY "$KIT/probe_shapes.py" --model "$Q4" --ngl "$NGL" --log "$WORK/probe-$name.steps" "$@" \
+    > "$WORK/probe-$name.log" 2>&1
+  rc=$?
+  line=$(grep -h "^probe:" "$WORK/probe-$name.log" | tail -1)
+  [ -z "$line" ] && line="aborted (rc $rc) at: $(tail -1 "$WORK/probe-$name.steps" 2>/dev/null); $(grep -h -m1 "CUDA error" "$WORK/probe-$name.log")"
+  log "probe $name (${envs[*]:-defaults} $*): $line"
+  echo "| $name | ${envs[*]:-daemon defaults} | $* | $line |" >> "$OUT/probe.md"
+  [ "$must" = must ] && [ $rc -ne 0 ] && PROBE_RC=1
+  return 0
+}
+if wanted probe; then
+  echo "| probe | environment | shape | result |" > "$OUT/probe.md"
+  echo "|---|---|---|---|" >> "$OUT/probe.md"
+  probe control-f16 control GGML_CUDA_CUBLAS_COMPUTE_TYPE=f16 -- --seconds 5 --fixed 3:20
+  probe fixed-3x20 must -- --seconds 8 --fixed 3:20
+  probe fixed-8x9 must -- --seconds 8 --fixed 8:9
+  probe random-64 must -- --seconds 15 --draft-rows 64 --prefill
+fi
 
 # ------------------------------------------------------------------ 3. stress
 if wanted stress; then
@@ -353,5 +389,6 @@ fi
 step report 30 $PY "$KIT/bench.py" report --dir "$OUT" --meta "$OUT/meta.json"
 cat "$OUT/results.md" 2>/dev/null
 log "done in $((SECONDS - T0))s; steps: $(tr '\n' ' ' < "$WORK/steps.txt")"
+wanted probe && log "probe: $([ $PROBE_RC = 0 ] && echo PASSED || echo FAILED)"
 wanted stress && log "stress: $([ $STRESS_RC = 0 ] && echo PASSED || echo FAILED)"
-exit $STRESS_RC
+exit $((STRESS_RC | PROBE_RC))
