@@ -383,7 +383,8 @@ def prompt_store(config: CacheConfig) -> PromptStore | None:
     if not config.enabled:
         return None
     return PromptStore(cache_folder(config), ram_budget_mb(config) << 20,
-                       config.disk_mb << 20, config.min_tokens)
+                       config.disk_mb << 20, config.min_tokens,
+                       config.disk_read_timeout_ms / 1000)
 
 
 def cache_folder(config: CacheConfig) -> Path | None:
