@@ -160,6 +160,9 @@ class CacheConfig(_Section, frozen=True):
     disk_mb: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 2048
     # A request that evaluated at least this many prompt tokens has its state saved.
     min_tokens: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] = 256
+    # A state read from disk that takes longer is given up and its prompt evaluated;
+    # while that read is stuck (a hung disk), restores skip the disk tier.
+    disk_read_timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=3_600_000)] = 5000
 
 
 class LogConfig(_Section, frozen=True):

@@ -10,6 +10,8 @@ tail, a prefix two prompts share, a slot's cells before they are overwritten.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 
 from .job import Job
@@ -18,6 +20,8 @@ from .llama_c import C
 from .model import Model
 from .promptstore import PromptStore
 from .sequence import Seq
+
+log = logging.getLogger(__name__)
 
 # Prompt tokens a stored state must save beyond what the slots give, to be restored:
 # restoring costs about what evaluating a few tokens does.
@@ -69,7 +73,10 @@ class PromptStates:
             return
         data = store.take_ram(entry)
         if data is None:
-            seq.loading = (entry, n, store.load(entry))
+            if store.read_overdue():
+                return  # a read is stuck on the disk: evaluate rather than queue behind it
+            deadline = time.monotonic() + store.read_timeout_s
+            seq.loading = (entry, n, store.load(entry), deadline)
             return
         if self._cells.restore(seq, data, entry.tokens, n, place=n in seq.cuts):
             job.n_cached, job.cache_source = n, "ram"
@@ -77,11 +84,31 @@ class PromptStates:
             store.counters.errors += 1
             job.n_cached, job.cache_source, job.restore_failed = 0, "none", True
 
+    def poll(self, seq: Seq) -> None:
+        """Each step while `seq` waits for a state from disk: restore it once read; past
+        [cache] disk_read_timeout_ms (a hung disk) give up on it and evaluate the prompt."""
+        loading, job = seq.loading, seq.job
+        assert loading is not None and job is not None and self._store is not None
+        if loading[2].done():
+            self.loaded(seq)
+        elif time.monotonic() >= loading[3]:
+            entry, read = loading[0], loading[2]
+            read.cancel()  # if it is still queued behind another
+            seq.loading = None
+            self._store.read_abandoned()
+            # Logged on the event loop: the decode thread does no logging.
+            job.loop.call_soon_threadsafe(
+                log.warning, "prompt cache: gave up reading %s after %.0f ms; the prompt "
+                "is evaluated (restores skip the disk tier while the read is stuck)",
+                entry.path, self._store.read_timeout_s * 1000)
+            seq.next_prompt = job.n_cached
+            self.protect(seq, job)
+
     def loaded(self, seq: Seq) -> None:
         """A state read from disk is there (or could not be read): restore it, or go
         on with what the slot held."""
         assert seq.loading is not None and seq.job is not None
-        (entry, n, read), seq.loading = seq.loading, None
+        (entry, n, read, _), seq.loading = seq.loading, None
         job = seq.job
         try:
             data = read.result()

@@ -37,8 +37,9 @@ class Seq(SeqCells):
         self.drafter: NgramDrafter | None = None
         self.draft: list[int] = []  # the tokens after last_token in this step's batch
         # A stored state being read from disk for its prompt (the entry, the rows to
-        # keep, the read); the sequence sits out of the steps until it is there.
-        self.loading: tuple[Entry, int, Future[bytearray | None]] | None = None
+        # keep, the read, the time.monotonic() it is given up at); the sequence sits out
+        # of the steps until it is there (promptstates.PromptStates.poll).
+        self.loading: tuple[Entry, int, Future[bytearray | None], float] | None = None
         # Whether its cells may be kept in the prompt store (not after cache_prompt: false).
         self.keep_state = False
         # A prefix its prompt shares with an earlier text (a common system prompt): its

@@ -219,8 +219,8 @@ class StepLoop:
                     self._end(seq, "error")
                     continue
                 self._take(seq, token, woken)
-            if seq.loading is not None and seq.loading[2].done():
-                self._states.loaded(seq)
+            if seq.loading is not None:
+                self._states.poll(seq)
         for seq in list(active):
             assert seq.job is not None
             # A parked sequence ends once its pass returns: the pass uses its samplers.

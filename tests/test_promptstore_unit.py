@@ -3,7 +3,12 @@ budget, the file format and its checks. (The daemon tests are test_prompt_store.
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -181,4 +186,120 @@ def test_clear_forgets_every_state_and_file_after_the_queued_writes(tmp_path: Pa
         assert [s.n_tokens for s in store.states(1)] == [4]
         assert (folder / state_name([7, 7, 7, 7])).exists()
     finally:
+        store.close(5)
+
+
+def test_queued_writes_count_against_the_ram_budget(tmp_path: Path) -> None:
+    # The store's thread is stuck on its first write (a slow fsync, or the model's
+    # first hash): the states queued behind it, with those in RAM, stay within ram_mb
+    # (a state that finds the budget held by unwritten states is not kept).
+    store = opened(tmp_path, ram=300_000, disk=1 << 24)
+    release = threading.Event()
+    write = store._write
+
+    def stuck(entry: Any, data: bytearray) -> None:
+        release.wait(30)
+        write(entry, data)
+
+    store._write = stuck  # type: ignore[method-assign]
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        for n in range(10):
+            store.put([n] * 8, bytearray(100_000))
+        held, _ = tracemalloc.get_traced_memory()
+        assert held - before < 300_000 + 100_000, f"{held - before} bytes held"
+        assert store.figures()[0] <= 300_000
+    finally:
+        tracemalloc.stop()
+        release.set()
+    try:
+        assert store.flush(10)
+        # What was kept is written, and stays in RAM within the budget.
+        kept = [n for n in range(10) if store.stored_prefix([n] * 8)]
+        assert 1 <= len(kept) <= 3
+        folder = tmp_path / ("a" * 32)
+        assert {path.name for path in folder.iterdir()} == {state_name([n] * 8) for n in kept}
+        assert store.figures()[0] <= 300_000
+    finally:
+        store.close(5)
+
+
+def test_a_state_larger_than_the_ram_budget_goes_to_disk_alone(tmp_path: Path) -> None:
+    store = opened(tmp_path, ram=1000, disk=1 << 24)
+    try:
+        store.put([1] * 8, bytearray(5000))
+        assert store.flush(10)
+        entry, _, _ = store.find([1] * 9)
+        assert entry is not None and entry.data is None and entry.path is not None
+        assert store.figures()[0] == 0  # written: nothing of it is held
+        assert store.load(entry).result(10) == bytearray(5000)
+    finally:
+        store.close(5)
+
+
+def test_the_disk_budget_is_over_every_fingerprints_folder(tmp_path: Path) -> None:
+    # An upgrade left a folder of another fingerprint; a folder and a file of other
+    # names under dir are not the store's.
+    old = tmp_path / ("b" * 32)
+    old.mkdir()
+    for n in range(3):
+        path = old / f"{n}.kv"
+        path.write_bytes(bytes(1000))
+        os.utime(path, ns=(10**18 + n, 10**18 + n))
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "big").write_bytes(bytes(5000))
+    (tmp_path / "README").write_bytes(bytes(5000))
+    # At start, over the budget already: the oldest of the old folder's files go.
+    store = opened(tmp_path, ram=1 << 20, disk=2500)
+    folder = tmp_path / ("a" * 32)
+    try:
+        assert sorted(path.name for path in old.iterdir()) == ["1.kv", "2.kv"]
+        store.put([1] * 8, bytearray(1400))  # ~1550 bytes with its header
+        assert store.flush(10)
+        # The new state fits by removing the old fingerprint's files first; its
+        # folder, now empty, goes too.
+        assert not old.exists()
+        assert [path.name for path in folder.iterdir()] == [state_name([1] * 8)]
+        assert (other / "big").exists() and (tmp_path / "README").exists()
+        assert store.counters.disk_evicted == 3
+    finally:
+        store.close(5)
+
+
+def test_a_read_past_its_bound_is_given_up_and_later_ones_skip_the_stuck_disk(
+        tmp_path: Path) -> None:
+    store = PromptStore(tmp_path, 0, 1 << 20, min_tokens=4, read_timeout_s=0.05)
+    store.open(lambda: "a" * 64)
+    assert store.wait_open(10)
+    release = threading.Event()
+    read = store._read
+
+    def hung(entry: Any) -> bytearray | None:
+        release.wait(30)
+        return read(entry)
+
+    store._read = hung  # type: ignore[method-assign]
+    try:
+        for n in (1, 2):  # disk only (ram 0): one write at a time
+            store.put([n] * 8, bytearray(b"xy"[n - 1:n] * 100))
+            assert store.flush(10)
+        first, _, _ = store.find([1] * 9)
+        second, _, _ = store.find([2] * 9)
+        assert first is not None and second is not None
+        stuck = store.load(first)
+        queued = store.load(second)
+        deadline = time.monotonic() + 10
+        while not store.read_overdue():  # a timeout, not an event: polled, bounded
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not stuck.done()
+        assert queued.cancel()  # given up while behind the stuck one: never read
+        release.set()
+        assert stuck.result(10) == bytearray(b"x" * 100)
+        assert not store.read_overdue()
+        assert store.load(second).result(10) == bytearray(b"y" * 100)
+    finally:
+        release.set()
         store.close(5)
