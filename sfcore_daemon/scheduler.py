@@ -238,6 +238,10 @@ class Generation:
         return self._last_token_ns - self.job.t_first if self.completion_tokens > 1 else 0
 
     def _reply_done(self, reason: FinishReason) -> None:
+        if self.replied:
+            # A line written just before (the text up to a stop sequence, the held-back
+            # tail) dropped the connection, and that counted the request as cancelled.
+            return
         self.replied = True
         self._record(reason)
         self.sink.write(protocol.encode_line(DoneReply(
