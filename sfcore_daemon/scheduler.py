@@ -355,6 +355,16 @@ class Scheduler:
         while self.waiting:
             self.waiting.popleft().fail(code, message)
 
+    def fail_all(self, code: str, message: str) -> None:
+        """The decode thread is gone: every request, running or waiting, is answered
+        with an error now (no running one will ever finish) and the slots are free."""
+        running = list(self.running.values())
+        self.running.clear()
+        for generation in running:
+            generation.fail(code, message)
+        self.reject_waiting(code, message)
+        self._idle.set()
+
     def cancel_running(self) -> None:
         for generation in list(self.running.values()):
             generation.cancel()
