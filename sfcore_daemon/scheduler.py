@@ -226,6 +226,7 @@ class Generation:
             self._stats.accepted_tokens += job.accepted
             self._stats.draft_steps += job.draft_steps
             self._stats.aligned_steps += job.aligned_steps
+            self._stats.logit_rows += job.logit_rows
 
     @property
     def _truncated(self) -> bool:

@@ -15,6 +15,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
+from .drafting import DraftPlan, count_aligned, logit_rows
 from .job import EndReason, Job
 from .kvcache import KVCache, shared_prefix
 from .llama_c import C
@@ -23,7 +24,7 @@ from .promptstates import PromptStates
 from .promptstore import PromptStore
 from .sampling import argmax, is_plain_greedy, make_chain
 from .sequence import Seq
-from .speculative import MIN_DRAFT, DraftSettings, NgramDrafter, NgramStore, aligned_lengths
+from .speculative import DraftSettings, NgramDrafter, NgramStore
 
 # llama_decode's return value when the abort callback said stop.
 _DECODE_ABORTED = 2
@@ -235,26 +236,12 @@ class StepLoop:
         outputs: list[tuple[Seq, int]] = []
         prefilling: list[Seq] = []
         stepping = [seq for seq in active if seq.generating and seq.parked is None]
-        n = 0
-        # Every generating sequence first: its pending token and its draft, if any,
-        # each row asking for logits.
-        if self._drafts is not None:
-            self._plan_drafts(stepping)
-        for seq in stepping:
-            pos, sid = len(seq.cached), seq.id
-            tokens[n] = seq.last_token
-            positions[n] = pos
-            seq_ids[n][0] = sid
-            wants[n] = 1
-            outputs.append((seq, n))
-            n += 1
-            for token in seq.draft:
-                pos += 1
-                tokens[n] = token
-                positions[n] = pos
-                seq_ids[n][0] = sid
-                wants[n] = 1
-                n += 1
+        # Every generating sequence first: its pending token and its draft, if any, each
+        # row asking for logits. The drafts are proposed now and settled once the
+        # prompt chunks are planned: a prompt read to its end adds a logit row too.
+        plan = (DraftPlan(self._drafts, self._draft_rows, stepping)
+                if self._drafts is not None and stepping else None)
+        n = len(stepping) + (plan.rows if plan is not None else 0)
         # Then prompt tokens: first the short rests (their first token is near), the
         # shortest first, each whole and at most _SHORT_STEP_ROWS rows of them a step;
         # then the others, oldest request first. Alone, a prompt goes in whole n_batch
@@ -273,12 +260,13 @@ class StepLoop:
         # a cold run's bytes come only from a batch of its own. Beside other rows a cut
         # would just delay the rest of the prompt by a step.
         alone = n == 0 and len(reading) == 1
+        ends = 0  # prompts read to their end in this step
         for seq in reading:
             if budget <= 0:
                 break
             job = seq.job
             assert job is not None
-            prompt, pos, sid = job.prompt, seq.next_prompt, seq.id
+            prompt, pos = job.prompt, seq.next_prompt
             if prefilling and budget < len(prompt) - pos <= _SHORT_REST:
                 continue  # a short rest is read whole
             end = min(pos - pos % chunk + chunk, len(prompt), pos + budget)
@@ -286,18 +274,46 @@ class StepLoop:
                 if pos < cut < end:
                     end = cut
                     break
-            for index in range(pos, end):
+            budget -= end - pos
+            seq.chunk_end = end
+            prefilling.append(seq)
+            ends += end == len(prompt)
+        if plan is not None:
+            plan.settle(len(stepping) + ends, self._n_batch - n - sum(
+                seq.chunk_end - seq.next_prompt for seq in prefilling))
+        n = 0
+        for seq in stepping:
+            pos, sid = len(seq.cached), seq.id
+            tokens[n] = seq.last_token
+            positions[n] = pos
+            seq_ids[n][0] = sid
+            wants[n] = 1
+            outputs.append((seq, n))
+            n += 1
+            for token in seq.draft:
+                pos += 1
+                tokens[n] = token
+                positions[n] = pos
+                seq_ids[n][0] = sid
+                wants[n] = 1
+                n += 1
+        for seq in prefilling:
+            job = seq.job
+            assert job is not None
+            prompt, sid = job.prompt, seq.id
+            for index in range(seq.next_prompt, seq.chunk_end):
                 tokens[n] = prompt[index]
                 positions[n] = index
                 seq_ids[n][0] = sid
                 wants[n] = 0
                 n += 1
-            budget -= end - pos
-            seq.chunk_end = end
-            prefilling.append(seq)
-            if end == len(prompt):
+            if seq.chunk_end == len(prompt):
                 wants[n - 1] = 1
                 outputs.append((seq, n - 1))
+        if plan is not None and plan.rows:
+            assert self._drafts is not None
+            count_aligned([seq for seq in stepping if seq.draft], logit_rows(batch, n),
+                          self._drafts.row_multiple)
         batch.n_tokens = n
         if n == 0:  # every sequence waits: for a grammar pass, a state read or a new job
             waits: list[Future[Any]] = [seq.parked for seq in active
@@ -362,46 +378,6 @@ class StepLoop:
             for seq in prefilling:
                 if seq.job is not None and seq.job.t_prompt_done == now:
                     self._states.keep_prompt(seq, seq.job)
-
-    def _plan_drafts(self, stepping: list[Seq]) -> None:
-        """Each speculating sequence's draft for this step (seq.draft): the step's draft
-        rows shared evenly, then the lengths rounded so that the step's logit rows are
-        a multiple of row_multiple (speculative.aligned_lengths)."""
-        assert self._drafts is not None
-        spare = self._draft_rows  # draft rows left in this step
-        sharing = len(stepping)  # sequences still to get a share of them
-        drafting: list[tuple[Seq, list[int]]] = []
-        lengths: list[int] = []
-        for seq in stepping:
-            share = spare // sharing
-            sharing -= 1
-            drafter = seq.drafter
-            if drafter is None or share < MIN_DRAFT:
-                continue
-            # Never past max_tokens: the last token sampled is never decoded, so the
-            # draft cells stay within the job's KV reservation. The continuation may
-            # run past the share by what aligning could add.
-            room = min(seq.limit - seq.n_out - 1, share + self._drafts.row_multiple - 1)
-            continuation, length = drafter.propose(room)
-            length = min(length, share)
-            if length:
-                drafting.append((seq, continuation))
-                lengths.append(length)
-                spare -= length
-        if not drafting:
-            return
-        multiple = self._drafts.row_multiple
-        lengths = aligned_lengths(len(stepping), lengths,
-                                  [len(continuation) for _, continuation in drafting],
-                                  multiple, spare)
-        aligned = (len(stepping) + sum(lengths)) % multiple == 0
-        for (seq, continuation), length in zip(drafting, lengths, strict=True):
-            if length:
-                seq.draft = continuation[:length]
-                job = seq.job
-                assert job is not None
-                job.draft_steps += 1
-                job.aligned_steps += aligned
 
     def _sample(self, seq: Seq, row: int) -> int | None:
         """The sequence's next token from the logits of `row`; None when a wide grammar

@@ -295,6 +295,44 @@ async def test_every_verifying_step_has_a_whole_multiple_of_logit_rows() -> None
 
 
 @pytest_asyncio_mark
+async def test_prompts_read_to_their_end_beside_drafts_count_in_the_alignment() -> None:
+    # One-token requests, three at a time, while a copy drafts in another slot:
+    # each one's prompt ends in a step beside the copy's draft, and its last row asks
+    # for logits too. The daemon counts a verifying step's logit rows from the batch
+    # it submits (the logits flags), not from its plan: those rows must still come to
+    # a multiple of 4. Only the copy drafts, so at most one step may stay as drafted
+    # (2 tokens, 3 rows, no room left before max_tokens).
+    async with running_daemon({"server": {"slots": 4}}) as daemon:
+        copier = await daemon.connect()
+        try:
+            await copier.start_streaming({**COPY_CODE, "temperature": 0, "max_tokens": 400,
+                                          "stream": True})
+            copying = asyncio.ensure_future(copier.reply(240))
+
+            async def one_token_requests(number: int) -> int:
+                sent = 0
+                async with daemon.client() as client:
+                    while not copying.done() and sent < 200:
+                        done = done_of(await client.request(
+                            {"prompt": f"Say {number} {sent}", "max_tokens": 1,
+                             "temperature": 0, "stream": False, "speculative": False}))
+                        assert done["usage"]["completion_tokens"] <= 1
+                        sent += 1
+                return sent
+
+            shorts = sum(await asyncio.gather(*(one_token_requests(i) for i in range(3))))
+            copied = done_of(await copying)
+        finally:
+            await copier.close()
+        counts = (await stats(daemon))["speculative"]
+    assert copied["usage"]["accepted_tokens"] > 0 and shorts >= 8, (copied, shorts)
+    assert counts["steps"] >= 8, counts
+    assert counts["aligned_steps"] >= counts["steps"] - 1, counts
+    # Each verifying step had a pending token and a draft of two or more.
+    assert counts["logit_rows"] >= 3 * counts["steps"], counts
+
+
+@pytest_asyncio_mark
 async def test_seeded_sampling_with_speculation_gives_the_same_bytes_twice() -> None:
     # Not the bytes of a run without speculation: llama.cpp computes a row decoded
     # beside others through other kernels than a lone row (logits up to 0.4 apart
