@@ -30,6 +30,7 @@ class Job:
         "n_cached", "t_start", "t_prompt_done", "t_first", "end_reason", "error",
         "slot", "evict", "exclusive", "kept", "grammar", "speculative", "drafted",
         "accepted", "draft_steps", "aligned_steps", "logit_rows", "cache_source", "restore_failed",
+        "contained",
     )
 
     def __init__(
@@ -62,6 +63,10 @@ class Job:
         self.cache_source: CacheSource = "none"
         # A stored state llama.cpp refused: the prompt was evaluated (the loop logs it).
         self.restore_failed = False
+        # Failures the decode thread contained while serving this job (the prompt store,
+        # the drafter, ending it): each skipped its part and the job went on. (what
+        # failed, the exception), for the loop to log.
+        self.contained: list[tuple[str, BaseException]] = []
         self.t_start = 0
         self.t_prompt_done = 0
         self.t_first = 0

@@ -220,6 +220,9 @@ class Generation:
         if job.restore_failed:
             log.warning("generation %r: llama.cpp refused a stored prompt state; "
                         "its prompt was evaluated instead", self.request_id)
+        for what, error in job.contained:
+            log.warning("generation %r: %s failed (%s); the request went on without it",
+                        self.request_id, what, error, exc_info=error)
         if job.drafted:
             self._stats.speculative_requests += 1
             self._stats.drafted_tokens += job.drafted

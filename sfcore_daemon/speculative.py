@@ -190,10 +190,14 @@ class NgramDrafter:
         self._next_pause = _FIRST_PAUSE
         self.drafted = 0
         self.accepted = 0
+        self.failure: BaseException | None = None
 
     def append(self, token: int) -> None:
         """A token the sequence emitted."""
-        self._tokens.append(token)
+        try:
+            self._tokens.append(token)
+        except Exception as exc:  # drafts are an optimisation (see class)
+            self.failure = exc
         if self._pause:
             self._pause -= 1
 
@@ -207,8 +211,15 @@ class NgramDrafter:
         """What its best match continues with, up to `room` tokens, and how many of
         them to draft (at most `room`; 0 when nothing matches or drafting has not paid
         lately). The rest may pad a step to a cheaper size (aligned_lengths)."""
-        if room < MIN_DRAFT or self._pause:
+        if room < MIN_DRAFT or self._pause or self.failure is not None:
             return _NO_MATCH
+        try:
+            return self._propose(room)
+        except Exception as exc:  # drafts are an optimisation (see class)
+            self.failure = exc
+            return _NO_MATCH
+
+    def _propose(self, room: int) -> tuple[list[int], int]:
         tokens = self._tokens
         length = len(tokens)
         self._index(tokens, length)
@@ -243,9 +254,16 @@ class NgramDrafter:
         return _NO_MATCH
 
     def learn(self) -> None:
-        """Give the shared store what this sequence generated (as its request ends)."""
-        if self._store is not None:
-            self._store.add(self._tokens, self.prompt_length)
+        """Give the shared store what this sequence generated (as its request ends);
+        not after a failure (its text may lack tokens)."""
+        store = self._store
+        if store is None or self.failure is not None:
+            return
+        try:
+            store.add(self._tokens, self.prompt_length)
+        except Exception as exc:  # drafts are an optimisation (see class)
+            self.failure = exc
+            store.clear()  # it may hold the text without its index, or the reverse
 
     def verified(self, drafted: int, accepted: int) -> None:
         """How many tokens of a draft of `drafted` were accepted: adapts the next ones."""

@@ -9,22 +9,22 @@ per step; it never logs, encodes JSON or touches a socket.
 
 from __future__ import annotations
 
-import os
 import queue
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
+from . import faults
+from .containment import ContainedStates, Ender
 from .drafting import DraftPlan, count_aligned, logit_rows
 from .job import EndReason, Job
 from .kvcache import KVCache, shared_prefix
 from .llama_c import C
 from .model import Model
-from .promptstates import PromptStates
 from .promptstore import PromptStore
 from .sampling import argmax, is_plain_greedy, make_chain
 from .sequence import Seq
-from .speculative import DraftSettings, NgramDrafter, NgramStore
+from .speculative import DraftSettings, NgramStore
 
 # llama_decode's return value when the abort callback said stop.
 _DECODE_ABORTED = 2
@@ -97,8 +97,10 @@ class StepLoop:
         n_swa = C.llama_model_n_swa(model.model)
         self._cells = KVCache(model.memory, self._seqs, model.n_ubatch, reproducible,
                               model.ctx, n_swa, slots if store is not None else None)
-        self._states = PromptStates(store, self._cells, model, n_swa, self._seqs)
+        # A failure in the store or in ending a job stays with its sequence.
+        self._states = ContainedStates(store, self._cells, model, n_swa, self._seqs)
         self._active: list[Seq] = []  # sequences with a job, in the order they began
+        self._ender = Ender(self._cells, self._states, self._active)
         # One batch for every step, sized for n_batch tokens of one sequence each.
         self._batch: Any = C.llama_batch_init(batch, 0, 1)
         for row in range(batch):
@@ -107,9 +109,6 @@ class StepLoop:
         self._abort_jobs: list[Job] = []
         self._abort_callback = C.ggml_abort_callback(self._should_abort)
         self._no_abort_callback = C.ggml_abort_callback()
-        # Fault injection for the watchdog's tests: "decode_hang" makes the decode
-        # thread stop making progress when it starts the next generation.
-        self._failpoint = os.environ.get("SFCORE_FAILPOINT", "")
         # Wide grammar passes (grammar.py) take 3 ms to over a second: they run here,
         # beside the steps, instead of inside the step every sequence shares.
         self._wide_passes = ThreadPoolExecutor(1, thread_name_prefix="sfcore-grammar")
@@ -149,18 +148,18 @@ class StepLoop:
             try:
                 self._step()
             except BaseException as exc:  # the slots must survive anything; the loop logs it
+                # A failure of the step itself (not one sequence's): every job in it
+                # ends. Should ending them fail too, the thread ends and Engine says so.
                 for seq in list(active):
-                    assert seq.job is not None
-                    self._unpark(seq)
-                    seq.job.error = exc
-                    self._end(seq, "error")
+                    self._fail(seq, exc)
 
     def _begin(self, job: Job) -> None:
         """Put a new job on its slot: drop what the scheduler evicted, reuse the slot's
         cached prefix, build its sampler. Any failure ends the job, never the thread."""
-        if self._failpoint == "decode_hang":
+        if faults.DECODE_HANG:
             while True:  # a stuck decode thread, for the watchdog's tests
                 time.sleep(3600)
+        faults.hit("decode_thread", job)  # the thread dies, for the tests of that
         job.t_start = time.perf_counter_ns()
         seq = self._seqs[job.slot]
         try:
@@ -191,16 +190,14 @@ class StepLoop:
             seq.argmax = job.grammar is None and is_plain_greedy(job.sampling)
             if job.grammar is not None:  # it counts its tokens against the same limit
                 job.grammar.begin(seq.limit)
-            seq.drafter = (NgramDrafter(self._drafts, job.prompt, self._learned)
+            seq.drafter = (faults.drafter(job)(self._drafts, job.prompt, self._learned)
                            if job.speculative and self._drafts is not None else None)
             seq.draft = []
         except BaseException as exc:
             job.error = exc
-            job.end_reason = "error"
-            self._cells.forget(seq)
-            if job.grammar is not None:
-                job.grammar.free()
-            job.loop.call_soon_threadsafe(job._finished)
+            seq.job = job
+            self._active.append(seq)
+            self._end(seq, "error")
             return
         seq.job = job
         self._active.append(seq)
@@ -215,9 +212,7 @@ class StepLoop:
                 try:
                     token = parked.result()
                 except Exception as exc:  # one request's failure ends that request alone
-                    assert seq.job is not None
-                    seq.job.error = exc
-                    self._end(seq, "error")
+                    self._fail(seq, exc)
                     continue
                 self._take(seq, token, woken)
             if seq.loading is not None and seq.loading[2].done():
@@ -364,12 +359,15 @@ class StepLoop:
                 self._cells.protect(seq, seq.protect_from)
 
         for seq, row in outputs:
-            if seq.draft:
-                self._verify(seq, row, woken)
-                continue
-            drawn = self._sample(seq, row)
-            if drawn is not None:
-                self._take(seq, drawn, woken)
+            try:
+                if seq.draft:
+                    self._verify(seq, row, woken)
+                    continue
+                drawn = self._sample(seq, row)
+                if drawn is not None:
+                    self._take(seq, drawn, woken)
+            except Exception as exc:  # one request's failure ends that request alone
+                self._fail(seq, exc)
         self._wake(woken)
         if self._states.enabled:
             # Once the first tokens are on their way: the states of prompts read whole
@@ -391,14 +389,15 @@ class StepLoop:
             if grammar is None:
                 token: int = C.llama_sampler_sample(seq.sampler, self._ctx, row)
                 return token
+            if grammar.closer is not None:
+                faults.hit("closer", job)  # as if the closer (budget.py) failed, for the tests
             # Checks the chain's choice against the grammar (see grammar.py).
             drawn = grammar.sample(seq.sampler, self._ctx, row)
             if drawn is None:
                 seq.parked = self._wide_passes.submit(grammar.sample_wide, seq.sampler)
             return drawn
         except Exception as exc:  # one request's failure ends that request alone
-            job.error = exc
-            self._end(seq, "error")
+            self._fail(seq, exc)
             return None
 
     def _verify(self, seq: Seq, row: int, woken: list[Job]) -> None:
@@ -436,7 +435,13 @@ class StepLoop:
 
     def _take(self, seq: Seq, token: int, woken: list[Job]) -> None:
         """A sampled token: the end of the job, or a piece of its output and the
-        sequence's next input."""
+        sequence's next input. A failure here ends that request alone."""
+        try:
+            self._take_token(seq, token, woken)
+        except Exception as exc:
+            self._fail(seq, exc)
+
+    def _take_token(self, seq: Seq, token: int, woken: list[Job]) -> None:
         job = seq.job
         assert job is not None
         now = time.perf_counter_ns()
@@ -478,29 +483,15 @@ class StepLoop:
             seq.parked = None
 
     def _end(self, seq: Seq, reason: EndReason) -> None:
+        self._ender.end(seq, reason)
+
+    def _fail(self, seq: Seq, exc: BaseException) -> None:
+        """End `seq`'s job with the error `exc`, unless it has ended already."""
         job = seq.job
-        assert job is not None
-        job.end_reason = reason
-        if reason == "error":
-            self._cells.forget(seq)
-        if seq.sampler is not None:
-            C.llama_sampler_free(seq.sampler)
-            seq.sampler = None
-        if job.grammar is not None:
-            job.grammar.free()
-        seq.loading = None
-        if reason != "error" and not seq.prompt_kept and job.t_prompt_done:
-            self._states.keep_prompt(seq, job)  # it ended in the step that read its prompt
-        self._states.unprotect(seq)
-        self._cells.unplace(seq)
-        job.kept = list(seq.cached)
-        if seq.drafter is not None and reason != "error":
-            seq.drafter.learn()
-        seq.drafter = None
-        seq.draft = []
-        seq.job = None
-        self._active.remove(seq)
-        job.loop.call_soon_threadsafe(job._finished)
+        if job is not None:
+            job.error = exc
+            self._unpark(seq)
+            self._end(seq, "error")
 
     def _should_abort(self, _data: Any) -> bool:
         self.progress += 1
