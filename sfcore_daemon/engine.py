@@ -70,6 +70,10 @@ class Engine:
         self.store = None if model_config.reproducible else store
         # Resolved once the model is loaded and warmed up, or fails with ModelLoadError.
         self.ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        # Resolved when the decode thread ends after serving: with None once `close`
+        # stopped it, with the exception that ended it otherwise (the server then
+        # answers everything with an error and exits; see Server._decode_stopped).
+        self.stopped: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.model: Model | None = None
         self._loop: StepLoop | None = None
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
@@ -113,7 +117,12 @@ class Engine:
             return
         self.ready.set_result(None)
         assert self._loop is not None
-        self._loop.run(self._inbox)
+        try:
+            self._loop.run(self._inbox)
+        except BaseException as exc:  # the event loop logs it
+            self.stopped.set_exception(exc)
+        else:
+            self.stopped.set_result(None)
 
     def _load(self) -> None:
         try:

@@ -29,7 +29,8 @@ class Job:
         "pieces", "wake_pending", "_wake", "_finished", "loop",
         "n_cached", "t_start", "t_prompt_done", "t_first", "end_reason", "error",
         "slot", "evict", "exclusive", "kept", "grammar", "speculative", "drafted",
-        "accepted", "draft_steps", "aligned_steps", "cache_source", "restore_failed",
+        "accepted", "draft_steps", "aligned_steps", "logit_rows", "cache_source", "restore_failed",
+        "contained",
     )
 
     def __init__(
@@ -62,6 +63,10 @@ class Job:
         self.cache_source: CacheSource = "none"
         # A stored state llama.cpp refused: the prompt was evaluated (the loop logs it).
         self.restore_failed = False
+        # Failures the decode thread contained while serving this job (the prompt store,
+        # the drafter, ending it): each skipped its part and the job went on. (what
+        # failed, the exception), for the loop to log.
+        self.contained: list[tuple[str, BaseException]] = []
         self.t_start = 0
         self.t_prompt_done = 0
         self.t_first = 0
@@ -72,13 +77,15 @@ class Job:
         self.grammar = grammar
         # Whether the decode thread may draft tokens for this job (speculative.py), and
         # how many it drafted and how many of those were accepted; the steps that
-        # verified its drafts, and of those the steps whose logit rows were a multiple
-        # of [speculative] row_multiple (thread-written).
+        # verified its drafts, of those the steps whose logit rows were a multiple of
+        # [speculative] row_multiple, and those steps' logit rows, all counted from the
+        # batch as submitted (thread-written).
         self.speculative = speculative
         self.drafted = 0
         self.accepted = 0
         self.draft_steps = 0
         self.aligned_steps = 0
+        self.logit_rows = 0
         # Set by the scheduler before submit: the sequence (slot) to run on, the idle
         # slots whose cached tokens must be dropped first to make room, and whether
         # the job must have the batch to itself (reproducible results).

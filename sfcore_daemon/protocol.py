@@ -301,6 +301,7 @@ class SpeculativeCounts(Struct, kw_only=True):
     accepted: int
     steps: int  # a generation's steps with a draft, summed over generations
     aligned_steps: int  # of those, the steps with a multiple of row_multiple logit rows
+    logit_rows: int  # the logit rows of those steps, as submitted
 
 
 class CacheCounts(Struct, kw_only=True):

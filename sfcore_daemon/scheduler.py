@@ -220,12 +220,16 @@ class Generation:
         if job.restore_failed:
             log.warning("generation %r: llama.cpp refused a stored prompt state; "
                         "its prompt was evaluated instead", self.request_id)
+        for what, error in job.contained:
+            log.warning("generation %r: %s failed (%s); the request went on without it",
+                        self.request_id, what, error, exc_info=error)
         if job.drafted:
             self._stats.speculative_requests += 1
             self._stats.drafted_tokens += job.drafted
             self._stats.accepted_tokens += job.accepted
             self._stats.draft_steps += job.draft_steps
             self._stats.aligned_steps += job.aligned_steps
+            self._stats.logit_rows += job.logit_rows
 
     @property
     def _truncated(self) -> bool:
@@ -238,6 +242,10 @@ class Generation:
         return self._last_token_ns - self.job.t_first if self.completion_tokens > 1 else 0
 
     def _reply_done(self, reason: FinishReason) -> None:
+        if self.replied:
+            # A line written just before (the text up to a stop sequence, the held-back
+            # tail) dropped the connection, and that counted the request as cancelled.
+            return
         self.replied = True
         self._record(reason)
         self.sink.write(protocol.encode_line(DoneReply(
@@ -350,6 +358,16 @@ class Scheduler:
     def reject_waiting(self, code: str, message: str) -> None:
         while self.waiting:
             self.waiting.popleft().fail(code, message)
+
+    def fail_all(self, code: str, message: str) -> None:
+        """The decode thread is gone: every request, running or waiting, is answered
+        with an error now (no running one will ever finish) and the slots are free."""
+        running = list(self.running.values())
+        self.running.clear()
+        for generation in running:
+            generation.fail(code, message)
+        self.reject_waiting(code, message)
+        self._idle.set()
 
     def cancel_running(self) -> None:
         for generation in list(self.running.values()):

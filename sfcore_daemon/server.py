@@ -9,6 +9,7 @@ cancels the rest, frees the model and closes the connections. The ops themselves
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import signal
@@ -28,6 +29,10 @@ from .stats import Stats
 log = logging.getLogger(__name__)
 
 _CLOSE_GRACE_S = 5.0
+# The exit status after the decode thread died (sysexits' EX_SOFTWARE): not 0, so that
+# systemd's Restart=on-failure starts the daemon again, and not 2 (a configuration
+# error, which the unit does not restart).
+EXIT_DECODE_FAILED = 70
 
 
 class Server(RequestHandlers):
@@ -56,6 +61,9 @@ class Server(RequestHandlers):
         self._listener: asyncio.AbstractServer | None = None
         self._closing: set[asyncio.Future[None]] = set()
         self._watchdog: asyncio.Task[None] | None = None
+        # Set when the decode thread died while serving: the daemon answers everything
+        # with an error and exits with EXIT_DECODE_FAILED.
+        self.failed = False
 
     # --- lifecycle ---
 
@@ -77,7 +85,7 @@ class Server(RequestHandlers):
         finally:
             if self._watchdog is not None:
                 self._watchdog.cancel()
-        return 0
+        return EXIT_DECODE_FAILED if self.failed else 0
 
     def _start_watchdog(self) -> None:
         from .watchdog import Watchdog
@@ -117,6 +125,15 @@ class Server(RequestHandlers):
             raise StartupError(f"model.chat_template: {exc}") from None
         self.engine = engine
         self.scheduler = Scheduler(engine, self.config.server.max_queue, engine.slots)
+        loop = asyncio.get_running_loop()
+
+        def decode_stopped(future: concurrent.futures.Future[None]) -> None:
+            # On the decode thread: only hand it over. A closed loop means the daemon
+            # has already stopped.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._decode_stopped, future)
+
+        engine.stopped.add_done_callback(decode_stopped)
         log.info("model %s (%s, %s parameters, %.1f MB) from %s loaded in %.0f ms",
                  info.name, info.architecture, f"{info.n_params:,}", info.size_bytes / 1e6,
                  info.path, engine.load_seconds * 1000)
@@ -134,6 +151,24 @@ class Server(RequestHandlers):
                  engine.slots)
         systemd.notify(f"READY=1\nSTATUS=serving {info.name} on {self.socket_path}")
         return True
+
+    def _decode_stopped(self, future: concurrent.futures.Future[None]) -> None:
+        """The decode thread ended. After `close` that is the shutdown; otherwise it
+        died, and nothing accepted would ever be answered: every request gets an
+        error now, `health` says "draining", and the daemon exits non-zero so that
+        its supervisor starts it again."""
+        error = future.exception()
+        if error is None and self._stop.is_set():
+            return
+        self.failed = self.draining = True
+        log.critical("the decode thread died; answering every request with an error and "
+                     "exiting with status %d to be restarted", EXIT_DECODE_FAILED,
+                     exc_info=error)
+        systemd.notify("STATUS=the decode thread died; exiting")
+        if self.scheduler is not None:
+            self.scheduler.fail_all(protocol.INTERNAL, "the daemon's decode thread failed "
+                                    "(see its log); the daemon exits to be restarted")
+        self._stop.set()
 
     def request_stop(self, signum: int | None = None) -> None:
         self._stop_count += 1

@@ -4,8 +4,12 @@ When the last few tokens of a sequence (prompt and output so far) occurred befor
 tokens that followed them then are proposed as a draft. The step loop puts the draft
 into the step beside the sequence's pending token, each row asking for logits, and the
 sequence's own sampler chain samples the rows in order: a draft token is kept while it
-equals what the chain drew (see StepLoop._verify). So the output is what the chain
-would have produced one token a step; only the number of steps changes.
+equals what the chain drew (see StepLoop._verify). So every token is the chain's draw
+from its own row, one draw per token. The rows are not always one token a step's to the
+bit: a step of several rows goes through other matrix kernels, which round otherwise
+(docs/performance.md, "Numerics"), and a near-tie can go the other way. What holds: the
+same request from the same state gives the same bytes; bytes equal to one token a step
+take `speculative: false` or reproducible mode.
 
 Everything here runs on the decode thread, a few dictionary operations a step: each
 n-gram is indexed once, when its continuation token arrives.
@@ -13,7 +17,6 @@ n-gram is indexed once, when its continuation token arrives.
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
 
 from .config import SpeculativeConfig
@@ -71,59 +74,104 @@ class NgramStore:
     text has no match may continue the way an earlier answer did (the same edit asked
     again, a template the model fills the same way each time).
 
-    Keyed by the last `ngram_max` tokens; the tokens live in one array (4 bytes each),
-    emptied whole when it would pass `capacity`, as llama.cpp's ngram-mod resets its
-    table. Off unless configured: a request sent again then drafts from its earlier
-    answer, so its rows are verified in other batch shapes and its bytes may differ.
+    The tokens live in one int32 array, emptied whole when it would pass `capacity`, as
+    llama.cpp's ngram-mod resets its table. They are found through a table of 4-byte
+    positions, a power of two of at least twice `capacity` slots, indexed by a hash of
+    the `n` tokens before each position; a slot keeps its latest position. A lookup
+    compares the tokens stored before the position with the query, so a collision is a
+    missed draft, never a wrong one. `nbytes` is the whole store: 12 to 20 bytes a token
+    of capacity, 4 for the token and 8 to 16 for its slots (a dict of n-gram tuples
+    took 150 to 240 with 4 to 16 tokens an n-gram). Off unless configured: a request
+    sent again then drafts from its earlier answer, so its rows are verified in other
+    batch shapes and its bytes may differ.
     """
 
-    __slots__ = ("n", "_capacity", "_tokens", "_positions")
+    __slots__ = ("n", "_capacity", "_tokens", "_used", "_table", "_shift")
 
     def __init__(self, n: int, capacity: int) -> None:
+        import numpy as np  # here, not at import: the daemon imports numpy beside its load
+
         self.n = n  # the length of the n-grams it matches
         self._capacity = capacity
-        self._tokens = array("i")
-        self._positions: dict[tuple[int, ...], int] = {}
+        # Untouched pages of both arrays are never made resident (calloc).
+        self._tokens = np.zeros(capacity + 1, np.int32)  # + the last text's separator
+        self._used = 0
+        slots = 1 << (2 * capacity - 1).bit_length()
+        self._table = np.zeros(slots, np.int32)  # 0: empty (positions start at n >= 1)
+        self._shift = 64 - (slots.bit_length() - 1)
+
+    @property
+    def nbytes(self) -> int:
+        """Its memory, at most: what its two arrays hold when every page is used."""
+        return int(self._tokens.nbytes + self._table.nbytes)
 
     def add(self, tokens: list[int], start: int) -> None:
         """Learn `tokens[start:]`, the output of a request (with the n tokens before it
         as the first key)."""
+        import numpy as np
+
         n = self.n
         first = max(start - n, 0)
-        if not n < len(tokens) - first < self._capacity:
+        count = len(tokens) - first
+        if not n < count < self._capacity:
             return
-        if len(self._tokens) + len(tokens) - first > self._capacity:
-            self._tokens = array("i")
-            self._positions.clear()
+        if self._used + count > self._capacity:
+            self.clear()
+        base = self._used
         stored = self._tokens
-        base = len(stored) - first
-        stored.extend(tokens[first:])
-        stored.append(_SEPARATOR)
-        keys = zip(*(tokens[first + i:len(tokens) - n + i] for i in range(n)), strict=True)
-        self._positions.update(zip(keys, range(base + first + n, base + len(tokens)),
-                                   strict=True))
+        stored[base:base + count] = tokens[first:]
+        stored[base + count] = _SEPARATOR
+        self._used = base + count + 1
+        # The hash of the n tokens before each position base + n .. base + count - 1.
+        text = stored[base:base + count].astype(np.uint64)
+        keys = np.zeros(count - n, np.uint64)
+        for i, factor in enumerate(_HASH_FACTORS[:n]):
+            keys += text[i:count - n + i] * np.uint64(factor)
+        slots = (keys * np.uint64(_GOLDEN)) >> np.uint64(self._shift)
+        positions = np.arange(base + n, base + count, dtype=np.int32)
+        # The latest occurrence wins: each slot's last position in this text.
+        latest, index = np.unique(slots[::-1], return_index=True)
+        self._table[latest] = positions[::-1][index]
+
+    def clear(self) -> None:
+        self._used = 0
+        self._table.fill(0)
 
     def draft(self, tokens: list[int], want: int) -> list[int]:
-        if len(tokens) < self.n:
+        n = self.n
+        if len(tokens) < n:
             return []
-        start = self._positions.get(tuple(tokens[-self.n:]))
-        if start is None:
+        key = tokens[-n:]
+        hashed = sum(token * factor for token, factor in zip(key, _HASH_FACTORS, strict=False))
+        slot = ((hashed & _MASK64) * _GOLDEN & _MASK64) >> self._shift
+        start = int(self._table[slot])
+        stored = self._tokens
+        if not start or stored[start - n:start].tolist() != key:
             return []
-        draft = self._tokens[start:start + want].tolist()
+        draft: list[int] = stored[start:min(start + want, self._used)].tolist()
         if _SEPARATOR in draft:
             del draft[draft.index(_SEPARATOR):]
         return draft
 
 
+# One odd 64-bit factor per position of an n-gram (ngram_max is at most 16), and the
+# multiplier whose high bits pick a slot (Fibonacci hashing).
+_HASH_FACTORS = tuple(0x9E3779B97F4A7C15 * (2 * i + 1) % (1 << 64) | 1 for i in range(16))
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
 _SEPARATOR = -1  # between two requests' texts in the store: no draft runs across it
 _NO_MATCH: tuple[list[int], int] = ([], 0)
 
 
 class NgramDrafter:
-    """One sequence's n-gram index and its adaptive draft length."""
+    """One sequence's n-gram index and its adaptive draft length.
+
+    Drafts only save steps, so a failure in here (a MemoryError indexing a long text,
+    say) ends the drafts of its sequence, never the request: `failure` keeps it for the
+    step loop to report, and the sequence goes on one token a step."""
 
     __slots__ = ("_tokens", "_indexed", "_maps", "_settings", "_limit", "_pause",
-                 "_next_pause", "drafted", "accepted", "_store", "prompt_length")
+                 "_next_pause", "drafted", "accepted", "_store", "prompt_length", "failure")
 
     def __init__(self, settings: DraftSettings, tokens: list[int],
                  store: NgramStore | None = None) -> None:
@@ -142,10 +190,14 @@ class NgramDrafter:
         self._next_pause = _FIRST_PAUSE
         self.drafted = 0
         self.accepted = 0
+        self.failure: BaseException | None = None
 
     def append(self, token: int) -> None:
         """A token the sequence emitted."""
-        self._tokens.append(token)
+        try:
+            self._tokens.append(token)
+        except Exception as exc:  # drafts are an optimisation (see class)
+            self.failure = exc
         if self._pause:
             self._pause -= 1
 
@@ -159,8 +211,15 @@ class NgramDrafter:
         """What its best match continues with, up to `room` tokens, and how many of
         them to draft (at most `room`; 0 when nothing matches or drafting has not paid
         lately). The rest may pad a step to a cheaper size (aligned_lengths)."""
-        if room < MIN_DRAFT or self._pause:
+        if room < MIN_DRAFT or self._pause or self.failure is not None:
             return _NO_MATCH
+        try:
+            return self._propose(room)
+        except Exception as exc:  # drafts are an optimisation (see class)
+            self.failure = exc
+            return _NO_MATCH
+
+    def _propose(self, room: int) -> tuple[list[int], int]:
         tokens = self._tokens
         length = len(tokens)
         self._index(tokens, length)
@@ -195,9 +254,16 @@ class NgramDrafter:
         return _NO_MATCH
 
     def learn(self) -> None:
-        """Give the shared store what this sequence generated (as its request ends)."""
-        if self._store is not None:
-            self._store.add(self._tokens, self.prompt_length)
+        """Give the shared store what this sequence generated (as its request ends);
+        not after a failure (its text may lack tokens)."""
+        store = self._store
+        if store is None or self.failure is not None:
+            return
+        try:
+            store.add(self._tokens, self.prompt_length)
+        except Exception as exc:  # drafts are an optimisation (see class)
+            self.failure = exc
+            store.clear()  # it may hold the text without its index, or the reverse
 
     def verified(self, drafted: int, accepted: int) -> None:
         """How many tokens of a draft of `drafted` were accepted: adapts the next ones."""

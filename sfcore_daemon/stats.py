@@ -53,6 +53,7 @@ class Stats:
         self.accepted_tokens = 0
         self.draft_steps = 0
         self.aligned_steps = 0
+        self.logit_rows = 0
         # The prompt store: generations by where their cached rows came from.
         self.cache_hits = {"slot": 0, "ram": 0, "disk": 0}
         self.restored_tokens = 0
@@ -110,6 +111,7 @@ class Stats:
                                           drafted=self.drafted_tokens,
                                           accepted=self.accepted_tokens,
                                           steps=self.draft_steps,
-                                          aligned_steps=self.aligned_steps),
+                                          aligned_steps=self.aligned_steps,
+                                          logit_rows=self.logit_rows),
             cache=self.cache_counts(store),
         )

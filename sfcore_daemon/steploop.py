@@ -9,21 +9,22 @@ per step; it never logs, encodes JSON or touches a socket.
 
 from __future__ import annotations
 
-import os
 import queue
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
+from . import faults
+from .containment import ContainedStates, Ender
+from .drafting import DraftPlan, count_aligned, logit_rows
 from .job import EndReason, Job
 from .kvcache import KVCache, shared_prefix
 from .llama_c import C
 from .model import Model
-from .promptstates import PromptStates
 from .promptstore import PromptStore
 from .sampling import argmax, is_plain_greedy, make_chain
 from .sequence import Seq
-from .speculative import MIN_DRAFT, DraftSettings, NgramDrafter, NgramStore, aligned_lengths
+from .speculative import DraftSettings, NgramStore
 
 # llama_decode's return value when the abort callback said stop.
 _DECODE_ABORTED = 2
@@ -96,8 +97,10 @@ class StepLoop:
         n_swa = C.llama_model_n_swa(model.model)
         self._cells = KVCache(model.memory, self._seqs, model.n_ubatch, reproducible,
                               model.ctx, n_swa, slots if store is not None else None)
-        self._states = PromptStates(store, self._cells, model, n_swa, self._seqs)
+        # A failure in the store or in ending a job stays with its sequence.
+        self._states = ContainedStates(store, self._cells, model, n_swa, self._seqs)
         self._active: list[Seq] = []  # sequences with a job, in the order they began
+        self._ender = Ender(self._cells, self._states, self._active)
         # One batch for every step, sized for n_batch tokens of one sequence each.
         self._batch: Any = C.llama_batch_init(batch, 0, 1)
         for row in range(batch):
@@ -106,9 +109,6 @@ class StepLoop:
         self._abort_jobs: list[Job] = []
         self._abort_callback = C.ggml_abort_callback(self._should_abort)
         self._no_abort_callback = C.ggml_abort_callback()
-        # Fault injection for the watchdog's tests: "decode_hang" makes the decode
-        # thread stop making progress when it starts the next generation.
-        self._failpoint = os.environ.get("SFCORE_FAILPOINT", "")
         # Wide grammar passes (grammar.py) take 3 ms to over a second: they run here,
         # beside the steps, instead of inside the step every sequence shares.
         self._wide_passes = ThreadPoolExecutor(1, thread_name_prefix="sfcore-grammar")
@@ -148,18 +148,18 @@ class StepLoop:
             try:
                 self._step()
             except BaseException as exc:  # the slots must survive anything; the loop logs it
+                # A failure of the step itself (not one sequence's): every job in it
+                # ends. Should ending them fail too, the thread ends and Engine says so.
                 for seq in list(active):
-                    assert seq.job is not None
-                    self._unpark(seq)
-                    seq.job.error = exc
-                    self._end(seq, "error")
+                    self._fail(seq, exc)
 
     def _begin(self, job: Job) -> None:
         """Put a new job on its slot: drop what the scheduler evicted, reuse the slot's
         cached prefix, build its sampler. Any failure ends the job, never the thread."""
-        if self._failpoint == "decode_hang":
+        if faults.DECODE_HANG:
             while True:  # a stuck decode thread, for the watchdog's tests
                 time.sleep(3600)
+        faults.hit("decode_thread", job)  # the thread dies, for the tests of that
         job.t_start = time.perf_counter_ns()
         seq = self._seqs[job.slot]
         try:
@@ -190,16 +190,14 @@ class StepLoop:
             seq.argmax = job.grammar is None and is_plain_greedy(job.sampling)
             if job.grammar is not None:  # it counts its tokens against the same limit
                 job.grammar.begin(seq.limit)
-            seq.drafter = (NgramDrafter(self._drafts, job.prompt, self._learned)
+            seq.drafter = (faults.drafter(job)(self._drafts, job.prompt, self._learned)
                            if job.speculative and self._drafts is not None else None)
             seq.draft = []
         except BaseException as exc:
             job.error = exc
-            job.end_reason = "error"
-            self._cells.forget(seq)
-            if job.grammar is not None:
-                job.grammar.free()
-            job.loop.call_soon_threadsafe(job._finished)
+            seq.job = job
+            self._active.append(seq)
+            self._end(seq, "error")
             return
         seq.job = job
         self._active.append(seq)
@@ -214,9 +212,7 @@ class StepLoop:
                 try:
                     token = parked.result()
                 except Exception as exc:  # one request's failure ends that request alone
-                    assert seq.job is not None
-                    seq.job.error = exc
-                    self._end(seq, "error")
+                    self._fail(seq, exc)
                     continue
                 self._take(seq, token, woken)
             if seq.loading is not None:
@@ -235,26 +231,12 @@ class StepLoop:
         outputs: list[tuple[Seq, int]] = []
         prefilling: list[Seq] = []
         stepping = [seq for seq in active if seq.generating and seq.parked is None]
-        n = 0
-        # Every generating sequence first: its pending token and its draft, if any,
-        # each row asking for logits.
-        if self._drafts is not None:
-            self._plan_drafts(stepping)
-        for seq in stepping:
-            pos, sid = len(seq.cached), seq.id
-            tokens[n] = seq.last_token
-            positions[n] = pos
-            seq_ids[n][0] = sid
-            wants[n] = 1
-            outputs.append((seq, n))
-            n += 1
-            for token in seq.draft:
-                pos += 1
-                tokens[n] = token
-                positions[n] = pos
-                seq_ids[n][0] = sid
-                wants[n] = 1
-                n += 1
+        # Every generating sequence first: its pending token and its draft, if any, each
+        # row asking for logits. The drafts are proposed now and settled once the
+        # prompt chunks are planned: a prompt read to its end adds a logit row too.
+        plan = (DraftPlan(self._drafts, self._draft_rows, stepping)
+                if self._drafts is not None and stepping else None)
+        n = len(stepping) + (plan.rows if plan is not None else 0)
         # Then prompt tokens: first the short rests (their first token is near), the
         # shortest first, each whole and at most _SHORT_STEP_ROWS rows of them a step;
         # then the others, oldest request first. Alone, a prompt goes in whole n_batch
@@ -273,12 +255,13 @@ class StepLoop:
         # a cold run's bytes come only from a batch of its own. Beside other rows a cut
         # would just delay the rest of the prompt by a step.
         alone = n == 0 and len(reading) == 1
+        ends = 0  # prompts read to their end in this step
         for seq in reading:
             if budget <= 0:
                 break
             job = seq.job
             assert job is not None
-            prompt, pos, sid = job.prompt, seq.next_prompt, seq.id
+            prompt, pos = job.prompt, seq.next_prompt
             if prefilling and budget < len(prompt) - pos <= _SHORT_REST:
                 continue  # a short rest is read whole
             end = min(pos - pos % chunk + chunk, len(prompt), pos + budget)
@@ -286,18 +269,46 @@ class StepLoop:
                 if pos < cut < end:
                     end = cut
                     break
-            for index in range(pos, end):
+            budget -= end - pos
+            seq.chunk_end = end
+            prefilling.append(seq)
+            ends += end == len(prompt)
+        if plan is not None:
+            plan.settle(len(stepping) + ends, self._n_batch - n - sum(
+                seq.chunk_end - seq.next_prompt for seq in prefilling))
+        n = 0
+        for seq in stepping:
+            pos, sid = len(seq.cached), seq.id
+            tokens[n] = seq.last_token
+            positions[n] = pos
+            seq_ids[n][0] = sid
+            wants[n] = 1
+            outputs.append((seq, n))
+            n += 1
+            for token in seq.draft:
+                pos += 1
+                tokens[n] = token
+                positions[n] = pos
+                seq_ids[n][0] = sid
+                wants[n] = 1
+                n += 1
+        for seq in prefilling:
+            job = seq.job
+            assert job is not None
+            prompt, sid = job.prompt, seq.id
+            for index in range(seq.next_prompt, seq.chunk_end):
                 tokens[n] = prompt[index]
                 positions[n] = index
                 seq_ids[n][0] = sid
                 wants[n] = 0
                 n += 1
-            budget -= end - pos
-            seq.chunk_end = end
-            prefilling.append(seq)
-            if end == len(prompt):
+            if seq.chunk_end == len(prompt):
                 wants[n - 1] = 1
                 outputs.append((seq, n - 1))
+        if plan is not None and plan.rows:
+            assert self._drafts is not None
+            count_aligned([seq for seq in stepping if seq.draft], logit_rows(batch, n),
+                          self._drafts.row_multiple)
         batch.n_tokens = n
         if n == 0:  # every sequence waits: for a grammar pass, a state read or a new job
             waits: list[Future[Any]] = [seq.parked for seq in active
@@ -348,12 +359,15 @@ class StepLoop:
                 self._cells.protect(seq, seq.protect_from)
 
         for seq, row in outputs:
-            if seq.draft:
-                self._verify(seq, row, woken)
-                continue
-            drawn = self._sample(seq, row)
-            if drawn is not None:
-                self._take(seq, drawn, woken)
+            try:
+                if seq.draft:
+                    self._verify(seq, row, woken)
+                    continue
+                drawn = self._sample(seq, row)
+                if drawn is not None:
+                    self._take(seq, drawn, woken)
+            except Exception as exc:  # one request's failure ends that request alone
+                self._fail(seq, exc)
         self._wake(woken)
         if self._states.enabled:
             # Once the first tokens are on their way: the states of prompts read whole
@@ -362,46 +376,6 @@ class StepLoop:
             for seq in prefilling:
                 if seq.job is not None and seq.job.t_prompt_done == now:
                     self._states.keep_prompt(seq, seq.job)
-
-    def _plan_drafts(self, stepping: list[Seq]) -> None:
-        """Each speculating sequence's draft for this step (seq.draft): the step's draft
-        rows shared evenly, then the lengths rounded so that the step's logit rows are
-        a multiple of row_multiple (speculative.aligned_lengths)."""
-        assert self._drafts is not None
-        spare = self._draft_rows  # draft rows left in this step
-        sharing = len(stepping)  # sequences still to get a share of them
-        drafting: list[tuple[Seq, list[int]]] = []
-        lengths: list[int] = []
-        for seq in stepping:
-            share = spare // sharing
-            sharing -= 1
-            drafter = seq.drafter
-            if drafter is None or share < MIN_DRAFT:
-                continue
-            # Never past max_tokens: the last token sampled is never decoded, so the
-            # draft cells stay within the job's KV reservation. The continuation may
-            # run past the share by what aligning could add.
-            room = min(seq.limit - seq.n_out - 1, share + self._drafts.row_multiple - 1)
-            continuation, length = drafter.propose(room)
-            length = min(length, share)
-            if length:
-                drafting.append((seq, continuation))
-                lengths.append(length)
-                spare -= length
-        if not drafting:
-            return
-        multiple = self._drafts.row_multiple
-        lengths = aligned_lengths(len(stepping), lengths,
-                                  [len(continuation) for _, continuation in drafting],
-                                  multiple, spare)
-        aligned = (len(stepping) + sum(lengths)) % multiple == 0
-        for (seq, continuation), length in zip(drafting, lengths, strict=True):
-            if length:
-                seq.draft = continuation[:length]
-                job = seq.job
-                assert job is not None
-                job.draft_steps += 1
-                job.aligned_steps += aligned
 
     def _sample(self, seq: Seq, row: int) -> int | None:
         """The sequence's next token from the logits of `row`; None when a wide grammar
@@ -415,14 +389,15 @@ class StepLoop:
             if grammar is None:
                 token: int = C.llama_sampler_sample(seq.sampler, self._ctx, row)
                 return token
+            if grammar.closer is not None:
+                faults.hit("closer", job)  # as if the closer (budget.py) failed, for the tests
             # Checks the chain's choice against the grammar (see grammar.py).
             drawn = grammar.sample(seq.sampler, self._ctx, row)
             if drawn is None:
                 seq.parked = self._wide_passes.submit(grammar.sample_wide, seq.sampler)
             return drawn
         except Exception as exc:  # one request's failure ends that request alone
-            job.error = exc
-            self._end(seq, "error")
+            self._fail(seq, exc)
             return None
 
     def _verify(self, seq: Seq, row: int, woken: list[Job]) -> None:
@@ -460,7 +435,13 @@ class StepLoop:
 
     def _take(self, seq: Seq, token: int, woken: list[Job]) -> None:
         """A sampled token: the end of the job, or a piece of its output and the
-        sequence's next input."""
+        sequence's next input. A failure here ends that request alone."""
+        try:
+            self._take_token(seq, token, woken)
+        except Exception as exc:
+            self._fail(seq, exc)
+
+    def _take_token(self, seq: Seq, token: int, woken: list[Job]) -> None:
         job = seq.job
         assert job is not None
         now = time.perf_counter_ns()
@@ -502,29 +483,15 @@ class StepLoop:
             seq.parked = None
 
     def _end(self, seq: Seq, reason: EndReason) -> None:
+        self._ender.end(seq, reason)
+
+    def _fail(self, seq: Seq, exc: BaseException) -> None:
+        """End `seq`'s job with the error `exc`, unless it has ended already."""
         job = seq.job
-        assert job is not None
-        job.end_reason = reason
-        if reason == "error":
-            self._cells.forget(seq)
-        if seq.sampler is not None:
-            C.llama_sampler_free(seq.sampler)
-            seq.sampler = None
-        if job.grammar is not None:
-            job.grammar.free()
-        seq.loading = None
-        if reason != "error" and not seq.prompt_kept and job.t_prompt_done:
-            self._states.keep_prompt(seq, job)  # it ended in the step that read its prompt
-        self._states.unprotect(seq)
-        self._cells.unplace(seq)
-        job.kept = list(seq.cached)
-        if seq.drafter is not None and reason != "error":
-            seq.drafter.learn()
-        seq.drafter = None
-        seq.draft = []
-        seq.job = None
-        self._active.remove(seq)
-        job.loop.call_soon_threadsafe(job._finished)
+        if job is not None:
+            job.error = exc
+            self._unpark(seq)
+            self._end(seq, "error")
 
     def _should_abort(self, _data: Any) -> bool:
         self.progress += 1

@@ -51,3 +51,23 @@ def test_the_readme_is_a_front_page() -> None:
     assert len(readme.splitlines()) <= 200
     for command in ("scripts/run.sh", "scripts/test.sh"):
         assert command in readme
+
+
+def test_no_text_promises_that_speculation_gives_one_token_a_steps_bytes() -> None:
+    # It does not: a step of 4 or more rows rounds the logits otherwise than a lone row
+    # (docs/performance.md, Numerics). What holds is said instead, with the two ways to
+    # get one token a step's bytes.
+    sources = [*DOCS, REPO / "server_config.toml", REPO / "sfcore_daemon" / "speculative.py"]
+    claim = re.compile(r"(output|bytes) is the same as one token a step|the output is what "
+                       r"the chain would have produced one token a step", re.IGNORECASE)
+    claims = [path.name for path in sources if claim.search(_prose(path))]
+    assert not claims, claims
+    config = _prose(REPO / "server_config.toml")
+    assert '"speculative": false' in config and "reproducible = true" in config
+    assert "same request from the same state gives the same bytes" in config
+
+
+def _prose(path: Path) -> str:
+    """The file's words on one line, comment markers left out."""
+    return " ".join(" ".join(line.strip().lstrip("#") for line in
+                             path.read_text().splitlines()).split())

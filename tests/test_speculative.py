@@ -5,10 +5,15 @@ The pure drafter is tested alone; everything else runs the real daemon on its so
 
 from __future__ import annotations
 
+import asyncio
 import json
+import tracemalloc
+from random import Random
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sfcore_daemon.speculative import DraftSettings, NgramDrafter, NgramStore, aligned_lengths
 from tests.fault_support import health, poll_until
@@ -143,6 +148,75 @@ def test_a_later_request_drafts_what_an_earlier_one_generated() -> None:
     assert prompt_only.draft(16) == []
 
 
+class _ReferenceStore:
+    """What NgramStore answers, without its memory bound: the latest occurrence of
+    every n-gram in a dict (the store's first form), emptied whole as the store is."""
+
+    def __init__(self, n: int, capacity: int) -> None:
+        self.n, self.capacity = n, capacity
+        self.tokens: list[int] = []
+        self.positions: dict[tuple[int, ...], int] = {}
+
+    def add(self, tokens: list[int], start: int) -> None:
+        n = self.n
+        first = max(start - n, 0)
+        if not n < len(tokens) - first < self.capacity:
+            return
+        if len(self.tokens) + len(tokens) - first > self.capacity:
+            self.tokens, self.positions = [], {}
+        base = len(self.tokens)
+        self.tokens += [*tokens[first:], -1]
+        for i in range(len(tokens) - first - n):
+            self.positions[tuple(tokens[first + i:first + i + n])] = base + n + i
+
+    def draft(self, tokens: list[int], want: int) -> list[int]:
+        start = self.positions.get(tuple(tokens[-self.n:]))
+        if start is None or len(tokens) < self.n:
+            return []
+        draft = self.tokens[start:start + want]
+        return draft[:draft.index(-1)] if -1 in draft else draft
+
+
+_TEXTS = st.lists(st.integers(0, 6), min_size=0, max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 4), capacity=st.integers(1, 120),
+       texts=st.lists(st.tuples(_TEXTS, st.integers(0, 12)), max_size=12),
+       queries=st.lists(_TEXTS, max_size=12))
+def test_the_store_drafts_what_the_latest_occurrence_continues_with_or_nothing(
+        n: int, capacity: int, texts: list[tuple[list[int], int]],
+        queries: list[list[int]]) -> None:
+    # A small alphabet: n-grams repeat, and small tables collide. A draft is the
+    # reference's (never a wrong one); a collision may only make it empty.
+    store, reference = NgramStore(n, capacity), _ReferenceStore(n, capacity)
+    for tokens, start in texts:
+        store.add(tokens, start)
+        reference.add(tokens, start)
+    for query in queries + [tokens for tokens, _ in texts]:
+        drafted = store.draft(query, 8)
+        assert drafted in ([], reference.draft(query, 8)), (query, drafted)
+
+
+def test_the_store_takes_the_memory_it_says_and_no_more() -> None:
+    # store_tokens is a bound in bytes too: 12 to 20 bytes a token (the token and its
+    # slots), allocated at once; its first form took ~150 (a dict of n-gram tuples).
+    for capacity in (1, 1000, 4096, 5000, 1 << 16):
+        assert 12 * capacity <= NgramStore(4, capacity).nbytes <= 20 * capacity + 8
+    random = Random(7)
+    texts = [[random.randrange(262_144) for _ in range(400)] for _ in range(200)]
+    tracemalloc.start()
+    try:
+        store = NgramStore(4, 1 << 16)
+        for text in texts:  # 80,000 tokens: filled, emptied once, filled again
+            store.add(text, 50)
+        used, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert used <= store.nbytes + 64 * 1024, (used, store.nbytes)
+    assert store.draft(texts[-1][:60], 4) == texts[-1][60:64]
+
+
 # --- the daemon -----------------------------------------------------------------------
 
 # Outputs compared across requests come from one slot: with several, a request's cells
@@ -218,6 +292,44 @@ async def test_every_verifying_step_has_a_whole_multiple_of_logit_rows() -> None
         assert all(done["usage"]["accepted_tokens"] > 0 for done in dones)
         assert counts["steps"] >= 4, counts
         assert counts["aligned_steps"] >= counts["steps"] - slots, counts
+
+
+@pytest_asyncio_mark
+async def test_prompts_read_to_their_end_beside_drafts_count_in_the_alignment() -> None:
+    # One-token requests, three at a time, while a copy drafts in another slot:
+    # each one's prompt ends in a step beside the copy's draft, and its last row asks
+    # for logits too. The daemon counts a verifying step's logit rows from the batch
+    # it submits (the logits flags), not from its plan: those rows must still come to
+    # a multiple of 4. Only the copy drafts, so at most one step may stay as drafted
+    # (2 tokens, 3 rows, no room left before max_tokens).
+    async with running_daemon({"server": {"slots": 4}}) as daemon:
+        copier = await daemon.connect()
+        try:
+            await copier.start_streaming({**COPY_CODE, "temperature": 0, "max_tokens": 400,
+                                          "stream": True})
+            copying = asyncio.ensure_future(copier.reply(240))
+
+            async def one_token_requests(number: int) -> int:
+                sent = 0
+                async with daemon.client() as client:
+                    while not copying.done() and sent < 200:
+                        done = done_of(await client.request(
+                            {"prompt": f"Say {number} {sent}", "max_tokens": 1,
+                             "temperature": 0, "stream": False, "speculative": False}))
+                        assert done["usage"]["completion_tokens"] <= 1
+                        sent += 1
+                return sent
+
+            shorts = sum(await asyncio.gather(*(one_token_requests(i) for i in range(3))))
+            copied = done_of(await copying)
+        finally:
+            await copier.close()
+        counts = (await stats(daemon))["speculative"]
+    assert copied["usage"]["accepted_tokens"] > 0 and shorts >= 8, (copied, shorts)
+    assert counts["steps"] >= 8, counts
+    assert counts["aligned_steps"] >= counts["steps"] - 1, counts
+    # Each verifying step had a pending token and a draft of two or more.
+    assert counts["logit_rows"] >= 3 * counts["steps"], counts
 
 
 @pytest_asyncio_mark
