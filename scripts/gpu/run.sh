@@ -161,7 +161,8 @@ unpack_src() {
   local stamp
   stamp="$(sha256sum "$DATA/llama-src.tar.gz" | cut -c1-16)"
   if [ "$(cat "$WORK/src/.kitstamp" 2>/dev/null)" != "$stamp" ]; then
-    rm -rf "$WORK/src" "$BUILD"; mkdir -p "$WORK/src"
+    rm -rf "$WORK/src"; mkdir -p "$WORK/src"
+    [ -z "${BIN:-}" ] && rm -rf "$BUILD"  # a build of other sources; given binaries stay
     tar -C "$WORK/src" -xzf "$DATA/llama-src.tar.gz" || { log "FATAL: untar"; exit 1; }
     echo "$stamp" > "$WORK/src/.kitstamp"
   fi
