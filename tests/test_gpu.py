@@ -12,6 +12,7 @@ import tomli_w
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sfcore_daemon.cli import set_library_defaults
 from sfcore_daemon.config import Config, ConfigError, load_config
 from sfcore_daemon.gpu import Placement, gpu_offload_supported, resolve_gpu_layers
 from tests.harness import running_daemon
@@ -109,3 +110,15 @@ async def test_the_daemon_logs_where_the_layers_went_and_serves(setting: str | i
     else:
         assert lines[0] == "model: 19/19 layers on the CPU " \
                            "(this llama.cpp build has no GPU backend)"
+
+
+def test_library_defaults_choose_f32_cublas_and_keep_the_users_own() -> None:
+    # f16 cuBLAS kernels abort a CUDA build under concurrent speculation (docs/gpu.md,
+    # "The crash"); a variable the user set stays as set.
+    environ: dict[str, str] = {}
+    set_library_defaults(environ)
+    assert environ["GGML_CUDA_CUBLAS_COMPUTE_TYPE"] == "f32"
+    assert environ["OPENBLAS_NUM_THREADS"] == "1"
+    environ = {"GGML_CUDA_CUBLAS_COMPUTE_TYPE": "f16", "OPENBLAS_NUM_THREADS": "4"}
+    set_library_defaults(environ)
+    assert environ == {"GGML_CUDA_CUBLAS_COMPUTE_TYPE": "f16", "OPENBLAS_NUM_THREADS": "4"}
