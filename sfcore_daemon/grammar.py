@@ -18,13 +18,13 @@ import contextlib
 import ctypes
 import math
 import os
-import re
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Final
 
 from .budget import Closer, clone_accepts
+from .gbnfcheck import GrammarError, check_gbnf
 from .jsonclose import JsonTracker
 from .llama_c import C
 from .logs import llama_log_router
@@ -34,9 +34,9 @@ if TYPE_CHECKING:
     from .jsonshape import Shape
     from .model import Model
 
-
-class GrammarError(ValueError):
-    """The request's schema or grammar cannot be used; the message says why (and where)."""
+# check_gbnf and GrammarError live in gbnfcheck.py; the request path and the tests know
+# them as grammar's.
+__all__ = ["GrammarDeadEnd", "GrammarError", "GrammarSampler", "check_gbnf"]
 
 
 class GrammarDeadEnd(Exception):
@@ -56,9 +56,6 @@ class GrammarDeadEnd(Exception):
         self.at_start = at_start
 
 
-# llama.cpp's grammar parser recurses once per nested group; deeper text could exhaust
-# the event loop thread's stack before it reports an error.
-MAX_GRAMMAR_NESTING: Final = 64
 # How many of the most likely tokens the slow path runs the grammar over, tier by tier,
 # before it tries the whole vocabulary. Measured on 262,144 logits: top_k(128) takes
 # 0.2 ms, top_k(32768) 2.7 ms, refilling the candidates 1.6 ms.
@@ -69,36 +66,7 @@ RESAMPLE_TIERS: Final = (128, 2048, 32768)
 _WIDE_TIER: Final = 2
 
 
-# --- GBNF text --------------------------------------------------------------------------
-
-
-def check_gbnf(text: str) -> None:
-    """Refuse grammar text llama.cpp's recursive parser should not be handed."""
-    if "\x00" in text:
-        raise GrammarError("grammar contains a NUL character - at `$.grammar`")
-    depth = 0
-    for token in _gbnf_groups(text):
-        depth += 1 if token == "(" else -1
-        if depth > MAX_GRAMMAR_NESTING:
-            raise GrammarError(f"grammar nests groups deeper than {MAX_GRAMMAR_NESTING} "
-                               "- at `$.grammar`")
-
-
-_GBNF_SKIP = re.compile(r'"(?:[^"\\]|\\.)*"?|\[(?:[^\]\\]|\\.)*\]?|#[^\n]*|[^"\[#()]+',
-                        re.DOTALL)
-
-
-def _gbnf_groups(text: str) -> Iterator[str]:
-    """The parentheses of GBNF text, outside literals, character classes and comments."""
-    pos = 0
-    while pos < len(text):
-        char = text[pos]
-        if char in "()":
-            yield char
-            pos += 1
-            continue
-        match = _GBNF_SKIP.match(text, pos)
-        pos = match.end() if match and match.end() > pos else pos + 1
+# --- llama.cpp's parse errors ------------------------------------------------------
 
 
 def _split_parse_error(captured: str, text: str) -> tuple[str, str]:
