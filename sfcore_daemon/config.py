@@ -54,10 +54,11 @@ class ServerConfig(_Section, frozen=True):
     # closed; 0 never closes idle connections.
     idle_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 300.0
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
-    # CPU time one request may spend in grammar passes over 32768 or more candidates
-    # (milliseconds to over a second each, on the grammar thread while the request
-    # sits out of the steps): a bound on how long one request can occupy that thread;
-    # past it the request ends with grammar_dead_end. 0: no limit.
+    # CPU time one request may spend following its grammar: its checks in the decode
+    # steps, and its passes over 32768 or more candidates (milliseconds to over a second
+    # each, on the grammar thread while the request sits out of the steps). A bound on
+    # how long one request can occupy either; past it the request ends with
+    # grammar_dead_end. 0: no limit.
     grammar_budget_s: Annotated[float, msgspec.Meta(ge=0)] = 3.0
 
     @property

@@ -18,13 +18,13 @@ import contextlib
 import ctypes
 import math
 import os
-import re
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Final
 
 from .budget import Closer, clone_accepts
+from .gbnfcheck import GrammarError, check_gbnf
 from .jsonclose import JsonTracker
 from .llama_c import C
 from .logs import llama_log_router
@@ -34,9 +34,9 @@ if TYPE_CHECKING:
     from .jsonshape import Shape
     from .model import Model
 
-
-class GrammarError(ValueError):
-    """The request's schema or grammar cannot be used; the message says why (and where)."""
+# check_gbnf and GrammarError live in gbnfcheck.py; the request path and the tests know
+# them as grammar's.
+__all__ = ["GrammarDeadEnd", "GrammarError", "GrammarSampler", "check_gbnf"]
 
 
 class GrammarDeadEnd(Exception):
@@ -45,9 +45,10 @@ class GrammarDeadEnd(Exception):
 
     def __init__(self, at_start: bool, budget_s: float = 0.0) -> None:
         if budget_s:
-            message = (f"the model keeps choosing tokens the grammar rejects: its wide "
-                       f"checks of the vocabulary used their {budget_s:g} s budget "
-                       f"(server.grammar_budget_s)")
+            message = (f"the grammar's checks of the model's tokens used their {budget_s:g} s "
+                       f"budget of CPU time (server.grammar_budget_s): the model keeps "
+                       f"choosing tokens the grammar rejects, or the grammar is costly to "
+                       f"follow")
         elif at_start:
             message = "the grammar allows no token at its start"
         else:
@@ -56,49 +57,18 @@ class GrammarDeadEnd(Exception):
         self.at_start = at_start
 
 
-# llama.cpp's grammar parser recurses once per nested group; deeper text could exhaust
-# the event loop thread's stack before it reports an error.
-MAX_GRAMMAR_NESTING: Final = 64
 # How many of the most likely tokens the slow path runs the grammar over, tier by tier,
 # before it tries the whole vocabulary. Measured on 262,144 logits: top_k(128) takes
 # 0.2 ms, top_k(32768) 2.7 ms, refilling the candidates 1.6 ms.
 RESAMPLE_TIERS: Final = (128, 2048, 32768)
 # Tiers from this one on, and the whole-vocabulary pass, take 3 ms to 1.5 s each: too
 # long for the step every request shares, so they run on a thread of their own, and
-# `server.grammar_budget_s` bounds the CPU time one request spends on them.
+# `server.grammar_budget_s` bounds the CPU time one request spends on them and on its
+# checks in the steps.
 _WIDE_TIER: Final = 2
 
 
-# --- GBNF text --------------------------------------------------------------------------
-
-
-def check_gbnf(text: str) -> None:
-    """Refuse grammar text llama.cpp's recursive parser should not be handed."""
-    if "\x00" in text:
-        raise GrammarError("grammar contains a NUL character - at `$.grammar`")
-    depth = 0
-    for token in _gbnf_groups(text):
-        depth += 1 if token == "(" else -1
-        if depth > MAX_GRAMMAR_NESTING:
-            raise GrammarError(f"grammar nests groups deeper than {MAX_GRAMMAR_NESTING} "
-                               "- at `$.grammar`")
-
-
-_GBNF_SKIP = re.compile(r'"(?:[^"\\]|\\.)*"?|\[(?:[^\]\\]|\\.)*\]?|#[^\n]*|[^"\[#()]+',
-                        re.DOTALL)
-
-
-def _gbnf_groups(text: str) -> Iterator[str]:
-    """The parentheses of GBNF text, outside literals, character classes and comments."""
-    pos = 0
-    while pos < len(text):
-        char = text[pos]
-        if char in "()":
-            yield char
-            pos += 1
-            continue
-        match = _GBNF_SKIP.match(text, pos)
-        pos = match.end() if match and match.end() > pos else pos + 1
+# --- llama.cpp's parse errors ------------------------------------------------------
 
 
 def _split_parse_error(captured: str, text: str) -> tuple[str, str]:
@@ -174,7 +144,7 @@ class GrammarSampler:
 
     __slots__ = ("_grammar", "_vocab", "_one", "_one_array", "_history", "_penalties", "_top",
                  "_raw", "_array", "_floats", "_ids", "n_vocab", "tokens", "resampled",
-                 "full_passes", "field", "wide_ns", "wide_budget_ns", "_kept_logits",
+                 "full_passes", "field", "used_ns", "budget_ns", "_kept_logits",
                  "limit", "closer", "closed_early", "_emitted", "_eog", "_settling")
 
     def __init__(self, grammar: Any, vocab: Any, n_vocab: int, history: Iterable[int],
@@ -200,10 +170,12 @@ class GrammarSampler:
         self.full_passes = 0
         # The request field the grammar came from, for error messages.
         self.field = "grammar"
-        # CPU time of the decode thread spent in wide passes (not wall time, which a
-        # loaded machine stretches), and how much it may be (0: no limit).
-        self.wide_ns = 0
-        self.wide_budget_ns = 0
+        # CPU time spent following the grammar, in the decode steps and in wide passes
+        # (CPU time, not wall time, which a loaded machine stretches), and how much it
+        # may be (0: no limit). A grammar's stacks can multiply with the text it has
+        # accepted, so even the one-token check of the fast path is counted.
+        self.used_ns = 0
+        self.budget_ns = 0
         # The logits of a draw that only a wide pass can finish (see sample_wide).
         self._kept_logits = b""
         # Budget-aware completion (budget.py), for JSON documents: the most tokens the
@@ -239,7 +211,7 @@ class GrammarSampler:
         sampler = cls(grammar, model.vocab, model.info.n_vocab, prompt[-PENALTY_LAST_N:],
                       PENALTY_LAST_N)
         sampler.field = field
-        sampler.wide_budget_ns = int(budget_s * 1e9)
+        sampler.budget_ns = int(budget_s * 1e9)
         eog = C.llama_vocab_eos(model.vocab)
         if eog < 0 or not C.llama_vocab_is_eog(model.vocab, eog):
             eog = C.llama_vocab_eot(model.vocab)
@@ -274,13 +246,19 @@ class GrammarSampler:
         from the tokens the grammar allows among the likeliest. None when only a wider
         pass can find one: the logits are kept, and `sample_wide` finishes the draw
         (off the decode thread). Near the end of a JSON request's budget, see
-        `_near_end`. Decode thread only."""
-        self.tokens += 1
-        closer = self.closer
-        if closer is not None and self.limit - self.tokens < closer.window \
-                and not closer.lost:
-            return self._near_end(closer, chain, ctx, idx)
-        return self._sample(chain, ctx, idx)
+        `_near_end`. Decode thread only; GrammarDeadEnd once the request has used its
+        budget of grammar CPU time."""
+        self._check_budget()
+        started = time.thread_time_ns()
+        try:
+            self.tokens += 1
+            closer = self.closer
+            if closer is not None and self.limit - self.tokens < closer.window \
+                    and not closer.lost:
+                return self._near_end(closer, chain, ctx, idx)
+            return self._sample(chain, ctx, idx)
+        finally:
+            self.used_ns += time.thread_time_ns() - started
 
     def _sample(self, chain: Any, ctx: Any, idx: int, accept: bool = True) -> int | None:
         """`sample` without the budget check; the token accepted only if `accept`."""
@@ -379,23 +357,31 @@ class GrammarSampler:
         logits, self._kept_logits = self._kept_logits, b""
         assert self._top is not None and logits
         for top in self._top[_WIDE_TIER:]:
-            self._check_wide_budget()
+            self._check_budget()
             started = time.thread_time_ns()
             array, floats = self._candidates(logits)
             C.llama_sampler_apply(top, ctypes.byref(array))
             C.llama_sampler_apply(self._grammar, ctypes.byref(array))
-            self.wide_ns += time.thread_time_ns() - started
-            if max(floats[1:3 * array.size:3]) != -math.inf:
+            found = max(floats[1:3 * array.size:3]) != -math.inf
+            self.used_ns += time.thread_time_ns() - started
+            if found:
                 return self._finish_wide(chain, array, floats)
-        self._check_wide_budget()
+        self._check_budget()
         started = time.thread_time_ns()
         self.full_passes += 1
         array, floats = self._candidates(logits)
         C.llama_sampler_apply(self._grammar, ctypes.byref(array))
-        self.wide_ns += time.thread_time_ns() - started
+        self.used_ns += time.thread_time_ns() - started
         return self._finish_wide(chain, array, floats)
 
     def _finish_wide(self, chain: Any, array: Any, floats: memoryview) -> int:
+        started = time.thread_time_ns()
+        try:
+            return self._settle_wide(chain, array, floats)
+        finally:
+            self.used_ns += time.thread_time_ns() - started
+
+    def _settle_wide(self, chain: Any, array: Any, floats: memoryview) -> int:
         left, self._settling = self._settling, 0
         closer = self.closer
         if not left or closer is None or closer.tracker is None:
@@ -433,11 +419,11 @@ class GrammarSampler:
             self._accept(token)
         return token
 
-    def _check_wide_budget(self) -> None:
-        """Wide passes run on the one grammar thread, which every grammar request
-        shares: past a budget the request ends (grammar_dead_end) rather than hold it."""
-        if self.wide_budget_ns and self.wide_ns >= self.wide_budget_ns:
-            raise GrammarDeadEnd(at_start=False, budget_s=self.wide_budget_ns / 1e9)
+    def _check_budget(self) -> None:
+        """The decode steps and the one grammar thread are shared by every request: past
+        its budget a request ends (grammar_dead_end) rather than hold them up."""
+        if self.budget_ns and self.used_ns >= self.budget_ns:
+            raise GrammarDeadEnd(at_start=False, budget_s=self.budget_ns / 1e9)
 
     def _is_hidden(self, token: int) -> bool:
         """A control token other than end-of-generation (its piece is empty)."""

@@ -52,7 +52,7 @@ from .protocol import (
 )
 from .sampling import Sampling
 from .scheduler import Generation, QueueFull, Scheduler
-from .schema import request_gbnf, request_shape
+from .schema import request_grammar
 from .stats import Stats
 
 log = logging.getLogger(__name__)
@@ -295,13 +295,16 @@ class RequestHandlers:
             connection.reply_error(request_id, code, message, slot)
 
         try:
-            grammar_spec = request_gbnf(request)
+            # Checking and converting take about a millisecond per 2 KB of grammar (a
+            # second for a schema of a megabyte): a worker thread, unless it is small.
+            spec = (await asyncio.to_thread(request_grammar, request)
+                    if _long_grammar(request) else request_grammar(request))
             engine = await self._loaded_engine()
             prompt = await self._prompt(engine, request)
-            grammar = (GrammarSampler.create(engine.loaded_model(), *grammar_spec, prompt,
-                                             self.config.server.grammar_budget_s,
-                                             shape=request_shape(request))
-                       if grammar_spec is not None else None)
+            grammar = (GrammarSampler.create(engine.loaded_model(), spec.text, spec.field,
+                                             prompt, self.config.server.grammar_budget_s,
+                                             shape=spec.shape)
+                       if spec is not None else None)
         except (ChatTemplateError, GrammarError) as exc:
             refuse(protocol.INVALID_REQUEST, str(exc))
             return
@@ -393,6 +396,12 @@ _T = TypeVar("_T")
 
 def _pick(value: _T | None, default: _T) -> _T:
     return default if value is None else value
+
+
+def _long_grammar(request: GenerationRequest) -> bool:
+    """Whether checking the request's grammar may take more than about a millisecond (a
+    schema's grammar is not known before it is converted: taken as long)."""
+    return request.json_schema is not None or len(request.grammar or "") > 2048
 
 
 async def _off_loop_if_long(size: int, function: Callable[..., _T], *args: Any) -> _T:

@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Iterable
 from typing import Any, Final
 
 # The standard library's own regular expression parser, for the NFA of a `pattern`
 # (sre_parse, its old name, warns when imported).
 sre: Any = importlib.import_module("re._parser")
 
-# More NFA states than this (a pattern with big repetition counts) and the pattern is
-# not tracked: a document that is inside such a string when the budget runs out is
-# left to finish as before ("length").
+# More NFA states than this, over all the patterns of a schema (big repetition counts),
+# and the patterns past it are not tracked: a document that is inside such a string
+# when the budget runs out is left to finish as before ("length").
 MAX_NFA_STATES: Final = 20000
-# Shortest texts are not computed through recursion deeper than this ($ref cycles).
+# A shortest text this long stands for "too long to complete": a $ref cycle with no way
+# out, an untracked pattern, or counts that multiply (an array of minItems arrays).
 _INFINITE: Final = b"\xff" * 100000
 
 # The converter's string formats, as regular expressions over the characters.
@@ -41,7 +43,7 @@ FORMAT_PATTERNS: Final = {
 
 class Shape:
     """One schema's value. `kind` is one of: any, object, array, string, pattern,
-    literal, number, integer, alt."""
+    literal, number, integer, alt, untracked (a pattern past the NFA budget)."""
 
     __slots__ = ("kind", "props", "required", "optional", "extra", "items", "prefix",
                  "min", "max", "low", "high", "literals", "alts", "nfa", "_shortest")
@@ -65,12 +67,15 @@ class Shape:
 
     @property
     def shortest(self) -> bytes:
-        """The shortest text of a fresh value (memoised; a $ref cycle with no way out
-        is "infinitely" long)."""
+        """The shortest text of a fresh value (memoised; a $ref cycle with no way out,
+        or anything longer than _INFINITE, is "infinitely" long)."""
         cached = self._shortest
         if cached is None:
             self._shortest = _INFINITE  # while in progress: a cycle is no way out
-            cached = self._shortest = self._compute_shortest()
+            cached = self._compute_shortest()
+            if len(cached) > len(_INFINITE):
+                cached = _INFINITE
+            self._shortest = cached
         return cached
 
     def _compute_shortest(self) -> bytes:
@@ -81,9 +86,12 @@ class Shape:
             return b"{" + kvs(self, self.required) + b"}"
         if kind == "array":
             if self.prefix is not None:
-                return b"[" + b",".join(item.shortest for item in self.prefix) + b"]"
+                return _joined(b"[", [item.shortest for item in self.prefix], b"]")
             assert self.items is not None
-            return b"[" + b",".join([self.items.shortest] * self.min) + b"]"
+            item = self.items.shortest
+            if len(item) * self.min > len(_INFINITE):
+                return _INFINITE
+            return b"[" + b",".join([item] * self.min) + b"]"
         if kind == "string":
             return b'"' + b"a" * self.min + b'"'
         if kind == "pattern":
@@ -96,12 +104,27 @@ class Shape:
             return shortest_integer(b"", self.low, self.high) or _INFINITE
         if kind == "number":
             return b"0"
+        if kind == "untracked":
+            return _INFINITE
         return min((alt.shortest for alt in self.alts), key=len)
 
 
 def kvs(shape: Shape, keys: list[bytes]) -> bytes:
-    """`"key":value` for each key, shortest values, comma-separated."""
-    return b",".join(key + b":" + shape.props[key].shortest for key in keys)
+    """`"key":value` for each key, shortest values, comma-separated (_INFINITE as soon
+    as they add up to more)."""
+    return _joined(b"", (key + b":" + shape.props[key].shortest for key in keys), b"")
+
+
+def _joined(opening: bytes, parts: Iterable[bytes], closing: bytes) -> bytes:
+    """opening, the parts comma-separated, closing; _INFINITE once longer."""
+    joined = []
+    length = 0
+    for part in parts:
+        length += len(part) + 1
+        if length > len(_INFINITE):
+            return _INFINITE
+        joined.append(part)
+    return opening + b",".join(joined) + closing
 
 
 def integer_shape(low: int | None, high: int | None) -> Shape:
@@ -159,15 +182,19 @@ def free_object(value: Shape | None = None) -> Shape:
     return shape
 
 
-def shape_of(schema: dict[str, Any]) -> Shape:
-    """The shape of a checked schema, references resolved lazily (they may recurse)."""
-    return _Builder(schema).visit(schema)
+def shape_of(schema: dict[str, Any], refs: dict[str, dict[str, Any]] | None = None) -> Shape:
+    """The shape of a checked schema (schemacheck.py), references resolved lazily (they
+    may recurse): through `refs` (the checked schema each $ref refers to), else by their
+    path in `schema`."""
+    return _Builder(schema, refs).visit(schema)
 
 
 class _Builder:
-    def __init__(self, root: dict[str, Any]) -> None:
+    def __init__(self, root: dict[str, Any], refs: dict[str, dict[str, Any]] | None) -> None:
         self._root = root
+        self._targets = refs
         self._refs: dict[str, Shape] = {}
+        self._nfa_states = MAX_NFA_STATES  # left for the schema's patterns
 
     def visit(self, schema: dict[str, Any]) -> Shape:
         if "$ref" in schema:
@@ -187,9 +214,9 @@ class _Builder:
         if kind in (None, "array") and ("items" in schema or "prefixItems" in schema):
             return self._array(schema)
         if kind in (None, "string") and "pattern" in schema:
-            return _pattern(schema["pattern"][1:-1])
+            return self._pattern(schema["pattern"][1:-1])
         if kind in (None, "string") and schema.get("format") in FORMAT_PATTERNS:
-            return _pattern(FORMAT_PATTERNS[schema["format"]])
+            return self._pattern(FORMAT_PATTERNS[schema["format"]])
         if kind == "string":
             shape = Shape("string")
             shape.min, shape.max = schema.get("minLength", 0), schema.get("maxLength")
@@ -215,9 +242,22 @@ class _Builder:
             # A placeholder first: a recursive reference finds it and shares the result.
             shape = self._refs[ref] = Shape("alt")
             target: Any = self._root
-            for part in ref[2:].split("/"):
-                target = target[part]
+            if self._targets is not None:
+                target = self._targets[ref]
+            else:
+                for part in ref[2:].split("/"):
+                    target = target[part]
             shape.alts = [self.visit(target)]
+        return shape
+
+    def _pattern(self, regex: str) -> Shape:
+        shape = Shape("pattern")
+        try:
+            shape.nfa = Nfa.compile(regex, self._nfa_states)
+            self._nfa_states -= len(shape.nfa.edges)
+        except (ValueError, re_error):
+            shape.nfa = None
+            shape.kind = "untracked"
         return shape
 
     @staticmethod
@@ -280,16 +320,6 @@ def _literal(values: list[Any]) -> Shape:
     return shape
 
 
-def _pattern(regex: str) -> Shape:
-    shape = Shape("pattern")
-    try:
-        shape.nfa = Nfa.compile(regex)
-    except (ValueError, re_error):
-        shape.nfa = None
-        shape.kind = "untracked"
-    return shape
-
-
 re_error = sre.error if hasattr(sre, "error") else ValueError
 
 
@@ -299,17 +329,19 @@ re_error = sre.error if hasattr(sre, "error") else ValueError
 class Nfa:
     """A Thompson NFA over characters for the pattern subset schema.py accepts."""
 
-    __slots__ = ("edges", "eps", "start", "accept")
+    __slots__ = ("accept", "edges", "eps", "limit", "start")
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = MAX_NFA_STATES) -> None:
+        self.limit = limit
         self.edges: list[list[tuple[int, int, int]]] = []  # (low, high, target)
         self.eps: list[list[int]] = []
         self.start: frozenset[int] = frozenset()
         self.accept = 0
 
     @classmethod
-    def compile(cls, regex: str) -> Nfa:
-        nfa = cls()
+    def compile(cls, regex: str, limit: int = MAX_NFA_STATES) -> Nfa:
+        """ValueError past `limit` states."""
+        nfa = cls(limit)
         begin, end = nfa._state(), nfa._state()
         nfa._build(list(sre.parse(regex)), begin, end)
         nfa.accept = end
@@ -317,7 +349,7 @@ class Nfa:
         return nfa
 
     def _state(self) -> int:
-        if len(self.edges) >= MAX_NFA_STATES:
+        if len(self.edges) >= self.limit:
             raise ValueError("pattern too large to track")
         self.edges.append([])
         self.eps.append([])

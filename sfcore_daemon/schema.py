@@ -1,56 +1,41 @@
 """JSON Schema to GBNF, on the event loop before a request is queued.
 
-`request_gbnf` turns a request's `json_schema`, `format: "json"` or `grammar` into GBNF
-text: a JSON Schema goes through llama-cpp-python's converter after `check_schema` has
-refused what the converter would silently get wrong. Every mistake is a `GrammarError`
-naming the field, answered as `invalid_request`.
+`request_grammar` turns a request's `json_schema`, `format: "json"` or `grammar` into
+GBNF text (and, for JSON, the shape of the document it describes). A JSON Schema is
+checked and rewritten by `schemacheck.check_schema`, converted by llama-cpp-python's
+converter with the fixes below, and the GBNF it comes to is held to the same structural
+bounds as a client's grammar (gbnfcheck.py). Every mistake is a `GrammarError` naming
+the field, answered as `invalid_request`.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
-from .grammar import GrammarError, check_gbnf
+from .gbnfcheck import MAX_GRAMMAR_NESTING, GrammarError, check_gbnf
 from .jsonshape import Shape, free_object, integer_bounds, shape_of
+from .pattern import pattern_gbnf
+from .schemacheck import INTEGER_KEYWORDS, MAX_INTEGER_BOUND, CheckedSchema, check_schema
 
 if TYPE_CHECKING:
     from .protocol import GenerationRequest
 
+__all__ = ["GrammarSpec", "check_schema", "integer_range_gbnf", "json_gbnf",
+           "request_grammar", "schema_to_gbnf"]
 
-# --- JSON Schema ------------------------------------------------------------------------
-
-# Keywords that assert nothing: accepted anywhere and ignored.
-ANNOTATIONS: Final = frozenset({
-    "$schema", "$id", "$comment", "$anchor", "title", "description", "default", "examples",
-    "deprecated", "readOnly", "writeOnly", "$defs", "definitions",
-})
-TYPES: Final = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
-STRING_FORMATS: Final = frozenset({"date", "time", "date-time", "uuid"})
-# What the converter turns into grammar, by the kind of schema it applies to.
-_OBJECT_KEYWORDS: Final = frozenset({"properties", "required", "additionalProperties"})
-_ARRAY_KEYWORDS: Final = frozenset({"items", "minItems", "maxItems", "prefixItems"})
-_STRING_KEYWORDS: Final = frozenset({"minLength", "maxLength", "pattern", "format"})
-_INTEGER_KEYWORDS: Final = frozenset({"minimum", "maximum", "exclusiveMinimum",
-                                      "exclusiveMaximum"})
-SUPPORTED_KEYWORDS: Final = (ANNOTATIONS | _OBJECT_KEYWORDS | _ARRAY_KEYWORDS | _STRING_KEYWORDS
-                             | _INTEGER_KEYWORDS | {"type", "enum", "const", "anyOf", "$ref"})
-# The grammar's integers have at most 16 digits; so must their bounds.
-MAX_INTEGER_BOUND: Final = 10**16 - 1
-# Bounds of minItems/maxItems and minLength/maxLength. Up to CONVERTER_REPEAT the
-# converter writes a repetition as nested groups, one per allowed count (llama.cpp's
-# parser recurses into each); past it the grammar says `{m,n}`, which llama.cpp expands
-# into a chain of small rules. MAX_REPEAT keeps that chain, which every grammar copy
-# (budget.py) duplicates, small.
+# Up to this count the converter writes a bounded repetition (minItems/maxItems,
+# minLength/maxLength) as nested groups, one per allowed count (llama.cpp's parser
+# recurses into each); past it the grammar says `{m,n}`, which llama.cpp expands into
+# a chain of small rules.
 CONVERTER_REPEAT: Final = 256
-MAX_REPEAT: Final = 4096
-MAX_SCHEMA_DEPTH: Final = 32
-
-_JSON_TYPES: Final[dict[str, tuple[type, ...]]] = {
-    "object": (dict,), "array": (list,), "string": (str,), "number": (int, float),
-    "integer": (int,), "boolean": (bool,), "null": (type(None),),
-}
+# The nesting a schema's grammar may reach: the converter's groups, and a pattern's.
+SCHEMA_GRAMMAR_NESTING: Final = CONVERTER_REPEAT + MAX_GRAMMAR_NESTING
+# Rule names the converter derives from property and definition names are cut to this
+# many characters (a collision gets a numeric suffix), so that long names nested deep
+# do not multiply into a huge grammar.
+_RULE_NAME_CHARS: Final = 64
 
 # JSON string characters: control characters must be escaped, and a \u escape may not
 # name half of a surrogate pair (llama-cpp-python's rule allowed both).
@@ -58,35 +43,31 @@ _NO_SURROGATE_ESCAPE: Final = r'"u" ([0-9a-cA-CefEF] [0-9a-fA-F]{3} | [dD] [0-7]
 _CHAR_RULE: Final = r'[^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | ' + _NO_SURROGATE_ESCAPE + ")"
 
 
-def request_gbnf(request: GenerationRequest) -> tuple[str, str] | None:
-    """The GBNF text a request asks for and the field it came from, or None when the
-    request is unconstrained."""
+class GrammarSpec(NamedTuple):
+    """What a request's output is held to: GBNF text, the field it came from, and for a
+    JSON document the shape budget.py closes it by (None for a GBNF grammar)."""
+
+    text: str
+    field: str
+    shape: Shape | None
+
+
+def request_grammar(request: GenerationRequest) -> GrammarSpec | None:
+    """The grammar a request asks for, or None when the request is unconstrained."""
     given = [name for name in ("json_schema", "format", "grammar")
              if getattr(request, name) is not None]
     if len(given) > 1:
         raise GrammarError(f"json_schema, format and grammar exclude each other; "
                            f"this request gives {' and '.join(given)}")
     if request.json_schema is not None:
-        return schema_to_gbnf(request.json_schema), "json_schema"
+        checked = check_schema(request.json_schema)
+        return GrammarSpec(checked_to_gbnf(checked), "json_schema",
+                           shape_of(checked.root, checked.refs))
     if request.format is not None:
-        return json_gbnf(), "format"
+        return GrammarSpec(json_gbnf(), "format", free_object())
     if request.grammar is not None:
         check_gbnf(request.grammar)
-        return request.grammar, "grammar"
-    return None
-
-
-def request_shape(request: GenerationRequest) -> Shape | None:
-    """The JSON document a request's grammar describes, for closing it early when its
-    budget runs out (budget.py); None for a GBNF grammar, or a schema the tracker
-    cannot follow."""
-    try:
-        if request.json_schema is not None:
-            return shape_of(request.json_schema)
-        if request.format is not None:
-            return free_object()
-    except Exception:  # a schema the converter took: the document is still constrained
-        return None
+        return GrammarSpec(request.grammar, "grammar", None)
     return None
 
 
@@ -99,302 +80,21 @@ def json_gbnf() -> str:
     return text
 
 
-def schema_to_gbnf(schema: dict[str, Any]) -> str:
+def schema_to_gbnf(schema: Any) -> str:
     """GBNF for documents valid against `schema`; GrammarError if it uses a keyword the
-    conversion cannot honour."""
-    check_schema(schema)
-    converter = _converter_class()(prop_order={}, allow_fetch=False, dotall=False,
-                                   raw_pattern=False)
-    try:
-        resolved = converter.resolve_refs(json.loads(json.dumps(schema)), "input")
-        converter.visit(resolved, "")
-        text: str = converter.format_grammar()
-    except Exception as exc:  # the converter's own bugs too: the schema is the client's
-        raise GrammarError(f"json_schema cannot be converted to a grammar: {exc}"
-                           " - at `$.json_schema`") from None
+    conversion cannot honour, or its grammar is past the bounds of gbnfcheck.py."""
+    return checked_to_gbnf(check_schema(schema))
+
+
+def checked_to_gbnf(checked: CheckedSchema) -> str:
+    """The GBNF of a checked schema. The converter only ever sees a checked schema,
+    which holds nothing it could trip on: an exception here is a bug of the daemon."""
+    converter = _converter_class()(checked.refs)
+    converter.visit(checked.root, "")
+    text: str = converter.format_grammar()
+    check_gbnf(text, "json_schema", max_nesting=SCHEMA_GRAMMAR_NESTING)
     return text
 
-
-def check_schema(schema: dict[str, Any]) -> None:
-    """Refuse what the converter would ignore or get wrong, naming keyword and place.
-
-    The converter picks one rule per schema ($ref, then anyOf, then a list of types,
-    then const, enum, ...) and drops the other keywords of that schema without a word,
-    so a combination it would half-honour is refused rather than let through.
-    """
-    _check(schema, "$.json_schema", schema, 0)
-
-
-def _check(schema: Any, path: str, root: dict[str, Any], depth: int) -> None:
-    if not isinstance(schema, dict):
-        raise GrammarError(f"a schema must be a JSON object (boolean schemas are not "
-                           f"supported) - at `{path}`")
-    if depth > MAX_SCHEMA_DEPTH:
-        raise GrammarError(f"schema nested deeper than {MAX_SCHEMA_DEPTH} levels - at `{path}`")
-    for key in schema:
-        if key not in SUPPORTED_KEYWORDS:
-            raise GrammarError(f"unsupported JSON Schema keyword {key!r} - at `{path}`")
-    for key in ("$defs", "definitions"):
-        if key in schema:
-            defs = schema[key]
-            if not isinstance(defs, dict):
-                raise GrammarError(f"{key} must be an object - at `{path}.{key}`")
-            for name, sub in defs.items():
-                _check(sub, f"{path}.{key}.{name}", root, depth + 1)
-    asserting = {key for key in schema if key not in ANNOTATIONS}
-
-    def alone(keyword: str) -> None:
-        others = sorted(asserting - {keyword})
-        if others:
-            raise GrammarError(f"{keyword} cannot be combined with {', '.join(others)} "
-                               f"(only annotations may stand beside it) - at `{path}`")
-
-    if "$ref" in schema:
-        alone("$ref")
-        _check_ref(schema["$ref"], f"{path}.$ref", root)
-        return
-    if "anyOf" in schema:
-        alone("anyOf")
-        _check_each(schema, "anyOf", path, root, depth)
-        return
-    kind = schema.get("type")
-    if isinstance(kind, list):
-        alone("type")
-        if not kind or any(not isinstance(t, str) or t not in TYPES for t in kind):
-            raise GrammarError(f"type must be one of {sorted(TYPES)} or a non-empty list "
-                               f"of them - at `{path}.type`")
-        return
-    if kind is not None and (not isinstance(kind, str) or kind not in TYPES):
-        raise GrammarError(f"type must be one of {sorted(TYPES)} - at `{path}.type`")
-    if "const" in schema or "enum" in schema:
-        _check_values(schema, kind, path, asserting)
-        return
-    if kind is None:
-        families = [name for name, keys in (("object", _OBJECT_KEYWORDS),
-                                            ("array", _ARRAY_KEYWORDS),
-                                            ("string", _STRING_KEYWORDS)) if asserting & keys]
-        if len(families) > 1:
-            raise GrammarError(f"keywords of different types ({' and '.join(families)}) "
-                               f"without a type - at `{path}`")
-        kind = families[0] if families else None
-        if kind == "string" and asserting & {"minLength", "maxLength", "format"}:
-            raise GrammarError(f"minLength, maxLength and format need \"type\": \"string\" "
-                               f"- at `{path}`")
-    bounds = sorted(asserting & _INTEGER_KEYWORDS)
-    if bounds and kind != "integer":
-        raise GrammarError(f"{bounds[0]} is supported only with \"type\": \"integer\" "
-                           f"(number bounds are not enforced) - at `{path}`")
-    misplaced = sorted(asserting - {"type"} - _keywords_of(kind))
-    if misplaced:
-        raise GrammarError(f"keyword {misplaced[0]!r} does not apply to type {kind!r} "
-                           f"- at `{path}`")
-    if kind == "object":
-        _check_object(schema, path, root, depth)
-    elif kind == "array":
-        _check_array(schema, path, root, depth)
-    elif kind == "string":
-        _check_string(schema, path)
-    elif kind == "integer":
-        _check_integer(schema, path)
-
-
-def _keywords_of(kind: str | None) -> frozenset[str]:
-    return {"object": _OBJECT_KEYWORDS, "array": _ARRAY_KEYWORDS,
-            "string": _STRING_KEYWORDS, "integer": _INTEGER_KEYWORDS}.get(kind or "",
-                                                                         frozenset())
-
-
-def _check_integer(schema: dict[str, Any], path: str) -> None:
-    for key in sorted(set(schema) & _INTEGER_KEYWORDS):
-        value = schema[key]
-        if isinstance(value, bool) or not isinstance(value, int | float) \
-                or not -MAX_INTEGER_BOUND <= value <= MAX_INTEGER_BOUND:
-            raise GrammarError(f"{key} must be a number from {-MAX_INTEGER_BOUND} to "
-                               f"{MAX_INTEGER_BOUND} - at `{path}.{key}`")
-    low, high = integer_bounds(schema)
-    if low is not None and high is not None and low > high:
-        raise GrammarError(f"no integer is within the bounds (minimum above maximum) "
-                           f"- at `{path}`")
-
-
-def _check_ref(ref: Any, path: str, root: dict[str, Any]) -> None:
-    if not isinstance(ref, str) or not ref.startswith("#/"):
-        raise GrammarError(f"only local references (\"#/...\") are supported - at `{path}`")
-    target: Any = root
-    for part in ref[2:].split("/"):  # as the converter reads it: no ~0/~1 escapes
-        if not isinstance(target, dict) or part not in target:
-            raise GrammarError(f"reference {ref!r} does not resolve - at `{path}`")
-        target = target[part]
-    if not isinstance(target, dict):
-        raise GrammarError(f"reference {ref!r} is not a schema - at `{path}`")
-
-
-def _check_values(schema: dict[str, Any], kind: str | None, path: str,
-                  asserting: set[str]) -> None:
-    extra = sorted(asserting - {"type", "const", "enum"})
-    if extra or ("const" in schema and "enum" in schema):
-        keyword = "const" if "const" in schema else "enum"
-        others = sorted(asserting - {keyword, "type"})
-        raise GrammarError(f"{keyword} can only be combined with type, not "
-                           f"{', '.join(others)} - at `{path}`")
-    if "enum" in schema:
-        values = schema["enum"]
-        if not isinstance(values, list) or not values:
-            raise GrammarError(f"enum must be a non-empty list - at `{path}.enum`")
-    else:
-        values = [schema["const"]]
-    if kind is not None:
-        for value in values:
-            if not _is_of_type(value, kind):
-                raise GrammarError(f"value {json.dumps(value)} is not of type {kind!r} "
-                                   f"- at `{path}`")
-
-
-def _is_of_type(value: Any, kind: str) -> bool:
-    if isinstance(value, bool) and kind not in ("boolean",):
-        return False
-    if kind == "integer" and isinstance(value, float):
-        return value.is_integer()
-    return isinstance(value, _JSON_TYPES[kind])
-
-
-def _count(schema: dict[str, Any], key: str, path: str) -> int | None:
-    value = schema.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_REPEAT:
-        raise GrammarError(f"{key} must be an integer from 0 to {MAX_REPEAT} - at `{path}.{key}`")
-    return value
-
-
-def _check_bounds(schema: dict[str, Any], path: str, low_key: str, high_key: str) -> None:
-    low, high = _count(schema, low_key, path), _count(schema, high_key, path)
-    if low is not None and high is not None and low > high:
-        raise GrammarError(f"{low_key} is above {high_key} - at `{path}`")
-
-
-def _check_object(schema: dict[str, Any], path: str, root: dict[str, Any], depth: int) -> None:
-    properties = schema.get("properties", {})
-    if not isinstance(properties, dict):
-        raise GrammarError(f"properties must be an object - at `{path}.properties`")
-    for name, sub in properties.items():
-        _check(sub, f"{path}.properties.{name}", root, depth + 1)
-    required = schema.get("required", [])
-    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-        raise GrammarError(f"required must be a list of strings - at `{path}.required`")
-    for name in required:
-        if name not in properties:
-            raise GrammarError(f"required property {name!r} is not in properties "
-                               f"- at `{path}.required`")
-    extra = schema.get("additionalProperties", False)
-    if extra is not False:
-        if properties:
-            # Free keys could repeat a declared one with a value of another type.
-            raise GrammarError("additionalProperties other than false is supported only in "
-                               f"an object without properties - at `{path}`")
-        if extra is not True:
-            _check(extra, f"{path}.additionalProperties", root, depth + 1)
-
-
-def _check_each(schema: dict[str, Any], key: str, path: str, root: dict[str, Any],
-                depth: int) -> None:
-    """`schema[key]` must be a non-empty list of schemas; check each."""
-    subschemas = schema[key]
-    if not isinstance(subschemas, list) or not subschemas:
-        raise GrammarError(f"{key} must be a non-empty list - at `{path}.{key}`")
-    for i, sub in enumerate(subschemas):
-        _check(sub, f"{path}.{key}[{i}]", root, depth + 1)
-
-
-def _check_array(schema: dict[str, Any], path: str, root: dict[str, Any], depth: int) -> None:
-    if "prefixItems" in schema:
-        others = sorted(set(schema) & {"items", "minItems", "maxItems"})
-        if others:
-            raise GrammarError(f"prefixItems cannot be combined with {', '.join(others)} "
-                               f"- at `{path}`")
-        _check_each(schema, "prefixItems", path, root, depth)
-        return
-    if "items" not in schema:
-        if "minItems" in schema or "maxItems" in schema:
-            raise GrammarError(f"minItems and maxItems need items - at `{path}`")
-        return
-    if isinstance(schema["items"], list):
-        raise GrammarError(f"items must be a schema (use prefixItems for tuples) "
-                           f"- at `{path}.items`")
-    _check(schema["items"], f"{path}.items", root, depth + 1)
-    _check_bounds(schema, path, "minItems", "maxItems")
-
-
-def _check_string(schema: dict[str, Any], path: str) -> None:
-    present = sorted(set(schema) & _STRING_KEYWORDS)
-    groups = [bool(set(present) & {"minLength", "maxLength"}), "pattern" in present,
-              "format" in present]
-    if sum(groups) > 1:
-        raise GrammarError(f"{', '.join(present)} cannot be combined - at `{path}`")
-    _check_bounds(schema, path, "minLength", "maxLength")
-    if "format" in schema and schema["format"] not in STRING_FORMATS:
-        raise GrammarError(f"unsupported string format {schema['format']!r} (supported: "
-                           f"{', '.join(sorted(STRING_FORMATS))}) - at `{path}.format`")
-    if "pattern" in schema:
-        pattern = schema["pattern"]
-        if not isinstance(pattern, str) or not (pattern.startswith("^")
-                                                and pattern.endswith("$")):
-            raise GrammarError(f"pattern must be anchored (start with ^ and end with $) "
-                               f"- at `{path}.pattern`")
-        _check_pattern(pattern[1:-1], f"{path}.pattern")
-
-
-# Regex escapes the converter turns into the plain character (outside brackets).
-_PATTERN_ESCAPES: Final = frozenset("()[]{}|*+?")
-# Characters a JSON string may not hold raw: a pattern that can produce one would make
-# the converter's grammar write invalid JSON.
-_JSON_UNSAFE: Final = frozenset('"\\\x7f') | frozenset(map(chr, range(0x20)))
-
-
-def _check_pattern(body: str, path: str) -> None:
-    """Accept what converts to GBNF that stays inside a JSON string: literals, positive
-    [classes] and ranges, groups, alternatives and quantifiers; no `.`, no [^negated]
-    class, no character a JSON string must escape."""
-    i = 0
-    while i < len(body):
-        char = body[i]
-        if char == "\\":
-            escaped = body[i + 1:i + 2]
-            if escaped not in _PATTERN_ESCAPES or not escaped:
-                raise GrammarError(f"pattern escape {body[i:i + 2]!r} is not supported (write "
-                                   f"a class such as [0-9] or [.]) - at `{path}`")
-            i += 2
-            continue
-        if char == "[":
-            end = body.find("]", i + 1)
-            if end < 0:
-                raise GrammarError(f"unbalanced [ in pattern - at `{path}`")
-            members = body[i + 1:end]
-            if members.startswith("^") or "\\" in members or not members:
-                raise GrammarError(f"pattern class [{members}] is not supported (no negated "
-                                   f"classes, no escapes inside brackets) - at `{path}`")
-            low = 0
-            while low < len(members):
-                if low + 2 < len(members) and members[low + 1] == "-":
-                    first, last = ord(members[low]), ord(members[low + 2])
-                    low += 3
-                else:
-                    first = last = ord(members[low])
-                    low += 1
-                if any(first <= ord(unsafe) <= last for unsafe in _JSON_UNSAFE):
-                    raise GrammarError(f"pattern class [{members}] includes characters a JSON "
-                                       f"string must escape - at `{path}`")
-            i = end + 1
-            continue
-        if char == ".":
-            raise GrammarError(f"pattern '.' is not supported (write a class such as "
-                               f"[a-zA-Z0-9 ]) - at `{path}`")
-        if char == "(" and body[i + 1:i + 2] == "?":
-            raise GrammarError(f"pattern groups with (? are not supported - at `{path}`")
-        if char in _JSON_UNSAFE:
-            raise GrammarError(f"pattern character {char!r} must be escaped in JSON and is "
-                               f"not supported - at `{path}`")
-        i += 1
 
 _module_cache: list[Any] = []
 
@@ -412,6 +112,9 @@ def _converter_module() -> Any:
 
 
 _class_cache: list[Any] = []
+# The key of an object's additionalProperties among its properties (the stock converter
+# used "*", which a property of that name would take).
+_ANY_KEY: Final = object()
 
 
 def _converter_class() -> Any:
@@ -420,9 +123,28 @@ def _converter_class() -> Any:
     module = _converter_module()
 
     class Converter(module.SchemaConverter):  # type: ignore[misc,name-defined]
-        """The stock converter with two fixes: literals escape backslashes (enum values
-        such as "a\\\\b" broke the grammar), and string characters follow JSON (no raw
-        control characters, no lone surrogate escapes)."""
+        """The stock converter, fed only checked schemas (schemacheck.py), with fixes:
+
+        - literals escape backslashes (enum values such as "a\\\\b" broke the grammar),
+          and string characters follow JSON (no raw control characters, no lone
+          surrogate escapes);
+        - integer bounds, and repetitions past CONVERTER_REPEAT as counted GBNF;
+        - patterns are written by pattern.py;
+        - a $ref is resolved by its whole path to a rule of its own (the stock code
+          named it by its last segment, and a rule of that name, "string" say, was
+          taken for it);
+        - rule names are cut short and collisions numbered in constant time, and an
+          object's optional properties are chained without recursion (the stock code
+          recursed once per property, and repeated the chain for each one).
+        """
+
+        def __init__(self, refs: dict[str, dict[str, Any]]) -> None:
+            super().__init__(prop_order={}, allow_fetch=False, dotall=False,
+                             raw_pattern=False)
+            self._refs = refs
+            self._ref_rules: dict[str, str] = {}
+            self._numbered: dict[tuple[str, str], str] = {}
+            self._next_number: dict[str, int] = {}
 
         def _format_literal(self, literal: str) -> str:
             escaped = (literal.replace("\\", "\\\\").replace('"', '\\"')
@@ -433,8 +155,39 @@ def _converter_class() -> Any:
             # Non-ASCII text as itself rather than as \\u escapes: the form a model writes.
             return self._format_literal(json.dumps(value, ensure_ascii=False))
 
+        def _add_rule(self, name: str, rule: str) -> str:
+            key: str = module.INVALID_RULE_CHARS_RE.sub("-", name[:_RULE_NAME_CHARS]) or "rule"
+            if key not in self._rules or self._rules[key] == rule:
+                self._rules[key] = rule
+                return key
+            numbered = self._numbered.get((key, rule))
+            if numbered is None:
+                number = self._next_number.get(key, 0)
+                while f"{key}{number}" in self._rules:
+                    number += 1
+                self._next_number[key] = number + 1
+                numbered = self._numbered[(key, rule)] = f"{key}{number}"
+                self._rules[numbered] = rule
+            return numbered
+
+        def _resolve_ref(self, ref: str) -> str:
+            key = self._ref_rules.get(ref)
+            if key is None:
+                base = module.INVALID_RULE_CHARS_RE.sub(
+                    "-", ref.rsplit("/", 1)[-1][:_RULE_NAME_CHARS]) or "ref"
+                key, number = base, 0
+                while key in self._rules or key in module.RESERVED_NAMES:
+                    key, number = f"{base}-{number}", number + 1
+                # Held while the target is converted: a reference inside it (recursion)
+                # names this rule, and no other rule can take the name.
+                self._rules[key] = "\x00"
+                self._ref_rules[ref] = key
+                self._rules[key] = self.visit(self._refs[ref], key)
+            return key
+
         def visit(self, schema: dict[str, Any], name: str) -> Any:
-            if schema.get("type") == "integer" and set(schema) & _INTEGER_KEYWORDS:
+            name = name[:_RULE_NAME_CHARS]
+            if schema.get("type") == "integer" and set(schema) & INTEGER_KEYWORDS:
                 rule_name = name + "-" if name in module.RESERVED_NAMES else name or "root"
                 low, high = integer_bounds(schema)
                 return self._add_rule(rule_name, integer_range_gbnf(low, high) + " space")
@@ -442,6 +195,63 @@ def _converter_class() -> Any:
             if _beyond_converter(schema):
                 return self._long_repetition(schema, name)
             return super().visit(schema, name)
+
+        def _visit_pattern(self, pattern: str, name: str) -> str:
+            body = pattern_gbnf(pattern[1:-1])
+            return self._add_rule(name, f'"\\"" {body} "\\"" space')
+
+        def _build_object_rule(self, properties: list[tuple[str, Any]], required: set[str],
+                               name: str, additional: Any) -> str:
+            prefix = f"{name}-" if name else ""
+            kv_rules: dict[Any, str] = {}
+            for prop_name, prop_schema in properties:
+                value_rule = self.visit(prop_schema, f"{prefix}{prop_name}")
+                kv_rules[prop_name] = self._add_rule(
+                    f"{prefix}{prop_name}-kv",
+                    f'{self._format_literal(json.dumps(prop_name))} space ":" space '
+                    f"{value_rule}")
+            names = [prop_name for prop_name, _ in properties]
+            required_props = [key for key in names if key in required]
+            optional: list[Any] = [key for key in names if key not in required]
+            if additional is True or isinstance(additional, dict):
+                value_rule = self.visit({} if additional is True else additional,
+                                        f"{prefix}additional-value")
+                string = self._add_primitive("string", module.PRIMITIVE_RULES["string"])
+                kv_rules[_ANY_KEY] = self._add_rule(f"{prefix}additional-kv",
+                                                    f'{string} ":" space {value_rule}')
+                optional.append(_ANY_KEY)
+            rule = '"{" space ' + ' "," space '.join(kv_rules[k] for k in required_props)
+            if optional:
+                rule += " ("
+                if required_props:
+                    rule += ' "," space ( '
+                rule += " | ".join(self._optional_chains(optional, kv_rules, prefix))
+                if required_props:
+                    rule += " )"
+                rule += " )?"
+            return rule + ' "}" space'
+
+        def _optional_chains(self, optional: list[Any], kv_rules: dict[Any, str],
+                             prefix: str) -> list[str]:
+            """For each optional property, the properties it may be followed by, in
+            order, each optional: the stock converter's get_recursive_refs, from the
+            last property backwards."""
+            def head(key: Any, first: bool) -> str:
+                if key is _ANY_KEY:
+                    kv = kv_rules[key]
+                    return self._add_rule(f"{prefix}additional-kvs",
+                                          f'{kv} ( "," space {kv} )*')
+                return kv_rules[key] if first else f'( "," space {kv_rules[key]} )?'
+
+            rest = [""] * len(optional)  # rest[i]: the rule for what may follow i
+            for i in range(len(optional) - 1, 0, -1):
+                text = head(optional[i], first=False)
+                if i + 1 < len(optional):
+                    text += " " + rest[i]
+                label = "*" if optional[i - 1] is _ANY_KEY else optional[i - 1]
+                rest[i - 1] = self._add_rule(f"{prefix}{label}-rest", text)
+            return [head(key, first=True) + (" " + rest[i] if i + 1 < len(optional) else "")
+                    for i, key in enumerate(optional)]
 
         def _long_repetition(self, schema: dict[str, Any], name: str) -> Any:
             rule_name = name + "-" if name in module.RESERVED_NAMES else name or "root"
