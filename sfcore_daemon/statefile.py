@@ -135,7 +135,9 @@ def read_header(file: io.FileIO, size: int, fingerprint: str, name: str,
                            "damaged)")
     try:
         header = _header_decoder.decode(_read_exact(file, length))
-    except msgspec.DecodeError as exc:  # ValidationError included
+    # ValidationError is a DecodeError; a msgpack string that is not UTF-8 raises
+    # UnicodeDecodeError, a ValueError.
+    except (msgspec.DecodeError, ValueError) as exc:
         raise BadStateFile(f"damaged header ({exc})") from None
     if header.fingerprint != fingerprint:
         raise BadStateFile("made by another model, llama.cpp build or layout")

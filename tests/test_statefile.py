@@ -114,6 +114,9 @@ HOSTILE: dict[str, bytes] = {
     "magic alone": MAGIC,
     "truncated": state_file(header(GOOD, PAYLOAD), PAYLOAD)[:-50],
     "header cut short": state_file(header(GOOD, PAYLOAD), PAYLOAD)[:40],
+    # A msgpack string that is not UTF-8 (found by the fuzz below: a flipped bit).
+    "fingerprint not UTF-8": state_file(header(GOOD, PAYLOAD), PAYLOAD).replace(
+        FINGERPRINT.encode(), b"\xe1" + FINGERPRINT.encode()[1:], 1),
 }
 
 
