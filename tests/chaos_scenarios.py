@@ -238,6 +238,15 @@ class Result:
                 elif source == "disk":
                     self.fail(f"{when}: {name} restored from disk without a good file")
 
+    async def check_index_and_restores(self, daemon: Daemon, prompts: list[str],
+                                       files: set[str], when: str) -> None:
+        """The restarted store indexed every whole file, and serves `prompts` from them."""
+        cache = await cache_stats(daemon)
+        if cache["disk_files"] != len(files):
+            self.fail(f"{when}: {len(files)} whole files, the store indexed "
+                      f"{cache['disk_files']}")
+        await self.check_restores(daemon, await expected_restores(daemon, prompts, files), when)
+
     def check_log(self, daemon: Daemon, when: str) -> str:
         log = daemon.log
         lines = log.splitlines()
@@ -542,12 +551,8 @@ async def kill_during_writes(root: Path) -> Result:
             return result
         folder = store_folder(root)
         files = kv_files(folder)
-        cache = await cache_stats(daemon)
-        if cache["disk_files"] != len(files):
-            result.fail(f"{when}: {len(files)} whole files, the store indexed "
-                        f"{cache['disk_files']}")
         result.notes.append(f"{len(files)} whole state files after {len(KILL_MOMENTS)} kills")
-        await result.check_restores(daemon, await expected_restores(daemon, asked, files), when)
+        await result.check_index_and_restores(daemon, asked, files, when)
         await result.check_serves(daemon, when)
     return result.proved_restores()
 
@@ -585,11 +590,7 @@ async def full_disk(root: Path) -> Result:
         async with daemon_run(result, root, when) as daemon:
             if daemon is None:
                 return result
-            cache = await cache_stats(daemon)
-            if cache["disk_files"] != len(files):
-                result.fail(f"{when}: {len(files)} whole files, {cache['disk_files']} indexed")
-            await result.check_restores(
-                daemon, await expected_restores(daemon, first + second, files), when)
+            await result.check_index_and_restores(daemon, first + second, files, when)
             await result.check_serves(daemon, when, generate=False)
     finally:
         disk.close()
@@ -617,11 +618,7 @@ async def read_only_folder(root: Path) -> Result:
         async with daemon_run(result, root, when) as daemon:
             if daemon is None:
                 return result
-            cache = await cache_stats(daemon)
-            if cache["disk_files"] != len(files):
-                result.fail(f"{when}: {len(files)} whole files, {cache['disk_files']} indexed")
-            await result.check_restores(
-                daemon, await expected_restores(daemon, first, files), when)
+            await result.check_index_and_restores(daemon, first, files, when)
             await result.ask_all(daemon, prompts.take(SLOTS))  # their states are not written
             await result.check_serves(daemon, when)
             result.notes.append(f"{when}: {(await cache_stats(daemon))['errors']} writes "

@@ -163,15 +163,20 @@ def read_header(path):
         for _ in range(nkv):
             key = r.s()
             kv[key] = r.val(r.u("<I"))
-        tensors = []
-        for _ in range(nt):
-            name = r.s()
-            nd = r.u("<I")
-            dims = [r.u("<Q") for _ in range(nd)]
-            typ = r.u("<I")
-            r.u("<Q")
-            tensors.append([name, dims, TYPE_NAMES.get(typ, str(typ))])
+        tensors = _read_tensors(r, nt)
     return kv, tensors
+
+
+def _read_tensors(r, count):
+    """The tensor infos after a GGUF file's KV pairs: [name, dims, type name] each."""
+    tensors = []
+    for _ in range(count):
+        name = r.s()
+        dims = [r.u("<Q") for _ in range(r.u("<I"))]
+        typ = r.u("<I")
+        r.u("<Q")  # the data offset
+        tensors.append([name, dims, TYPE_NAMES.get(typ, str(typ))])
+    return tensors
 
 
 def extract(src, dst):
@@ -200,14 +205,7 @@ def extract(src, dst):
             else:
                 v = r.u(FMT[vt])
                 kv.append([key, vt, bool(v) if vt == "bool" else v])
-        tensors = []
-        for _ in range(nt):
-            name = r.s()
-            nd = r.u("<I")
-            dims = [r.u("<Q") for _ in range(nd)]
-            typ = r.u("<I")
-            r.u("<Q")
-            tensors.append([name, dims, TYPE_NAMES.get(typ, str(typ))])
+        tensors = _read_tensors(r, nt)
     align = next((v for k, _, v in kv if k == "general.alignment"), 32)
     meta = {"source": src.split("/")[-1], "alignment": int(align), "kv": kv, "tensors": tensors}
     with gzip.open(dst, "wt", compresslevel=9) as fh:
