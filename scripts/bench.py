@@ -92,8 +92,8 @@ def ceiling_worker(params: dict[str, Any]) -> None:
     """The child process: prints "ready" once warmed up, then answers one JSON
     command per stdin line with one JSON line, until stdin closes."""
     from sfcore_daemon.config import ModelConfig
-    from sfcore_daemon.llama_c import C
-    from sfcore_daemon.model import context_params
+    from sfcore_daemon.llama.capi import C
+    from sfcore_daemon.llama.model import context_params
 
     kv_mib: list[float] = []
 
@@ -520,7 +520,7 @@ async def structured_run(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def structured_peer(params: dict[str, Any]) -> dict[str, Any]:
-    from sfcore_daemon.schema import schema_to_gbnf
+    from sfcore_daemon.structured.compiler import schema_to_gbnf
 
     peer_params = {**params, "prompt": STRUCTURED_PROMPT, "tokens": STRUCTURED_PEER_TOKENS,
                    "grammar": schema_to_gbnf(STRUCTURED_SCHEMA),
@@ -731,7 +731,8 @@ def main() -> int:
         if problems:
             parser.error("; ".join(problems))
 
-    from sfcore_daemon import cpus, models
+    from sfcore_daemon.llama import modelfile as models
+    from sfcore_daemon.system import cpus
 
     pinned = cpus.pin(())
     n_threads, n_threads_batch = cpus.derive_threads(pinned, 0, 0)

@@ -90,7 +90,7 @@ async def phase(path: str, tokens: int, other_request: dict[str, Any] | None) ->
 
 
 async def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    from sfcore_daemon import models
+    from sfcore_daemon.llama import modelfile as models
 
     daemon = await Daemon.start({"model": models.resolve_model_path(args.model or ""),
                                  "n_ctx": 8192})

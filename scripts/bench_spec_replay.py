@@ -13,7 +13,7 @@ driven directly in one process:
    (scripts/bench_speculative.py), 256 tokens each.
 3. Each reference replayed step by step: a drafter proposes, the draft is accepted up to
    the first token that differs from the reference, the step costs what step 1 measured
-   for its rows. Drafters: the daemon's (`sfcore_daemon.speculative`, with and without
+   for its rows. Drafters: the daemon's (`sfcore_daemon.engine.speculative`, with and without
    rounding a step's rows to a multiple of 4) and llama.cpp's ngram-mod as its
    `common/ngram-mod.cpp` and `common/speculative.cpp` build it (a table of 24-gram ->
    next token shared by all requests and kept across them, drafts of 48 to 64 tokens),
@@ -36,8 +36,13 @@ import numpy
 from bench_spec_rows import Context
 from bench_speculative import FREE_STARTS, edit_prompt
 
-from sfcore_daemon import models
-from sfcore_daemon.speculative import DraftSettings, NgramDrafter, NgramStore, aligned_lengths
+from sfcore_daemon.engine.speculative import (
+    DraftSettings,
+    NgramDrafter,
+    NgramStore,
+    aligned_lengths,
+)
+from sfcore_daemon.llama import modelfile as models
 
 TOKENS = 256
 MAX_ROWS = 65  # the daemon's draft_max (64) + its pending token; ngram-mod's n_max too

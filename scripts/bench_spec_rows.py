@@ -23,10 +23,10 @@ import statistics
 import time
 from typing import Any
 
-from sfcore_daemon import models
 from sfcore_daemon.config import ModelConfig
-from sfcore_daemon.llama_c import C
-from sfcore_daemon.model import context_params
+from sfcore_daemon.llama import modelfile as models
+from sfcore_daemon.llama.capi import C
+from sfcore_daemon.llama.model import context_params
 
 PROMPTS = {
     "free": "The history of the city of",

@@ -55,7 +55,7 @@ def cases() -> dict[str, tuple[dict[str, Any] | None, str]]:
 
 async def shortest_tokens(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                           schema: dict[str, Any] | None) -> int:
-    from sfcore_daemon.jsonshape import free_object, shape_of
+    from sfcore_daemon.structured.shape import free_object, shape_of
     shape = shape_of(schema) if schema is not None else free_object()
     writer.write(json.dumps({"op": "tokenize", "text": shape.shortest.decode(),
                              "add_special": False}).encode() + b"\n")
@@ -63,7 +63,7 @@ async def shortest_tokens(reader: asyncio.StreamReader, writer: asyncio.StreamWr
 
 
 async def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    from sfcore_daemon import models
+    from sfcore_daemon.llama import modelfile as models
 
     daemon = await Daemon.start({"model": models.resolve_model_path(args.model or ""),
                                  "n_ctx": 8192, "slots": args.slots})

@@ -247,7 +247,7 @@ async def phase(path: str, seconds: float, hostile: bool) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from sfcore_daemon import models
+    from sfcore_daemon.llama import modelfile as models
 
     params = {"model": models.resolve_model_path(args.model or ""), "n_ctx": 8192}
     log_path = Path(args.log) if args.log else None

@@ -14,11 +14,11 @@ import sys
 from collections.abc import Coroutine, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import __version__
-from .config import Config, ConfigError, apply_overrides, load_config
+from sfcore_daemon import __version__
+from sfcore_daemon.config import Config, ConfigError, apply_overrides, load_config
 
 if TYPE_CHECKING:
-    from .socketfile import ListeningSocket
+    from sfcore_daemon.system.socketfile import ListeningSocket
 
 log = logging.getLogger("sfcore_daemon")
 
@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     set_library_defaults(os.environ)
     if argv[:1] == ["tune"]:
-        from .tune import main as tune_main
+        from sfcore_daemon.tune.command import main as tune_main
 
         return tune_main(argv[1:])
     args = build_parser().parse_args(argv)
@@ -104,7 +104,7 @@ def _main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"sfcore-daemon: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    from . import cpus
+    from sfcore_daemon.system import cpus
 
     try:
         # Before any thread exists (the log listener included): a thread inherits
@@ -113,7 +113,7 @@ def _main(args: argparse.Namespace) -> int:
     except cpus.CpuError as exc:
         print(f"sfcore-daemon: {exc}", file=sys.stderr)
         return EXIT_STARTUP
-    from .logs import setup_logging
+    from sfcore_daemon.system.logs import setup_logging
 
     listener = setup_logging(config.log.level)
     try:
@@ -123,7 +123,8 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def _run(config: Config, pinned: list[int]) -> int:
-    from . import cpus, models
+    from sfcore_daemon.llama import modelfile as models
+    from sfcore_daemon.system import cpus
 
     n_threads, n_threads_batch = cpus.derive_threads(
         pinned, config.runtime.n_threads, config.runtime.n_threads_batch)
@@ -133,7 +134,7 @@ def _run(config: Config, pinned: list[int]) -> int:
         log.error("%s", exc)
         return EXIT_STARTUP
 
-    from .socketfile import StartupError, open_listening_socket
+    from sfcore_daemon.system.socketfile import StartupError, open_listening_socket
 
     # Before the load starts: a busy or unusable path must end start-up before
     # llama.cpp reads the model, with nothing left running behind the error line.
@@ -154,13 +155,13 @@ def _serve(config: Config, pinned: list[int], model_path: str, *,
            listening: ListeningSocket, n_threads: int, n_threads_batch: int) -> int:
     import msgspec
 
-    from .engine import Engine
-    from .gpu import gpu_layers
-    from .logs import route_llama_logs
-    from .model import ModelLoadError
-    from .promptstore import prompt_store
-    from .socketfile import StartupError
-    from .speculative import draft_settings
+    from sfcore_daemon.engine.speculative import draft_settings
+    from sfcore_daemon.engine.thread import Engine
+    from sfcore_daemon.llama.gpu import gpu_layers
+    from sfcore_daemon.llama.logrouter import route_llama_logs
+    from sfcore_daemon.llama.model import ModelLoadError
+    from sfcore_daemon.store.promptstore import prompt_store
+    from sfcore_daemon.system.socketfile import StartupError
 
     route_llama_logs()
     # "auto" becomes the number llama.cpp is given, so that `info` and the prompt
@@ -180,7 +181,7 @@ def _serve(config: Config, pinned: list[int], model_path: str, *,
     # while this thread imports the server and sets up the event loop.
     engine.start()
     try:
-        from .server import Server
+        from sfcore_daemon.serve.server import Server
 
         server = Server(config, engine, pinned, listening)
         return _run_event_loop(server.run())

@@ -53,7 +53,7 @@ from typing import Any
 
 import msgspec
 
-from sfcore_daemon.promptstore import state_name
+from sfcore_daemon.store.promptstore import state_name
 from tests.fault_support import proc_status_kb
 from tests.harness import Daemon, running_daemon
 

@@ -66,7 +66,7 @@ class GrammarProbe:
 
 def main() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
-    from sfcore_daemon.llama_c import C
+    from sfcore_daemon.llama.capi import C
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while header := stdin.read(4):

@@ -20,10 +20,10 @@ import pytest
 import pytest_asyncio
 
 from sfcore_daemon.config import Config
-from sfcore_daemon.connection import Connection
-from sfcore_daemon.sampling import Sampling
-from sfcore_daemon.scheduler import Generation, Scheduler
-from sfcore_daemon.stats import Stats
+from sfcore_daemon.engine.sampling import Sampling
+from sfcore_daemon.serve.connection import Connection
+from sfcore_daemon.serve.scheduler import Generation, Scheduler
+from sfcore_daemon.serve.stats import Stats
 
 pytestmark = pytest.mark.asyncio
 

@@ -57,7 +57,7 @@ def test_no_text_promises_that_speculation_gives_one_token_a_steps_bytes() -> No
     # It does not: a step of 4 or more rows rounds the logits otherwise than a lone row
     # (docs/performance.md, Numerics). What holds is said instead, with the two ways to
     # get one token a step's bytes.
-    sources = [*DOCS, REPO / "server_config.toml", REPO / "sfcore_daemon" / "speculative.py"]
+    sources = [*DOCS, REPO / "server_config.toml", REPO / "sfcore_daemon/engine/speculative.py"]
     claim = re.compile(r"(output|bytes) is the same as one token a step|the output is what "
                        r"the chain would have produced one token a step", re.IGNORECASE)
     claims = [path.name for path in sources if claim.search(_prose(path))]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from sfcore_daemon.cli import set_library_defaults
 from sfcore_daemon.config import Config, ConfigError, load_config
-from sfcore_daemon.gpu import Placement, gpu_offload_supported, resolve_gpu_layers
+from sfcore_daemon.llama.gpu import Placement, gpu_offload_supported, resolve_gpu_layers
 from tests.harness import running_daemon
 
 H200 = ("CUDA0 (NVIDIA H200)",)

@@ -52,7 +52,7 @@ def test_the_daemon_config_takes_dotted_overrides(tmp_path: Path) -> None:
 
 
 def test_the_metadata_extractor_reads_the_default_model(tmp_path: Path) -> None:
-    from sfcore_daemon.models import default_model_path
+    from sfcore_daemon.llama.modelfile import default_model_path
 
     meta = tmp_path / "meta.json.gz"
     model = str(default_model_path())

@@ -11,9 +11,9 @@ from typing import Any
 import jsonschema
 import pytest
 
-from sfcore_daemon.jsonclose import JsonTracker
-from sfcore_daemon.jsonshape import free_object, shape_of, shortest_integer
-from sfcore_daemon.schema import check_schema, integer_range_gbnf, schema_to_gbnf
+from sfcore_daemon.structured.compiler import check_schema, integer_range_gbnf, schema_to_gbnf
+from sfcore_daemon.structured.shape import free_object, shape_of, shortest_integer
+from sfcore_daemon.structured.tracker import JsonTracker
 from tests.test_structured import BOUNDED, EXAMPLES, LEGS, SCHEMAS
 
 DOCUMENTS: list[tuple[dict[str, Any] | None, str]] = [

@@ -10,7 +10,7 @@ import pytest
 def test_an_interrupted_assembly_leaves_no_partial_file(tmp_path: Path) -> None:
     """Ctrl-C (or SIGTERM, raised during start-up) in the middle of the first assembly
     removes the half-written file; the package is a stand-in that stops half way."""
-    from sfcore_daemon import models
+    from sfcore_daemon.llama import modelfile as models
 
     class Interrupted:
         def assemble(self, path: Path, overwrite: bool) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from sfcore_daemon.promptstore import PromptStore, state_name
+from sfcore_daemon.store.promptstore import PromptStore, state_name
 
 
 def opened(directory: Path | None, ram: int = 1 << 20, disk: int = 1 << 20,

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from sfcore_daemon import protocol
-from sfcore_daemon.protocol import GenerateRequest, HealthRequest, RequestError
+from sfcore_daemon.serve import protocol
+from sfcore_daemon.serve.protocol import GenerateRequest, HealthRequest, RequestError
 
 
 def decode_error(line: bytes) -> RequestError:

@@ -9,17 +9,17 @@ from collections.abc import Iterator
 
 import pytest
 
-from sfcore_daemon import models
 from sfcore_daemon.config import ModelConfig
-from sfcore_daemon.llama_c import C
-from sfcore_daemon.model import Model
-from sfcore_daemon.sampling import (
+from sfcore_daemon.engine.sampling import (
     Sampling,
     argmax,
     import_numpy_beside,
     is_plain_greedy,
     make_chain,
 )
+from sfcore_daemon.llama import modelfile as models
+from sfcore_daemon.llama.capi import C
+from sfcore_daemon.llama.model import Model
 
 TEXT = ("def mean(values):\n    return sum(values) / len(values)\n\n"
         "Die Katze schläft auf dem warmen Fensterbrett. 東京は日本の首都です。 "

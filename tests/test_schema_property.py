@@ -18,13 +18,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sfcore_daemon.gbnfcheck import MAX_GRAMMAR_BRANCHES, GrammarError, check_gbnf
-from sfcore_daemon.jsonclose import JsonTracker
-from sfcore_daemon.jsonshape import shape_of
-from sfcore_daemon.pattern import check_pattern, pattern_gbnf
-from sfcore_daemon.protocol import GenerateRequest
-from sfcore_daemon.schema import checked_to_gbnf, request_grammar, schema_to_gbnf
-from sfcore_daemon.schemacheck import check_schema
+from sfcore_daemon.serve.protocol import GenerateRequest
+from sfcore_daemon.structured.checker import check_schema
+from sfcore_daemon.structured.compiler import checked_to_gbnf, request_grammar, schema_to_gbnf
+from sfcore_daemon.structured.gbnfcheck import MAX_GRAMMAR_BRANCHES, GrammarError, check_gbnf
+from sfcore_daemon.structured.pattern import check_pattern, pattern_gbnf
+from sfcore_daemon.structured.shape import shape_of
+from sfcore_daemon.structured.tracker import JsonTracker
 from tests.harness import done_of, running_daemon
 from tests.llama_grammar_probe import GrammarProbe
 

@@ -15,7 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sfcore_daemon.speculative import DraftSettings, NgramDrafter, NgramStore, aligned_lengths
+from sfcore_daemon.engine.speculative import (
+    DraftSettings,
+    NgramDrafter,
+    NgramStore,
+    aligned_lengths,
+)
 from tests.fault_support import health, poll_until
 from tests.harness import Daemon, done_of, merge, running_daemon, tokens_text
 

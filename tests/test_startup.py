@@ -35,7 +35,7 @@ async def test_the_daemon_never_loads_the_high_level_api_and_numpy_before_servin
 async def test_the_rest_of_llama_cpp_still_imports_on_first_use() -> None:
     code = (
         "import sys\n"
-        "from sfcore_daemon.llama_c import C\n"
+        "from sfcore_daemon.llama.capi import C\n"
         "assert C.llama_max_devices() >= 1\n"
         "assert 'numpy' not in sys.modules and 'llama_cpp.llama' not in sys.modules\n"
         "from llama_cpp import Llama, __version__\n"

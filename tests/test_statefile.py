@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sfcore_daemon.promptstore import PromptStore, state_name
+from sfcore_daemon.store.promptstore import PromptStore, state_name
 
 MAGIC = b"SFCORE-KV-STATE\n"
 FINGERPRINT = "a" * 64
@@ -274,7 +274,7 @@ def test_every_generated_file_is_a_valid_state_or_a_clean_rejection(
 @given(files())
 def test_the_reader_alone_gives_the_state_or_bad_state_file(
         made: tuple[list[int], bytes, bytes, str]) -> None:
-    from sfcore_daemon.statefile import BadStateFile, read_state
+    from sfcore_daemon.store.statefile import BadStateFile, read_state
 
     tokens, payload, data, kind = made
     with tempfile.TemporaryDirectory(prefix="sfstatefuzz") as directory:

@@ -11,9 +11,9 @@ from typing import Any
 import jsonschema
 import pytest
 
-from sfcore_daemon.grammar import GrammarError, check_gbnf
-from sfcore_daemon.jsonshape import free_object, shape_of
-from sfcore_daemon.schema import check_schema, schema_to_gbnf
+from sfcore_daemon.structured.compiler import check_schema, schema_to_gbnf
+from sfcore_daemon.structured.grammar import GrammarError, check_gbnf
+from sfcore_daemon.structured.shape import free_object, shape_of
 from tests.fault_support import health, poll_until
 from tests.harness import REPO, Client, done_of, running_daemon, tokens_text
 
@@ -190,8 +190,9 @@ def test_supported_schemas_convert_and_unsupported_grammar_nesting_is_refused() 
 
 
 def test_the_converter_is_imported_without_numpy_or_the_high_level_package() -> None:
-    code = ("import sys; import sfcore_daemon.server; from sfcore_daemon import schema; "
-            "schema.schema_to_gbnf({'type': 'object'}); "
+    code = ("import sys; import sfcore_daemon.serve.server; "
+            "from sfcore_daemon.structured import compiler; "
+            "compiler.schema_to_gbnf({'type': 'object'}); "
             "assert 'llama_cpp.llama_grammar' in sys.modules; "
             "bad = [m for m in ('numpy', 'llama_cpp.llama') if m in sys.modules]; "
             "assert not bad, bad")

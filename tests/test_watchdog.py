@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from sfcore_daemon.watchdog import StallDetector, Watchdog
+from sfcore_daemon.system.watchdog import StallDetector, Watchdog
 from tests.harness import REPO, Daemon, running_daemon
 
 # --- the stall decision, with a fake clock ---------------------------------------------
@@ -71,7 +71,7 @@ class FakeDecodeThread:
 
 def test_pings_stop_once_while_stuck_and_resume_with_progress(
         caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="sfcore_daemon.watchdog")
+    caplog.set_level(logging.INFO, logger="sfcore_daemon.system.watchdog")
     thread = FakeDecodeThread()
     watchdog = thread.watchdog(interval_s=1.0)
 

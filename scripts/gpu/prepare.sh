@@ -36,7 +36,7 @@ else
 fi
 [ -d "$src/vendor/llama.cpp" ] || { echo "prepare: $src is not llama-cpp-python's sdist" >&2; exit 1; }
 bash "$here/prune_src.sh" "$src" "$kit/llama-src.tar.gz"
-model=$(cd "$repo" && "$py" -c "from sfcore_daemon.models import default_model_path as p; print(p())")
+model=$(cd "$repo" && "$py" -c "from sfcore_daemon.llama.modelfile import default_model_path as p; print(p())")
 "$py" "$here/make_model.py" extract "$model" "$kit/model_meta.json.gz"
 # The daemon as it is in this working tree (tracked and new files, edits included).
 (cd "$repo" && git ls-files -co --exclude-standard -- sfcore_daemon server_config.toml pyproject.toml \

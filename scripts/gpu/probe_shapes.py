@@ -31,8 +31,8 @@ from sfcore_daemon.cli import set_library_defaults
 set_library_defaults(os.environ)
 
 from sfcore_daemon.config import ModelConfig  # noqa: E402  (after the defaults)
-from sfcore_daemon.llama_c import C  # noqa: E402
-from sfcore_daemon.model import Model  # noqa: E402
+from sfcore_daemon.llama.capi import C  # noqa: E402
+from sfcore_daemon.llama.model import Model  # noqa: E402
 
 SLOTS = 8
 PREFILL_MAX = 64

@@ -1,0 +1,56 @@
+"""One slot's sequence: its KV cells (kvcache.SeqCells) and what the step loop and the
+prompt store's side of it (promptstates.py) keep for the job it runs."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+from sfcore_daemon.engine.job import Job
+from sfcore_daemon.engine.speculative import NgramDrafter
+from sfcore_daemon.llama.kvcache import SeqCells
+from sfcore_daemon.store.promptstore import Entry
+
+
+class Seq(SeqCells):
+    """One slot's sequence and the step loop's state for its job."""
+
+    __slots__ = ("job", "sampler", "argmax", "next_prompt", "chunk_end", "n_out", "limit",
+                 "generating", "last_token", "parked", "drafter", "draft", "loading",
+                 "keep_state", "keep_prefix", "prompt_kept", "boundaries", "protect_from", "cuts")
+
+    def __init__(self, seq_id: int) -> None:
+        super().__init__(seq_id)
+        self.job: Job | None = None
+        self.sampler: Any = None
+        self.argmax = False  # its chain is an argmax: numpy's is taken (sampling.py)
+        self.next_prompt = 0  # the first prompt token not yet in the cache
+        self.chunk_end = 0  # the end of the prompt chunk in the current step
+        self.n_out = 0
+        self.limit = 0
+        self.generating = False  # past its prompt: adds one token a step
+        self.last_token = 0  # sampled, not yet decoded
+        # Its next token is being drawn by a wide grammar pass on another thread; the
+        # sequence sits out of the steps until then.
+        self.parked: Future[int] | None = None
+        # Speculative decoding (speculative.py): None when the job does not speculate.
+        self.drafter: NgramDrafter | None = None
+        self.draft: list[int] = []  # the tokens after last_token in this step's batch
+        # A stored state being read from disk for its prompt (the entry, the rows to
+        # keep, the read, the time.monotonic() it is given up at); the sequence sits out
+        # of the steps until it is there (promptstates.PromptStates.poll).
+        self.loading: tuple[Entry, int, Future[bytearray | None], float] | None = None
+        # Whether its cells may be kept in the prompt store (not after cache_prompt: false).
+        self.keep_state = False
+        # A prefix its prompt shares with an earlier text (a common system prompt): its
+        # state is stored once the prompt is read, to be restored for the next one.
+        self.keep_prefix = 0
+        self.prompt_kept = False  # its prompt's states were taken (or were not worth it)
+        # The turn or line starts whose states are taken once the prompt is read, and
+        # the first row those states need kept meanwhile (-1: none; see
+        # promptstates.PromptStates.protect).
+        self.boundaries: list[int] = []
+        self.protect_from = -1
+        # Where its prompt's chunks end besides n_batch multiples, ascending: the turn
+        # or line starts a stored state may end at (promptstates.PromptStates.cuts).
+        self.cuts: list[int] = []

@@ -1,0 +1,356 @@
+"""Draftless speculative decoding: a sequence's next tokens guessed from its own text.
+
+When the last few tokens of a sequence (prompt and output so far) occurred before, the
+tokens that followed them then are proposed as a draft. The step loop puts the draft
+into the step beside the sequence's pending token, each row asking for logits, and the
+sequence's own sampler chain samples the rows in order: a draft token is kept while it
+equals what the chain drew (see StepLoop._verify). So every token is the chain's draw
+from its own row, one draw per token. The rows are not always one token a step's to the
+bit: a step of several rows goes through other matrix kernels, which round otherwise
+(docs/performance.md, "Numerics"), and a near-tie can go the other way. What holds: the
+same request from the same state gives the same bytes; bytes equal to one token a step
+take `speculative: false` or reproducible mode.
+
+Everything here runs on the decode thread, a few dictionary operations a step: each
+n-gram is indexed once, when its continuation token arrives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sfcore_daemon.config import SpeculativeConfig
+
+# A sequence whose drafts keep failing stops drafting for this many of its tokens at
+# first, twice as many after each further failure, at most _MAX_PAUSE.
+_FIRST_PAUSE = 4
+_MAX_PAUSE = 256
+# A match drafts this many times as far as it runs back: a long match is a copy (or a
+# loop) in progress, and copies tend to go on. Replaying 24 greedy outputs of the bench's
+# edit and free prompts with the measured step costs: x2 gave edit 176 / free 132 tok/s,
+# against 166 / 115 for drafts that start at 8 and double (docs/performance.md).
+_REACH = 2
+# After a draft accepted in part, the next ones are at most this many times what was
+# accepted (plus the drawn token): the match rule alone would retry the same length
+# where sampled text keeps leaving copies.
+_PARTIAL_REACH = 4
+# The shortest draft worth a step: llama.cpp decodes one row through a faster path than
+# several, so one row plus one draft row took 2.1x one row here (13.3 -> 27.9 ms), one
+# plus two 2.05x, one plus four 3.5x: a one-token draft never pays, two pay when both
+# are accepted (docs/performance.md, "Speculative decoding").
+MIN_DRAFT = 2
+
+
+@dataclass(frozen=True, slots=True)
+class DraftSettings:
+    """How long drafts may be and which n-grams find them (config [speculative])."""
+
+    draft_max: int  # tokens one draft may propose
+    draft_start: int  # the shortest draft a match proposes
+    ngram_max: int  # the longest n-gram matched (tried first)
+    ngram_min: int  # the shortest
+    store_tokens: int = 0  # finished requests' output kept for other requests' drafts
+    row_multiple: int = 1  # a step's logit rows are made a multiple of this
+
+    @property
+    def step_rows(self) -> int:
+        """Draft rows one step may verify, all sequences together: each costs a row
+        of logits (1 MiB with the default model's vocabulary) in llama.cpp's output
+        buffer, touched the first time a step uses it."""
+        return self.draft_max
+
+
+def draft_settings(config: SpeculativeConfig) -> DraftSettings | None:
+    """The drafts `config` asks for; None when speculation is off."""
+    if config.mode == "off":
+        return None
+    return DraftSettings(draft_max=config.draft_max, draft_start=config.draft_start,
+                         ngram_max=config.ngram_max, ngram_min=config.ngram_min,
+                         store_tokens=config.store_tokens, row_multiple=config.row_multiple)
+
+
+class NgramStore:
+    """What earlier requests generated, shared by every sequence: a request whose own
+    text has no match may continue the way an earlier answer did (the same edit asked
+    again, a template the model fills the same way each time).
+
+    The tokens live in one int32 array, emptied whole when it would pass `capacity`, as
+    llama.cpp's ngram-mod resets its table. They are found through a table of 4-byte
+    positions, a power of two of at least twice `capacity` slots, indexed by a hash of
+    the `n` tokens before each position; a slot keeps its latest position. A lookup
+    compares the tokens stored before the position with the query, so a collision is a
+    missed draft, never a wrong one. `nbytes` is the whole store: 12 to 20 bytes a token
+    of capacity, 4 for the token and 8 to 16 for its slots (a dict of n-gram tuples
+    took 150 to 240 with 4 to 16 tokens an n-gram). Off unless configured: a request
+    sent again then drafts from its earlier answer, so its rows are verified in other
+    batch shapes and its bytes may differ.
+    """
+
+    __slots__ = ("n", "_capacity", "_tokens", "_used", "_table", "_shift")
+
+    def __init__(self, n: int, capacity: int) -> None:
+        import numpy as np  # here, not at import: the daemon imports numpy beside its load
+
+        self.n = n  # the length of the n-grams it matches
+        self._capacity = capacity
+        # Untouched pages of both arrays are never made resident (calloc).
+        self._tokens = np.zeros(capacity + 1, np.int32)  # + the last text's separator
+        self._used = 0
+        slots = 1 << (2 * capacity - 1).bit_length()
+        self._table = np.zeros(slots, np.int32)  # 0: empty (positions start at n >= 1)
+        self._shift = 64 - (slots.bit_length() - 1)
+
+    @property
+    def nbytes(self) -> int:
+        """Its memory, at most: what its two arrays hold when every page is used."""
+        return int(self._tokens.nbytes + self._table.nbytes)
+
+    def add(self, tokens: list[int], start: int) -> None:
+        """Learn `tokens[start:]`, the output of a request (with the n tokens before it
+        as the first key)."""
+        import numpy as np
+
+        n = self.n
+        first = max(start - n, 0)
+        count = len(tokens) - first
+        if not n < count < self._capacity:
+            return
+        if self._used + count > self._capacity:
+            self.clear()
+        base = self._used
+        stored = self._tokens
+        stored[base:base + count] = tokens[first:]
+        stored[base + count] = _SEPARATOR
+        self._used = base + count + 1
+        # The hash of the n tokens before each position base + n .. base + count - 1.
+        text = stored[base:base + count].astype(np.uint64)
+        keys = np.zeros(count - n, np.uint64)
+        for i, factor in enumerate(_HASH_FACTORS[:n]):
+            keys += text[i:count - n + i] * np.uint64(factor)
+        slots = (keys * np.uint64(_GOLDEN)) >> np.uint64(self._shift)
+        positions = np.arange(base + n, base + count, dtype=np.int32)
+        # The latest occurrence wins: each slot's last position in this text.
+        latest, index = np.unique(slots[::-1], return_index=True)
+        self._table[latest] = positions[::-1][index]
+
+    def clear(self) -> None:
+        self._used = 0
+        self._table.fill(0)
+
+    def draft(self, tokens: list[int], want: int) -> list[int]:
+        n = self.n
+        if len(tokens) < n:
+            return []
+        key = tokens[-n:]
+        hashed = sum(token * factor for token, factor in zip(key, _HASH_FACTORS, strict=False))
+        slot = ((hashed & _MASK64) * _GOLDEN & _MASK64) >> self._shift
+        start = int(self._table[slot])
+        stored = self._tokens
+        if not start or stored[start - n:start].tolist() != key:
+            return []
+        draft: list[int] = stored[start:min(start + want, self._used)].tolist()
+        if _SEPARATOR in draft:
+            del draft[draft.index(_SEPARATOR):]
+        return draft
+
+
+# One odd 64-bit factor per position of an n-gram (ngram_max is at most 16), and the
+# multiplier whose high bits pick a slot (Fibonacci hashing).
+_HASH_FACTORS = tuple(0x9E3779B97F4A7C15 * (2 * i + 1) % (1 << 64) | 1 for i in range(16))
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+_SEPARATOR = -1  # between two requests' texts in the store: no draft runs across it
+_NO_MATCH: tuple[list[int], int] = ([], 0)
+
+
+class NgramDrafter:
+    """One sequence's n-gram index and its adaptive draft length.
+
+    Drafts only save steps, so a failure in here (a MemoryError indexing a long text,
+    say) ends the drafts of its sequence, never the request: `failure` keeps it for the
+    step loop to report, and the sequence goes on one token a step."""
+
+    __slots__ = ("_tokens", "_indexed", "_maps", "_settings", "_limit", "_pause",
+                 "_next_pause", "drafted", "accepted", "_store", "prompt_length", "failure")
+
+    def __init__(self, settings: DraftSettings, tokens: list[int],
+                 store: NgramStore | None = None) -> None:
+        self._settings = settings
+        self._store = store
+        self.prompt_length = len(tokens)
+        self._tokens = list(tokens)
+        # Continuation positions below this have their n-grams in the maps.
+        self._indexed = 0
+        # For each n, longest first: the n tokens before a position -> that position
+        # (the latest occurrence: a text that repeats itself repeats its latest form).
+        self._maps: list[tuple[int, dict[tuple[int, ...], int]]] = [
+            (n, {}) for n in range(settings.ngram_max, settings.ngram_min - 1, -1)]
+        self._limit = settings.draft_max  # lowered by drafts accepted in part
+        self._pause = 0  # tokens to go before the next draft
+        self._next_pause = _FIRST_PAUSE
+        self.drafted = 0
+        self.accepted = 0
+        self.failure: BaseException | None = None
+
+    def append(self, token: int) -> None:
+        """A token the sequence emitted."""
+        try:
+            self._tokens.append(token)
+        except Exception as exc:  # drafts are an optimisation (see class)
+            self.failure = exc
+        if self._pause:
+            self._pause -= 1
+
+    def draft(self, room: int) -> list[int]:
+        """Up to `room` tokens likely to follow the sequence's text; [] when nothing
+        matches or drafting has not paid lately."""
+        continuation, length = self.propose(room)
+        return continuation[:length]
+
+    def propose(self, room: int) -> tuple[list[int], int]:
+        """What its best match continues with, up to `room` tokens, and how many of
+        them to draft (at most `room`; 0 when nothing matches or drafting has not paid
+        lately). The rest may pad a step to a cheaper size (aligned_lengths)."""
+        if room < MIN_DRAFT or self._pause or self.failure is not None:
+            return _NO_MATCH
+        try:
+            return self._propose(room)
+        except Exception as exc:  # drafts are an optimisation (see class)
+            self.failure = exc
+            return _NO_MATCH
+
+    def _propose(self, room: int) -> tuple[list[int], int]:
+        tokens = self._tokens
+        length = len(tokens)
+        self._index(tokens, length)
+        settings = self._settings
+        limit = min(room, self._limit)
+        want = max(min(limit, settings.draft_start), MIN_DRAFT)  # for a store match
+        store = self._store
+        for n, positions in self._maps:
+            if store is not None and n < store.n:
+                # The store's matches are ngram_max long: better than a shorter match
+                # in the sequence's own text.
+                continuation = store.draft(tokens, room)
+                if len(continuation) >= MIN_DRAFT:
+                    return continuation, min(want, len(continuation))
+                store = None
+            if length <= n:
+                continue
+            start = positions.get(tuple(tokens[length - n:]))
+            if start is not None:
+                reach = _REACH * _match_length(tokens, start, n, settings.draft_max // _REACH)
+                want = max(min(limit, max(settings.draft_start, reach)), MIN_DRAFT)
+                continuation = tokens[start:start + room]
+                if len(continuation) < room:
+                    # The match runs into the end of the text: the text is periodic
+                    # with period length - start there, so the draft repeats.
+                    continuation = (continuation * (room // len(continuation) + 1))[:room]
+                return continuation, want
+        if store is not None:
+            continuation = store.draft(tokens, room)
+            if len(continuation) >= MIN_DRAFT:
+                return continuation, min(want, len(continuation))
+        return _NO_MATCH
+
+    def learn(self) -> None:
+        """Give the shared store what this sequence generated (as its request ends);
+        not after a failure (its text may lack tokens)."""
+        store = self._store
+        if store is None or self.failure is not None:
+            return
+        try:
+            store.add(self._tokens, self.prompt_length)
+        except Exception as exc:  # drafts are an optimisation (see class)
+            self.failure = exc
+            store.clear()  # it may hold the text without its index, or the reverse
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """How many tokens of a draft of `drafted` were accepted: adapts the next ones."""
+        self.drafted += drafted
+        self.accepted += accepted
+        settings = self._settings
+        if accepted == drafted:
+            self._limit = min(self._limit * 2, settings.draft_max)
+            self._next_pause = _FIRST_PAUSE
+        elif accepted == 0:
+            # Rows that verify nothing cost time every other sequence in the step
+            # waits for: back off exponentially.
+            self._limit = max(self._limit // 2, MIN_DRAFT)
+            self._pause = self._next_pause
+            self._next_pause = min(self._next_pause * 2, _MAX_PAUSE)
+        else:
+            # Each rejected row cost about a quarter of a step: stay near what was
+            # accepted until drafts are accepted whole again.
+            self._limit = max(_PARTIAL_REACH * (accepted + 1), MIN_DRAFT)
+            self._next_pause = _FIRST_PAUSE
+
+    def _index(self, tokens: list[int], length: int) -> None:
+        # Positions [start, length) get their preceding n-grams; `length` itself has no
+        # continuation yet. zip builds the keys in C: no Python loop per token.
+        start = self._indexed
+        if start >= length:
+            return
+        for n, positions in self._maps:
+            first = max(start, n)
+            if first >= length:
+                continue
+            keys = zip(*(tokens[first - n + i:length - n + i] for i in range(n)), strict=True)
+            positions.update(zip(keys, range(first, length), strict=True))
+        self._indexed = length
+
+
+def _match_length(tokens: list[int], start: int, n: int, most: int) -> int:
+    """How far back (at least `n`, at most `most`) the text before `start` equals the
+    text's end: a binary search of slice comparisons, each done in C."""
+    length = len(tokens)
+    low, high = n, min(most, start)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if tokens[start - mid:start] == tokens[length - mid:]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def aligned_lengths(rows: int, lengths: list[int], most: list[int], multiple: int,
+                    spare: int) -> list[int]:
+    """Draft lengths that make a step's logit rows a multiple of `multiple`.
+
+    `rows`: the step's other logit rows (each generating sequence's pending token);
+    `lengths`: the drafts as proposed; `most`: how long each may grow (its match's
+    continuation within its room); `spare`: draft rows the step has left. llama.cpp's
+    CPU kernel for the default model's output matrix (Q8_0, llamafile's tinyBLAS) takes
+    logit rows four at a time and sweeps the whole 178 MB matrix once more for any 1-3
+    left over, so 4k+1 rows cost about what 4k+4 do (measured: 5 rows 59.0 ms, 8 rows
+    62.8, 4 rows 38.9; docs/performance.md, "Rows come in fours"). A step 1 row past a
+    multiple drops that row (the longest draft's last token, its least likely); 2 or
+    more past, or below the first multiple, the longest drafts grow into the free rows.
+    Never below 0 or past `most`; unchanged when neither fits.
+    """
+    total = rows + sum(lengths)
+    over = total % multiple
+    if multiple <= 1 or over == 0 or not any(lengths):
+        return lengths
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    need = multiple - over
+    if (2 * over >= multiple or total < multiple) and need <= spare:
+        grown = list(lengths)
+        for i in order:
+            extra = min(need, most[i] - grown[i])
+            if extra > 0:
+                grown[i] += extra
+                need -= extra
+        if need == 0:
+            return grown
+    if total < multiple:
+        return lengths
+    cut = list(lengths)
+    for i in order:
+        take = min(over, cut[i])
+        cut[i] -= take
+        over -= take
+        if over == 0:
+            return cut
+    return lengths

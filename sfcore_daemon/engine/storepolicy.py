@@ -1,0 +1,230 @@
+"""The step loop's side of the prompt store (promptstore.py), on the decode thread: which
+stored state a new prompt restores, where its prompt is cut into chunks, and which
+states of its cells are kept, and when.
+
+A state continues only where its text ends, and a sliding-window model's state holds
+just the last window of its window layers, so states are taken at places the next
+prompt is likely to leave the text: a prompt's end, the last turn or line starts of its
+tail, a prefix two prompts share, a slot's cells before they are overwritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from sfcore_daemon.engine.job import Job
+from sfcore_daemon.engine.sequence import Seq
+from sfcore_daemon.llama.capi import C
+from sfcore_daemon.llama.kvcache import KVCache
+from sfcore_daemon.llama.model import Model
+from sfcore_daemon.store.promptstore import PromptStore
+
+log = logging.getLogger(__name__)
+
+# Prompt tokens a stored state must save beyond what the slots give, to be restored:
+# restoring costs about what evaluating a few tokens does.
+_RESTORE_GAIN = 16
+# A long prompt's state is also kept at the last few turn or line starts of its tail
+# (a control token such as <start_of_turn>, or the token after a newline): where the
+# next prompt with the same system text and another question tends to leave it, as a
+# state can continue only where its text ends.
+_BOUNDARIES = 2
+_BOUNDARY_SCAN = 512  # tokens before the prompt's end searched for them
+_BOUNDARY_GAP = 8  # tokens at least between two kept boundaries
+# Tokens a longer stored state may save over one that ends at a chunk cut, for the
+# latter to be restored (it gives the cold run's bytes; see PromptStates.cuts).
+_EXACT_SLACK = 32
+
+
+class PromptStates:
+    """Restores and keeps the states of the slots' sequences. With `store` None (no
+    store, or reproducible mode) nothing is kept or cut, and `restore` is never called."""
+
+    def __init__(self, store: PromptStore | None, cells: KVCache, model: Model, n_swa: int,
+                 seqs: Sequence[Seq]) -> None:
+        self._store = store
+        self._cells = cells
+        self._model = model
+        self._vocab = model.vocab
+        self._n_swa = n_swa
+        self._seqs = seqs
+
+    @property
+    def enabled(self) -> bool:
+        return self._store is not None
+
+    def restore(self, seq: Seq, job: Job) -> None:
+        """Give `seq` a stored state of the prompt's prefix when it is longer than what
+        the slots hold: at once from RAM, or from disk through the reader thread.
+        A prefix shared with an earlier text but stored nowhere is marked for keeping."""
+        store = self._store
+        assert store is not None
+        # A state that ends where the prompt's own chunks are cut, restored into an
+        # empty pool, continues with the cold run's bytes (KVCache.restore): worth a
+        # few more tokens. Beside other slots' cells there are no such bytes to get.
+        cuts = seq.cuts if self._cells.can_place(seq) else ()
+        entry, n, shared = store.find(job.prompt, cuts, _EXACT_SLACK)
+        common = max(shared, job.n_cached)
+        if common >= store.min_tokens and common > (n if entry is not None else 0):
+            seq.keep_prefix = common
+        if entry is None or n < job.n_cached + _RESTORE_GAIN:
+            return
+        data = store.take_ram(entry)
+        if data is None:
+            if store.read_overdue():
+                return  # a read is stuck on the disk: evaluate rather than queue behind it
+            deadline = time.monotonic() + store.read_timeout_s
+            seq.loading = (entry, n, store.load(entry), deadline)
+            return
+        if self._cells.restore(seq, data, entry.tokens, n, place=n in seq.cuts):
+            job.n_cached, job.cache_source = n, "ram"
+        else:
+            store.counters.errors += 1
+            job.n_cached, job.cache_source, job.restore_failed = 0, "none", True
+
+    def poll(self, seq: Seq) -> None:
+        """Each step while `seq` waits for a state from disk: restore it once read; past
+        [cache] disk_read_timeout_ms (a hung disk) give up on it and evaluate the prompt."""
+        loading, job = seq.loading, seq.job
+        assert loading is not None and job is not None and self._store is not None
+        if loading[2].done():
+            self.loaded(seq)
+        elif time.monotonic() >= loading[3]:
+            entry, read = loading[0], loading[2]
+            read.cancel()  # if it is still queued behind another
+            seq.loading = None
+            self._store.read_abandoned()
+            # Logged on the event loop: the decode thread does no logging.
+            job.loop.call_soon_threadsafe(
+                log.warning, "prompt cache: gave up reading %s after %.0f ms; the prompt "
+                "is evaluated (restores skip the disk tier while the read is stuck)",
+                entry.path, self._store.read_timeout_s * 1000)
+            seq.next_prompt = job.n_cached
+            self.protect(seq, job)
+
+    def loaded(self, seq: Seq) -> None:
+        """A state read from disk is there (or could not be read): restore it, or go
+        on with what the slot held."""
+        assert seq.loading is not None and seq.job is not None
+        (entry, n, read, _), seq.loading = seq.loading, None
+        job = seq.job
+        try:
+            data = read.result()
+        except Exception:  # a reader bug must not fail the request: evaluate instead
+            data = None
+        if data is None:
+            return  # the reader removed a bad file and warned; the prompt is evaluated
+        if self._cells.restore(seq, data, entry.tokens, n, place=n in seq.cuts):
+            job.n_cached, job.cache_source = n, "disk"
+        else:
+            assert self._store is not None
+            self._store.counters.errors += 1
+            job.n_cached, job.cache_source, job.restore_failed = 0, "none", True
+        seq.next_prompt = job.n_cached
+        self.protect(seq, job)
+
+    def keep_prompt(self, seq: Seq, job: Job) -> None:
+        """The states worth keeping of a prompt just read: the whole prompt and its last
+        turn or line starts if it took long to evaluate, and a prefix it shares with an
+        earlier text."""
+        store = self._store
+        seq.prompt_kept = True
+        if store is None:
+            return
+        if len(job.prompt) - job.n_cached >= store.min_tokens:
+            self.keep(seq, len(job.prompt))
+            for boundary in seq.boundaries:
+                self.keep(seq, boundary)
+        if seq.keep_prefix:
+            self.keep(seq, seq.keep_prefix, exact=True)
+        self.unprotect(seq)
+
+    def protect(self, seq: Seq, job: Job) -> None:
+        """Plan the states its prompt gives once read, and which rows they need kept
+        from llama.cpp's reuse until then: a state of a prefix ending at b needs the
+        window before b, rows a sliding-window cache hands to other sequences' tokens
+        once the prompt has gone a window past them (under 8-slot churn 2 of 12
+        system prompts had lost theirs: every one of their next requests was cold)."""
+        store = self._store
+        seq.boundaries = []
+        if store is None or not seq.keep_state:
+            return
+        if len(job.prompt) - job.n_cached >= store.min_tokens:
+            seq.boundaries = seq.cuts[::-1]
+        marks = [b for b in (*seq.boundaries, seq.keep_prefix) if b > 0]
+        if marks and self._n_swa:
+            seq.protect_from = max(0, min(marks) - self._n_swa)
+
+    def unprotect(self, seq: Seq) -> None:
+        if seq.protect_from >= 0:
+            self._cells.release(seq)
+            seq.protect_from = -1
+
+    def keep(self, seq: Seq, n: int, *, exact: bool = False) -> None:
+        """Save the state of `seq`'s first `n` cells in the prompt store, unless short
+        or within min_tokens of a stored prefix of them: a slot that answered a
+        question after a restored system prompt is let go without a copy of its
+        cells (under churn that was a copy and a disk write per request, each the
+        size of the whole prefix, for a few dozen tokens of gain). `exact`: a prefix
+        other prompts share, worth its own state unless a stored one ends less than
+        _RESTORE_GAIN tokens before it (restored there, the next prompt evaluates just
+        what differs). Under churn the 8 restored prompts of a round each shared a few
+        tokens of their question with a stored state: a copy and a disk write apiece
+        held the step loop for ~235 ms and slowed the next steps, to save 3 tokens."""
+        store = self._store
+        if store is None or not seq.keep_state or n < store.min_tokens or n > len(seq.cached):
+            return
+        tokens = seq.cached[:n]
+        if n - store.stored_prefix(tokens) < (_RESTORE_GAIN if exact else store.min_tokens):
+            return
+        data = self._cells.state(seq, n)
+        if data is not None:
+            store.put(tokens, data)
+
+    def cuts(self, prompt: list[int]) -> list[int]:
+        """Where a prompt long enough for the prompt store is cut into chunks besides
+        n_batch multiples while it is read alone (steploop): its last _BOUNDARIES turn
+        or line starts, whose states are kept once it is read. A state restored there
+        continues with the rows a cold run reads next, row for row, so the restored
+        prompt computes the cold run's bytes (the window rows placed,
+        kvcache.KVCache.restore). The two extra decode calls cost nothing measurable:
+        cold first token 0.92-0.97x of uncut in an alternated A/B at 301-1676 tokens.
+        Depends only on the prompt, not on the cache."""
+        store = self._store
+        if store is None or len(prompt) <= store.min_tokens:
+            return []
+        return self._boundaries(prompt, store.min_tokens)[::-1]
+
+    def _boundaries(self, prompt: list[int], lowest: int) -> list[int]:
+        """The last _BOUNDARIES turn or line starts in `prompt`'s tail, at `lowest` or
+        later (see _BOUNDARIES)."""
+        found: list[int] = []
+        vocab, model = self._vocab, self._model
+        pieces = model.pieces
+        stop = max(lowest, len(prompt) - _BOUNDARY_SCAN) - 1
+        for index in range(len(prompt) - 2, stop, -1):
+            token = prompt[index]
+            if C.llama_vocab_is_control(vocab, token):
+                boundary = index  # the state ends before the control token
+            else:
+                piece = pieces.get(token)
+                if piece is None:
+                    piece = model.piece(token)
+                if b"\n" not in piece:
+                    continue
+                boundary = index + 1  # after the newline
+            # (The whole prompt's own state serves the prompt sent again.)
+            if (boundary < lowest or boundary >= len(prompt) - 1
+                    or (found and found[-1] - boundary < _BOUNDARY_GAP)):
+                continue
+            found.append(boundary)
+            if len(found) == _BOUNDARIES:
+                break
+        return found
+
+    def keep_all(self) -> None:
+        """At shutdown: every slot's cells into the store (the daemon drains first)."""
+        for seq in self._seqs:
+            self.keep(seq, len(seq.cached))

@@ -1,0 +1,243 @@
+"""The model's lifetime on its own thread: load, warm up, serve, close.
+
+`Engine` owns the decode thread. That thread loads the model, runs the warm-up
+decode and then runs the `StepLoop` until `close`; everything that touches the
+llama.cpp context happens on it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+from sfcore_daemon.config import ModelConfig
+from sfcore_daemon.engine.job import Job
+from sfcore_daemon.engine.sampling import import_numpy_beside
+from sfcore_daemon.engine.speculative import DraftSettings
+from sfcore_daemon.engine.steploop import StepLoop
+from sfcore_daemon.llama.capi import C
+from sfcore_daemon.llama.model import (
+    EngineClosed,
+    LoadAborted,
+    Model,
+    ModelLoadError,
+    llama_cpp_version,
+)
+from sfcore_daemon.llama.modelfile import known_sha256, model_sha256
+from sfcore_daemon.store.promptstore import PromptStore
+
+# What the file format of a stored state is; part of every state's fingerprint.
+_STATE_FORMAT = 1
+# How long the start-up waits for the store to index its folder (headers only: a few
+# milliseconds for hundreds of files); only a hung disk takes longer.
+_STORE_OPEN_TIMEOUT_S = 30.0
+
+
+class Engine:
+    """One model, one context, `slots` sequences, one decode thread.
+
+    The decode thread does everything that touches the context: it loads the
+    model, runs the warm-up decode and then serves jobs. Loading on it lets the
+    caller go on with its own start-up (imports, the socket) while llama.cpp reads
+    the model, and keeps every llama_decode on one thread: libgomp keeps a worker
+    team per calling thread, and a second team (say, from a warm-up elsewhere)
+    left decode at 50 tok/s instead of 65 on 2 CPUs.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        model_config: ModelConfig,
+        n_threads: int,
+        n_threads_batch: int,
+        *,
+        slots: int = 1,
+        prefill_per_step: int = 512,
+        drafts: DraftSettings | None = None,
+        store: PromptStore | None = None,
+    ) -> None:
+        if not os.path.isfile(model_path):
+            raise ModelLoadError(f"model file not found: {model_path}")
+        self.model_path = model_path
+        self.config = model_config
+        self.n_threads = n_threads
+        self.n_threads_batch = n_threads_batch
+        self.slots = slots
+        self._prefill_per_step = prefill_per_step
+        self.drafts = drafts
+        # Prompt states kept across evictions and restarts; None when turned off, and
+        # never used in reproducible mode.
+        self.store = None if model_config.reproducible else store
+        # Resolved once the model is loaded and warmed up, or fails with ModelLoadError.
+        self.ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        # Resolved when the decode thread ends after serving: with None once `close`
+        # stopped it, with the exception that ended it otherwise (the server then
+        # answers everything with an error and exits; see Server._decode_stopped).
+        self.stopped: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.model: Model | None = None
+        self._loop: StepLoop | None = None
+        self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._load_ticks = 0
+        self._abort_load = False
+        self._load_progress = C.llama_progress_callback(self._on_load_progress)
+
+    @property
+    def progress(self) -> int:
+        """Bumped by the decode thread on every step, abort-callback tick and
+        load-progress callback (plain int stores): the systemd watchdog reads it to
+        tell a stuck decode thread from a busy one."""
+        loop = self._loop
+        return self._load_ticks + (loop.progress if loop is not None else 0)
+
+    def start(self) -> concurrent.futures.Future[None]:
+        """Start loading on the decode thread; the returned future says when it is ready."""
+        self._thread = threading.Thread(target=self._main, name="sfcore-decode", daemon=True)
+        self._thread.start()
+        if self.store is not None:
+            # Beside the model load: the store reads its folder meanwhile.
+            self.store.open(self._state_fingerprint)
+        return self.ready
+
+    def _main(self) -> None:
+        try:
+            importing = import_numpy_beside()
+            self._load()
+            if self._abort_load:
+                raise LoadAborted("the model load was stopped")
+            importing.join()  # before the first request: no import then competes for the GIL
+            self.warm_up()
+            if self.store is not None and known_sha256(self.model_path) is not None:
+                # The first request after a restart finds the states on disk. (Not
+                # when the model file must be hashed first: its first start does not
+                # wait for that; the disk tier joins when it is done.)
+                self.store.wait_open(_STORE_OPEN_TIMEOUT_S)
+        except BaseException as exc:
+            self.ready.set_exception(exc)
+            return
+        self.ready.set_result(None)
+        assert self._loop is not None
+        try:
+            self._loop.run(self._inbox)
+        except BaseException as exc:  # the event loop logs it
+            self.stopped.set_exception(exc)
+        else:
+            self.stopped.set_result(None)
+
+    def _load(self) -> None:
+        try:
+            model = self.model = Model.load(
+                self.model_path, self.config, self.n_threads, self.n_threads_batch,
+                # The prompt store's sequence ids: a scratch one, one per slot and a pad
+                # (kvcache.KVCache.state, .protect and .restore).
+                slots=self.slots, draft_rows=self._draft_rows(),
+                spare_seqs=self.slots + 2 if self.store is not None else 0,
+                progress=self._load_progress)
+        except ModelLoadError:
+            if self._abort_load:
+                raise LoadAborted("the model load was stopped") from None
+            raise
+        self.load_seconds = model.load_seconds
+        self.n_ctx = model.n_ctx
+        self.n_ubatch = model.n_ubatch
+        self.info = model.info
+        self.system_info = model.system_info
+        self.bos_text, self.eos_text = model.bos_text, model.eos_text
+        self._loop = StepLoop(model, self.slots, self._prefill_per_step,
+                              self.config.reproducible, self.drafts, self.store)
+
+    def _state_fingerprint(self) -> str:
+        """Everything that decides a stored state's layout and numbers: a state made
+        under any other value is never loaded. Runs on the store's thread."""
+        config = self.config
+        identity = {
+            "format": _STATE_FORMAT,
+            "model_sha256": model_sha256(self.model_path),
+            "llama_cpp": llama_cpp_version(),
+            # K/V types are llama.cpp's defaults (f16); flash attention decides whether
+            # V is stored transposed; the sliding-window cache is full-size; the
+            # ubatch size and CPU features decide how the rows were computed.
+            "flash_attn": config.flash_attn,
+            "swa_full": True,
+            "kv_unified": True,
+            "n_ubatch": min(config.n_ubatch, config.n_batch),
+            "gpu_layers": config.n_gpu_layers,
+            "system_info": C.llama_print_system_info().decode(errors="replace"),
+        }
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+    def _draft_rows(self) -> int:
+        if self.drafts is None or self.config.reproducible:
+            return 0
+        return min(self.drafts.step_rows, self.config.n_batch - self.slots)
+
+    # --- used from the event loop -----------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True,
+                 parse_special: bool = True) -> list[int]:
+        """See Model.tokenize: thread-safe, refused once the model is closed."""
+        return self.loaded_model().tokenize(text, add_special, parse_special)
+
+    def tokenize_segments(self, segments: list[tuple[str, bool]]) -> list[int]:
+        return self.loaded_model().tokenize_segments(segments)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.loaded_model().detokenize(tokens)
+
+    def loaded_model(self) -> Model:
+        model = self.model
+        if model is None:
+            raise EngineClosed("the model is not loaded")
+        return model
+
+    def abort_load(self) -> None:
+        """Make a model load in progress fail soon (at llama.cpp's next progress call)."""
+        self._abort_load = True
+
+    def _on_load_progress(self, _progress: float, _data: Any) -> bool:
+        self._load_ticks += 1
+        return not self._abort_load
+
+    def submit(self, job: Job) -> None:
+        self._inbox.put(job)
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop the decode thread and free the model; False if something would not stop
+        (then nothing is freed, and the OS reclaims it at exit).
+
+        Called while the model is still loading, this aborts the load.
+        """
+        self._abort_load = True
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
+            self._thread = None
+        model = self.model
+        if model is None:
+            return True
+        if self.store is not None:
+            # The decode thread saved the slots' states as it stopped: write them out.
+            started = time.monotonic()
+            self.store.close(timeout)
+            timeout = max(1.0, timeout - (time.monotonic() - started))
+        if not model.close(timeout):
+            return False
+        if self._loop is not None:
+            self._loop.free()
+        return True
+
+    def warm_up(self) -> None:
+        """One decode before serving, so the first request does not pay for first-touch costs."""
+        model = self.loaded_model()
+        bos = C.llama_vocab_bos(model.vocab)
+        one_token = (C.llama_token * 1)(bos if bos >= 0 else 0)
+        C.llama_decode(model.ctx, C.llama_batch_get_one(one_token, 1))
+        C.llama_memory_clear(model.memory, False)

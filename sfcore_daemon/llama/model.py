@@ -1,0 +1,314 @@
+"""The llama.cpp model, its context and vocabulary, and their lifetime.
+
+`Model.load` reads the GGUF file and creates the context (on the decode thread);
+tokenizing and detokenizing may run on any thread, and `close` waits for those
+readers before it frees the vocabulary with the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from sfcore_daemon.config import ModelConfig
+from sfcore_daemon.llama.capi import C
+from sfcore_daemon.llama.gpu import gpu_layers, placement
+from sfcore_daemon.llama.logrouter import llama_log_router
+
+
+class ModelLoadError(Exception):
+    """The model file could not be loaded; the message names the path."""
+
+
+class LoadAborted(ModelLoadError):
+    """The load was stopped on request (a stop signal during start-up)."""
+
+
+class EngineClosed(Exception):
+    """The model has been freed; nothing may use the vocabulary any more."""
+
+
+class TokenIdError(ValueError):
+    """A token id outside the vocabulary; the message names it and its index."""
+
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    path: str
+    name: str
+    architecture: str
+    n_params: int
+    n_ctx_train: int
+    n_vocab: int
+    size_bytes: int
+    chat_template: str | None
+
+
+class Model:
+    """A loaded model and its context: the vocabulary, the tokenizer, token pieces."""
+
+    def __init__(self, path: str, model: Any, ctx: Any, load_seconds: float, *,
+                 n_gpu_layers: int = 0) -> None:
+        self.path = path
+        self.model = model
+        self.ctx = ctx
+        self.load_seconds = load_seconds
+        self.vocab = C.llama_model_get_vocab(model)
+        self.memory = C.llama_get_memory(ctx)
+        self.n_ctx: int = C.llama_n_ctx(ctx)
+        self.n_ubatch: int = C.llama_n_ubatch(ctx)
+        self.n_batch: int = C.llama_n_batch(ctx)
+        self.info = _read_model_info(model, self.vocab, path)
+        self.system_info: str = C.llama_print_system_info().decode(errors="replace")
+        # Where the layers went, for the start-up log (gpu.Placement.line).
+        self.placement = placement(model, n_gpu_layers).line()
+        self.bos_text = self._special_text(C.llama_vocab_bos(self.vocab))
+        self.eos_text = self._special_text(C.llama_vocab_eos(self.vocab))
+        self._bos = C.llama_vocab_bos(self.vocab)
+        self._add_bos = bool(C.llama_vocab_get_add_bos(self.vocab))
+        self.pieces: dict[int, bytes] = {}
+        self._piece_buf = ctypes.create_string_buffer(256)
+        # Tokenizing off the decode thread (on the loop, or in a worker thread for a
+        # long prompt) reads the vocabulary: close() waits for those readers and
+        # refuses new ones before it frees the model.
+        self._vocab_users = 0
+        self._vocab_closed = False
+        self._vocab_idle = threading.Condition()
+
+    @classmethod
+    def load(cls, path: str, config: ModelConfig, n_threads: int, n_threads_batch: int, *,
+             slots: int, draft_rows: int = 0, spare_seqs: int = 0,
+             progress: Any = None) -> Model:
+        """The model with its context; ModelLoadError (with llama.cpp's reason) if either
+        cannot be made. `progress`: a llama_progress_callback that may stop the load."""
+        started = time.perf_counter()
+        model = load_model(path, config, progress)
+        ctx = C.llama_init_from_model(model, context_params(
+            config, n_threads, n_threads_batch, slots, draft_rows, spare_seqs=spare_seqs))
+        if not ctx:
+            C.llama_model_free(model)
+            C.llama_backend_free()
+            raise ModelLoadError(
+                f"cannot create a context for {path} (n_ctx={config.n_ctx}); "
+                "see the llama.cpp messages above"
+            )
+        return cls(path, model, ctx, time.perf_counter() - started,
+                   n_gpu_layers=gpu_layers(config.n_gpu_layers))
+
+    def tokenize(self, text: str, add_special: bool = True,
+                 parse_special: bool = True) -> list[int]:
+        """Thread-safe: llama.cpp's tokenizer only reads the vocabulary.
+
+        `parse_special`: text that spells a special token (`<start_of_turn>`)
+        becomes that token. Prompts of `generate` are parsed, as in llama-server;
+        the content of chat messages is not.
+        """
+        with self.using_vocab():
+            return self._tokenize(text, add_special, parse_special)
+
+    def tokenize_segments(self, segments: list[tuple[str, bool]]) -> list[int]:
+        """Tokens of a rendered chat prompt: markup with special tokens parsed, content
+        (is_content true) as plain text; BOS first when the model wants one."""
+        tokens: list[int] = []
+        with self.using_vocab():
+            for text, is_content in segments:
+                tokens.extend(self._tokenize(text, False, not is_content))
+        if self._add_bos and (not tokens or tokens[0] != self._bos):
+            tokens.insert(0, self._bos)
+        return tokens
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """Text of `tokens`; TokenIdError for an id outside the vocabulary.
+
+        The inverse of `tokenize` with its defaults: a leading BOS the tokenizer
+        added is dropped, and other special tokens are written out as their text.
+        """
+        n_vocab = self.info.n_vocab
+        for index, token in enumerate(tokens):
+            if not 0 <= token < n_vocab:
+                raise TokenIdError(
+                    f"token id {token} is outside the vocabulary (0..{n_vocab - 1})"
+                    f" - at `$.tokens[{index}]`")
+        array = (C.llama_token * max(len(tokens), 1))(*tokens)
+        with self.using_vocab():
+            capacity = 16 * len(tokens) + 16
+            for _ in range(2):
+                buf = ctypes.create_string_buffer(capacity)
+                n = C.llama_detokenize(self.vocab, array, len(tokens), buf, capacity,
+                                       True, True)
+                if n >= 0:
+                    return buf.raw[:n].decode("utf-8", errors="replace")
+                capacity = -n
+        raise RuntimeError("llama_detokenize kept asking for a larger buffer")
+
+    def _tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        tokens = (C.llama_token * capacity)()
+        vocab = self.vocab
+        n = C.llama_tokenize(vocab, data, len(data), tokens, capacity, add_special, parse_special)
+        if n < 0:  # cannot happen with one slot per byte, but never trust a size guess
+            capacity = -n
+            tokens = (C.llama_token * capacity)()
+            n = C.llama_tokenize(vocab, data, len(data), tokens, capacity, add_special,
+                                 parse_special)
+        return tokens[:n]
+
+    @contextlib.contextmanager
+    def using_vocab(self) -> Iterator[None]:
+        with self._vocab_idle:
+            if self._vocab_closed:
+                raise EngineClosed("the model has been unloaded")
+            self._vocab_users += 1
+        try:
+            yield
+        finally:
+            with self._vocab_idle:
+                self._vocab_users -= 1
+                if self._vocab_users == 0:
+                    self._vocab_idle.notify_all()
+
+    def _special_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        text = C.llama_vocab_get_text(self.vocab, token)
+        return text.decode("utf-8", errors="replace") if text else ""
+
+    def piece(self, token: int) -> bytes:
+        """The bytes of `token`, remembered in `pieces` (decode thread only)."""
+        buf = self._piece_buf
+        n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        piece = buf.raw[:n]
+        self.pieces[token] = piece
+        return piece
+
+    def close(self, timeout: float) -> bool:
+        """Free the context and the model once no thread reads the vocabulary; False
+        (nothing freed) if a reader is still busy after `timeout` seconds."""
+        with self._vocab_idle:
+            self._vocab_closed = True
+            if not self._vocab_idle.wait_for(lambda: self._vocab_users == 0, timeout):
+                return False
+        if self.ctx:
+            C.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            C.llama_model_free(self.model)
+            self.model = None
+            C.llama_backend_free()
+        return True
+
+
+def load_model(model_path: str, model_config: ModelConfig, progress: Any = None) -> Any:
+    """llama_backend_init, then the model with the daemon's settings; ModelLoadError
+    (with llama.cpp's own reason, in one line) if it cannot be loaded.
+
+    `progress`: a llama_progress_callback; when it returns False the load stops
+    (and fails like any other load; the caller knows why).
+    """
+    C.llama_backend_init()
+    params = C.llama_model_default_params()
+    params.n_gpu_layers = gpu_layers(model_config.n_gpu_layers)
+    params.load_mode = load_mode(model_config.use_mmap, model_config.use_mlock)
+    if progress is not None:
+        params.progress_callback = progress
+    with llama_log_router.capturing_errors() as errors:
+        model = C.llama_model_load_from_file(model_path.encode(), params)
+    if not model:
+        C.llama_backend_free()
+        reason = errors[0] if errors else "not a GGUF model this llama.cpp can load"
+        raise ModelLoadError(f"cannot load model {model_path}: {reason}")
+    return model
+
+
+def context_params(model_config: ModelConfig, n_threads: int, n_threads_batch: int,
+                   slots: int = 1, draft_rows: int = 0, *, spare_seqs: int = 0) -> Any:
+    """The daemon's llama_context_params; the tuner and the benchmark use the same.
+    `spare_seqs`: sequence ids beyond the slots' that are never decoded (kvcache.py)."""
+    params = C.llama_context_default_params()
+    params.n_ctx = model_config.n_ctx
+    params.n_batch = model_config.n_batch
+    params.n_ubatch = model_config.n_ubatch
+    params.n_seq_max = slots + spare_seqs
+    # One KV pool shared by every slot: a request may use as much of n_ctx as the
+    # others leave, and no slot's share sits idle (docs/performance.md, "Parallel slots").
+    params.kv_unified = True
+    # Only logits of a prompt's last token, of each generating sequence and of its
+    # draft tokens are ever read: at most one row per slot a step plus the step's
+    # draft rows. Without this llama.cpp reserves logits for n_ubatch outputs: 512 x
+    # 262k floats, a 514 MiB buffer. (Pages are touched only as rows are written.)
+    # llama.cpp reserves a row per sequence id when it makes the context.
+    params.n_outputs_max = max(slots + draft_rows, params.n_seq_max)
+    params.n_threads = n_threads
+    params.n_threads_batch = n_threads_batch
+    params.flash_attn_type = _flash_attn_type(model_config.flash_attn)
+    # A full-size sliding-window cache: with llama.cpp's default small one, rows
+    # before the window are pruned and a reused prefix silently changes the output.
+    params.swa_full = True
+    params.no_perf = True
+    return params
+
+
+def load_mode(use_mmap: bool, use_mlock: bool) -> int:
+    if use_mmap:
+        return C.LLAMA_LOAD_MODE_MMAP_MLOCK if use_mlock else C.LLAMA_LOAD_MODE_MMAP
+    return C.LLAMA_LOAD_MODE_MLOCK if use_mlock else C.LLAMA_LOAD_MODE_NONE
+
+
+def _flash_attn_type(setting: bool | str) -> int:
+    if setting == "auto":
+        return C.LLAMA_FLASH_ATTN_TYPE_AUTO
+    return C.LLAMA_FLASH_ATTN_TYPE_ENABLED if setting else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
+
+
+def _meta(model: Any, key: str) -> str | None:
+    buf = ctypes.create_string_buffer(1024)
+    n = C.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    if n < 0:
+        return None
+    if n >= len(buf):
+        buf = ctypes.create_string_buffer(n + 1)
+        C.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", errors="replace")
+
+
+def _read_model_info(model: Any, vocab: Any, path: str) -> ModelInfo:
+    template = C.llama_model_chat_template(model, None)
+    return ModelInfo(
+        path=path,
+        name=_meta(model, "general.name") or os.path.basename(path),
+        architecture=_meta(model, "general.architecture") or "unknown",
+        n_params=C.llama_model_n_params(model),
+        n_ctx_train=C.llama_model_n_ctx_train(model),
+        n_vocab=C.llama_vocab_n_tokens(vocab),
+        size_bytes=os.path.getsize(path),
+        chat_template=template.decode("utf-8", errors="replace") if template else None,
+    )
+
+
+def llama_cpp_version() -> str:
+    """The vendored llama.cpp's commit and ggml version, e.g. "0c1e570 (ggml 0.25.3)"."""
+    parts = []
+    for name in ("ggml_commit", "ggml_version"):
+        try:
+            function = getattr(C._lib, name)
+        except AttributeError:  # an older build without these
+            parts.append("unknown")
+            continue
+        function.restype = ctypes.c_char_p
+        function.argtypes = []
+        value = function()
+        parts.append(value.decode(errors="replace") if value else "unknown")
+    commit, ggml = parts
+    return f"{commit.removesuffix('-dirty')} (ggml {ggml})"
+

@@ -1,0 +1,191 @@
+"""Chat templates: which one applies, and rendering messages into prompt segments.
+
+A rendered chat prompt mixes two kinds of text: the template's own markup (turn
+markers such as `<start_of_turn>`, which must become special tokens) and the
+messages' content (which must stay text, so a user who types `<end_of_turn>` cannot
+forge a turn). Rendering therefore returns segments tagged with their kind; the
+engine tokenizes markup with special-token parsing on and content with it off.
+
+The template, first match wins: the model's own `tokenizer.chat_template` (Jinja),
+else `[model] chat_template` (a llama.cpp built-in name, or a Jinja text), else the
+built-in matching the model's architecture. Built-ins render through llama.cpp's
+`llama_chat_apply_template`; Jinja through jinja2's sandbox, imported only when a
+Jinja template is actually used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sfcore_daemon.llama.capi import C
+
+log = logging.getLogger(__name__)
+
+# role, content
+ChatMessage = tuple[str, str]
+# text, is_content
+Segment = tuple[str, bool]
+
+# Architectures whose chat format llama.cpp has a built-in for, when the model file
+# carries no template of its own (general.architecture -> built-in name).
+_BUILTIN_FOR_ARCHITECTURE = {
+    "gemma": "gemma",
+    "gemma2": "gemma",
+    "gemma3": "gemma",
+    "gemma3n": "gemma",
+    "phi3": "phi3",
+    "qwen2": "chatml",
+    "qwen3": "chatml",
+}
+
+# Stands in for message i while the template's own markup is located; private-use
+# code points with no surrounding whitespace survive the usual `trim` of content.
+_PLACEHOLDER = "\ue000{}\ue001"
+_PLACEHOLDER_RE = re.compile("\ue000(\\d+)\ue001")
+# What templates commonly do to content; the first that reproduces the real
+# rendering is applied to each message's content.
+_CONTENT_TRANSFORMS: tuple[Callable[[str], str], ...] = (
+    lambda text: text, str.strip, str.lstrip, str.rstrip)
+
+
+class ChatTemplateError(Exception):
+    """The request cannot be rendered (no template, or the template refused it)."""
+
+
+def builtin_template_names() -> frozenset[str]:
+    count = C.llama_chat_builtin_templates(None, 0)
+    names = (ctypes.c_char_p * count)()
+    C.llama_chat_builtin_templates(names, count)
+    return frozenset(name.decode() for name in names if name)
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    # "model" (the GGUF's own), a built-in name, or "jinja" (configured text).
+    label: str
+    render_text: Callable[[Sequence[ChatMessage]], str]
+
+    def render(self, messages: Sequence[ChatMessage]) -> list[Segment]:
+        """Render `messages` followed by the opening of the assistant's turn."""
+        placeholders = [(role, _PLACEHOLDER.format(i)) for i, (role, _) in enumerate(messages)]
+        skeleton = self.render_text(placeholders)
+        real = self.render_text(messages)
+        parts = _PLACEHOLDER_RE.split(skeleton)
+        # parts: markup, index, markup, index, ..., markup
+        for transform in _CONTENT_TRANSFORMS:
+            segments = _fill(parts, messages, transform)
+            if "".join(text for text, _ in segments) == real:
+                return segments
+        # The template rewrites content in some other way: keep the markup it
+        # produced and the content as sent, which is always safe.
+        return _fill(parts, messages, _CONTENT_TRANSFORMS[0])
+
+
+def _fill(parts: list[str], messages: Sequence[ChatMessage],
+          transform: Callable[[str], str]) -> list[Segment]:
+    segments: list[Segment] = []
+    for i, part in enumerate(parts):
+        if i % 2 == 0:
+            if part:
+                segments.append((part, False))
+        else:
+            content = transform(messages[int(part)][1])
+            if content:
+                segments.append((content, True))
+    return segments
+
+
+def resolve_template(
+    *,
+    model_template: str | None,
+    configured: str,
+    architecture: str,
+    bos_token: str,
+    eos_token: str,
+) -> ChatTemplate | None:
+    """The template `chat` uses for this model, or None when no template applies.
+
+    A configured template that does not parse raises ChatTemplateError (a config
+    mistake, reported at startup); a broken template inside the model file is
+    logged and passed over.
+    """
+    builtins = builtin_template_names()
+    if model_template:
+        try:
+            return ChatTemplate("model", _jinja_renderer(model_template, bos_token, eos_token))
+        except ChatTemplateError as exc:
+            log.warning("ignoring the model's own chat template: %s", exc)
+    if configured:
+        if configured in builtins:
+            return ChatTemplate(configured, _builtin_renderer(configured))
+        return ChatTemplate("jinja", _jinja_renderer(configured, bos_token, eos_token))
+    for prefix_len in (len(architecture), *range(len(architecture) - 1, 0, -1)):
+        name = _BUILTIN_FOR_ARCHITECTURE.get(architecture[:prefix_len])
+        if name is not None and name in builtins:
+            return ChatTemplate(name, _builtin_renderer(name))
+    return None
+
+
+def _builtin_renderer(name: str) -> Callable[[Sequence[ChatMessage]], str]:
+    template_name = name.encode()
+
+    def render(messages: Sequence[ChatMessage]) -> str:
+        # Keep the encoded strings alive while C reads them.
+        encoded = [(role.encode(), content.encode()) for role, content in messages]
+        chat = (C.llama_chat_message * len(encoded))(
+            *(C.llama_chat_message(role, content) for role, content in encoded))
+        size = 2 * sum(len(role) + len(content) for role, content in encoded) + 256
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(size)
+            n = C.llama_chat_apply_template(template_name, chat, len(encoded), True, buf, size)
+            if n < 0:
+                raise ChatTemplateError(f"llama.cpp's {name!r} template refused these messages")
+            if n <= size:
+                return buf.raw[:n].decode("utf-8", errors="replace")
+            size = n
+        raise ChatTemplateError(f"llama.cpp's {name!r} template output kept growing")
+
+    return render
+
+
+def _jinja_renderer(source: str, bos_token: str,
+                    eos_token: str) -> Callable[[Sequence[ChatMessage]], str]:
+    # jinja2 only when a Jinja template is in use: never on the startup path otherwise.
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ChatTemplateError(f"the chat template refused the messages: {message}")
+
+    # trim_blocks/lstrip_blocks as Hugging Face renders these templates.
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+    environment.globals["raise_exception"] = raise_exception
+    try:
+        template = environment.from_string(source)
+    except jinja2.TemplateError as exc:
+        raise ChatTemplateError(f"the chat template does not parse: {exc}") from None
+
+    def render(messages: Sequence[ChatMessage]) -> str:
+        context: dict[str, Any] = {
+            "messages": [{"role": role, "content": content} for role, content in messages],
+            "add_generation_prompt": True,
+            "bos_token": bos_token,
+            "eos_token": eos_token,
+        }
+        try:
+            return template.render(context)
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"the chat template failed: {exc}") from None
+        except Exception as exc:  # a template may index, divide or compare anything
+            raise ChatTemplateError(
+                f"the chat template failed: {type(exc).__name__}: {exc}") from None
+
+    return render

@@ -1,0 +1,279 @@
+"""The daemon's state: the listening socket, its connections, and an ordered shutdown.
+
+`Server` owns the listener, every connection and the engine: it admits connections,
+waits for the model, and on a stop signal stops accepting, drains with a timeout,
+cancels the rest, frees the model and closes the connections. The ops themselves are
+`handlers.RequestHandlers`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import signal
+from typing import Any
+
+from sfcore_daemon.config import Config
+from sfcore_daemon.engine.thread import Engine
+from sfcore_daemon.llama.model import LoadAborted
+from sfcore_daemon.serve import protocol
+from sfcore_daemon.serve.chat import ChatTemplate, ChatTemplateError, resolve_template
+from sfcore_daemon.serve.connection import Connection, peer_credentials, peer_groups
+from sfcore_daemon.serve.handlers import RequestHandlers
+from sfcore_daemon.serve.scheduler import Scheduler
+from sfcore_daemon.serve.stats import Stats
+from sfcore_daemon.system import systemd
+from sfcore_daemon.system.socketfile import ListeningSocket, StartupError
+
+log = logging.getLogger(__name__)
+
+_CLOSE_GRACE_S = 5.0
+# The exit status after the decode thread died (sysexits' EX_SOFTWARE): not 0, so that
+# systemd's Restart=on-failure starts the daemon again, and not 2 (a configuration
+# error, which the unit does not restart).
+EXIT_DECODE_FAILED = 70
+
+
+class Server(RequestHandlers):
+    def __init__(self, config: Config, engine: Engine, cpus: list[int],
+                 listening: ListeningSocket) -> None:
+        """`engine` has been started (it may still be loading); the server closes it."""
+        self.config = config
+        self.cpus = cpus
+        self._listening = listening
+        self.socket_path = listening.path
+        self._engine = engine
+        # Set once the model is loaded and warmed up.
+        self.engine: Engine | None = None
+        self.scheduler: Scheduler | None = None
+        self.chat_template: ChatTemplate | None = None
+        self.stats = Stats()
+        self.connections: set[Connection] = set()
+        self._connection_tasks: set[asyncio.Task[None]] = set()
+        self.draining = False
+        self.ready = asyncio.Event()
+        # Set when the load has ended either way: requests waiting for the model
+        # then run, or are answered `shutting_down` if the load was given up.
+        self._load_ended = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._stop_count = 0
+        self._listener: asyncio.AbstractServer | None = None
+        self._closing: set[asyncio.Future[None]] = set()
+        self._watchdog: asyncio.Task[None] | None = None
+        # Set when the decode thread died while serving: the daemon answers everything
+        # with an error and exits with EXIT_DECODE_FAILED.
+        self.failed = False
+
+    # --- lifecycle ---
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.request_stop, signum)
+        if self._listening.identity is None:
+            log.info("using the socket passed by systemd: %s", self.socket_path)
+        try:
+            self._start_watchdog()
+            self._listener = await asyncio.start_unix_server(self._accept,
+                                                             sock=self._listening.sock)
+            log.info("listening on %s; loading the model", self.socket_path)
+            systemd.notify("STATUS=loading the model")
+            if await self._load() and not self._stop.is_set():
+                await self._stop.wait()
+            await self._shutdown()
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+        return EXIT_DECODE_FAILED if self.failed else 0
+
+    def _start_watchdog(self) -> None:
+        from sfcore_daemon.system.watchdog import Watchdog
+
+        engine = self._engine
+        watchdog = Watchdog.from_env(
+            progress=lambda: engine.progress,
+            busy=lambda: not self.ready.is_set() or (
+                self.scheduler is not None and self.scheduler.busy),
+        )
+        if watchdog is not None:
+            self._watchdog = asyncio.ensure_future(watchdog.run())
+
+    async def _load(self) -> bool:
+        """Wait for the model; False if a stop signal came first (the load is aborted)."""
+        engine, model_config = self._engine, self.config.model
+        loaded: asyncio.Future[Any] = asyncio.wrap_future(engine.ready)
+        stopped: asyncio.Future[Any] = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({loaded, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not loaded.done():
+            log.info("stop requested while the model loads; aborting the load")
+            engine.abort_load()
+            self.draining = True
+            self._load_ended.set()
+            with contextlib.suppress(LoadAborted):
+                await loaded
+            return False
+        loaded.result()  # a load error ends the daemon here
+        info = engine.info
+        try:
+            self.chat_template = resolve_template(
+                model_template=info.chat_template, configured=model_config.chat_template,
+                architecture=info.architecture, bos_token=engine.bos_text,
+                eos_token=engine.eos_text)
+        except ChatTemplateError as exc:
+            raise StartupError(f"model.chat_template: {exc}") from None
+        self.engine = engine
+        self.scheduler = Scheduler(engine, self.config.server.max_queue, engine.slots)
+        loop = asyncio.get_running_loop()
+
+        def decode_stopped(future: concurrent.futures.Future[None]) -> None:
+            # On the decode thread: only hand it over. A closed loop means the daemon
+            # has already stopped.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._decode_stopped, future)
+
+        engine.stopped.add_done_callback(decode_stopped)
+        log.info("model %s (%s, %s parameters, %.1f MB) from %s loaded in %.0f ms",
+                 info.name, info.architecture, f"{info.n_params:,}", info.size_bytes / 1e6,
+                 info.path, engine.load_seconds * 1000)
+        log.info("%s", engine.loaded_model().placement)
+        log.info("n_ctx=%d n_batch=%d n_ubatch=%d threads=%d threads_batch=%d cpus=%s "
+                 "reproducible=%s chat_template=%s", engine.n_ctx, model_config.n_batch,
+                 engine.n_ubatch, engine.n_threads, engine.n_threads_batch, self.cpus,
+                 model_config.reproducible,
+                 self.chat_template.label if self.chat_template else None)
+        log.info("llama.cpp system info: %s", engine.system_info.strip())
+        self.ready.set()
+        self._load_ended.set()
+        # The one line a person or a script waits for; systemd gets the same as STATUS.
+        log.info("ready: serving %s on %s with %d slots", info.name, self.socket_path,
+                 engine.slots)
+        systemd.notify(f"READY=1\nSTATUS=serving {info.name} on {self.socket_path}")
+        return True
+
+    def _decode_stopped(self, future: concurrent.futures.Future[None]) -> None:
+        """The decode thread ended. After `close` that is the shutdown; otherwise it
+        died, and nothing accepted would ever be answered: every request gets an
+        error now, `health` says "draining", and the daemon exits non-zero so that
+        its supervisor starts it again."""
+        error = future.exception()
+        if error is None and self._stop.is_set():
+            return
+        self.failed = self.draining = True
+        log.critical("the decode thread died; answering every request with an error and "
+                     "exiting with status %d to be restarted", EXIT_DECODE_FAILED,
+                     exc_info=error)
+        systemd.notify("STATUS=the decode thread died; exiting")
+        if self.scheduler is not None:
+            self.scheduler.fail_all(protocol.INTERNAL, "the daemon's decode thread failed "
+                                    "(see its log); the daemon exits to be restarted")
+        self._stop.set()
+
+    def request_stop(self, signum: int | None = None) -> None:
+        self._stop_count += 1
+        if self._stop_count == 1:
+            log.info("received %s; draining", signal.Signals(signum).name if signum else "stop")
+            self._stop.set()
+        elif self.scheduler is not None:
+            log.info("second stop signal: cancelling the running request now")
+            self.scheduler.cancel_running()
+
+    async def _shutdown(self) -> None:
+        self.draining = True
+        systemd.notify("STOPPING=1")
+        if self._listener is not None:
+            self._listener.close()
+        scheduler = self.scheduler
+        if scheduler is not None:
+            scheduler.reject_waiting(protocol.SHUTTING_DOWN, "the daemon is shutting down")
+        # Connections with nothing running are answered and closed now; the others
+        # close once their running request has finished.
+        for connection in list(self.connections):
+            if not connection.generations:
+                self._closing.add(asyncio.ensure_future(connection.close_after_replies()))
+        if scheduler is not None:
+            try:
+                await asyncio.wait_for(scheduler.wait_idle(), self.config.server.drain_timeout_s)
+            except TimeoutError:
+                log.warning("drain timeout (%.1f s) reached; cancelling the running request",
+                            self.config.server.drain_timeout_s)
+                scheduler.cancel_running()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(scheduler.wait_idle(), _CLOSE_GRACE_S)
+        await self._close_connections()
+        # Only now: a request still being tokenized holds the vocabulary, and close()
+        # waits for it before freeing the model.
+        if not await asyncio.to_thread(self._engine.close):
+            log.error("the decode thread did not stop; leaving the model to the OS")
+        log.info("stopped")
+
+    async def _close_connections(self) -> None:
+        waits = [asyncio.ensure_future(c.replies_done.wait()) for c in self.connections]
+        if waits:
+            await asyncio.wait(waits, timeout=_CLOSE_GRACE_S)
+            for waiter in waits:
+                waiter.cancel()
+        for connection in list(self.connections):
+            connection.gone = True
+            connection.may_read.set()
+            connection.transport.close()
+        tasks = [*self._connection_tasks, *self._closing]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=_CLOSE_GRACE_S)
+
+    # --- connections ---
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connection_tasks.add(task)
+        connection = Connection(self, reader, writer)
+        self.stats.connections_total += 1
+        try:
+            rejection = self._admission_error(writer)
+            if rejection is not None:
+                self.stats.connections_rejected += 1
+                code, message = rejection
+                connection.reply_error(None, code, message)
+                await connection.close_after_replies()
+                return
+            self.connections.add(connection)
+            self.stats.connections_current = len(self.connections)
+            await connection.serve()
+        except asyncio.CancelledError:
+            connection.drop("daemon stopping")
+        except Exception:
+            log.exception("connection handler failed")
+            connection.drop("internal error")
+        finally:
+            self.connections.discard(connection)
+            self.stats.connections_current = len(self.connections)
+            self._connection_tasks.discard(task)
+
+    def _admission_error(self, writer: asyncio.StreamWriter) -> tuple[str, str] | None:
+        server_config = self.config.server
+        if self.draining:
+            return protocol.SHUTTING_DOWN, "the daemon is shutting down"
+        restricted = bool(server_config.allowed_uids or server_config.allowed_gids)
+        if restricted or log.isEnabledFor(logging.DEBUG):
+            sock = writer.get_extra_info("socket")
+            creds = peer_credentials(sock)
+            log.debug("connection from pid/uid/gid %s", creds)
+            if restricted:
+                if creds is None:
+                    return protocol.FORBIDDEN, "cannot read the peer's credentials"
+                _, uid, gid = creds
+                allowed = uid in server_config.allowed_uids or bool(
+                    server_config.allowed_gids
+                    and ({gid} | peer_groups(sock)) & set(server_config.allowed_gids))
+                if not allowed:
+                    return (protocol.FORBIDDEN, f"uid {uid} (gid {gid}) is not in "
+                            "server.allowed_uids and none of its groups in server.allowed_gids")
+        if len(self.connections) >= server_config.max_connections:
+            return (protocol.TOO_MANY_CONNECTIONS,
+                    f"server.max_connections ({server_config.max_connections}) already open")
+        return None

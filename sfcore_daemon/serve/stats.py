@@ -1,0 +1,117 @@
+"""Counters since start, for the `stats` op. Kept on the event loop only.
+
+The decode thread never touches these: a generation's figures are added when its
+outcome is decided on the loop (its `done` or `error` line, or its client leaving).
+"""
+
+from __future__ import annotations
+
+import time
+
+from sfcore_daemon.serve import protocol
+from sfcore_daemon.serve.protocol import (
+    CacheCounts,
+    ConnectionCounts,
+    GrammarCounts,
+    RequestCounts,
+    RequestId,
+    SlotUse,
+    SpeculativeCounts,
+    StatsReply,
+    TokenCounts,
+)
+from sfcore_daemon.store.promptstore import PromptStore
+
+OUTCOMES = (*protocol.FINISH_REASONS, "error")
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.requests_total = 0
+        self.by_op = dict.fromkeys(protocol.KNOWN_OPS, 0)
+        self.by_outcome = dict.fromkeys(OUTCOMES, 0)
+        self.errors = dict.fromkeys(protocol.ERROR_CODES, 0)
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.generated_tokens = 0
+        self.connections_current = 0
+        self.connections_total = 0
+        self.connections_rejected = 0
+        # Tokens after each generation's first, and the time they took (for the mean rate).
+        self._decode_tokens = 0
+        self._decode_ns = 0
+        # Constrained generations: tokens checked against a grammar, and those the
+        # grammar rejected (each cost a second, masked draw).
+        self.grammar_requests = 0
+        self.grammar_tokens = 0
+        self.grammar_resampled = 0
+        self.grammar_closed_early = 0
+        # Speculative decoding: generations that drafted, tokens drafted and accepted.
+        self.speculative_requests = 0
+        self.drafted_tokens = 0
+        self.accepted_tokens = 0
+        self.draft_steps = 0
+        self.aligned_steps = 0
+        self.logit_rows = 0
+        # The prompt store: generations by where their cached rows came from.
+        self.cache_hits = {"slot": 0, "ram": 0, "disk": 0}
+        self.restored_tokens = 0
+
+    def generation_ended(self, outcome: str, prompt_tokens: int, cached_tokens: int,
+                         completion_tokens: int, decode_ns: int) -> None:
+        self.by_outcome[outcome] += 1
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
+        self.generated_tokens += completion_tokens
+        if completion_tokens > 1 and decode_ns > 0:
+            self._decode_tokens += completion_tokens - 1
+            self._decode_ns += decode_ns
+
+    def cache_hit(self, source: str, cached_tokens: int) -> None:
+        if source in self.cache_hits:
+            self.cache_hits[source] += 1
+            if source != "slot":
+                self.restored_tokens += cached_tokens
+
+    def cache_counts(self, store: PromptStore | None) -> CacheCounts:
+        if store is None:
+            return CacheCounts(enabled=False, hits=dict(self.cache_hits), restored_tokens=0,
+                               saved=0, written=0, ram_bytes=0, ram_states=0, disk_bytes=0,
+                               disk_files=0, ram_evicted=0, disk_evicted=0, errors=0)
+        ram_bytes, ram_states, disk_bytes, disk_files = store.figures()
+        counters = store.counters
+        return CacheCounts(
+            enabled=True, hits=dict(self.cache_hits), restored_tokens=self.restored_tokens,
+            saved=counters.saved, written=counters.written, ram_bytes=ram_bytes,
+            ram_states=ram_states, disk_bytes=disk_bytes, disk_files=disk_files,
+            ram_evicted=counters.ram_evicted, disk_evicted=counters.disk_evicted,
+            errors=counters.errors)
+
+    def reply(self, request_id: RequestId, slots: list[SlotUse],
+              store: PromptStore | None = None) -> StatsReply:
+        rate = self._decode_tokens * 1e9 / self._decode_ns if self._decode_ns else 0.0
+        return StatsReply(
+            id=request_id,
+            uptime_s=round(time.monotonic() - self.started, 3),
+            requests=RequestCounts(total=self.requests_total, by_op=dict(self.by_op),
+                                   by_outcome=dict(self.by_outcome)),
+            tokens=TokenCounts(prompt=self.prompt_tokens, cached=self.cached_tokens,
+                               generated=self.generated_tokens),
+            errors=dict(self.errors),
+            connections=ConnectionCounts(current=self.connections_current,
+                                         total=self.connections_total,
+                                         rejected=self.connections_rejected),
+            decode_tok_s=round(rate, 2),
+            slots=slots,
+            grammar=GrammarCounts(requests=self.grammar_requests, tokens=self.grammar_tokens,
+                                  resampled=self.grammar_resampled,
+                                  closed_early=self.grammar_closed_early),
+            speculative=SpeculativeCounts(requests=self.speculative_requests,
+                                          drafted=self.drafted_tokens,
+                                          accepted=self.accepted_tokens,
+                                          steps=self.draft_steps,
+                                          aligned_steps=self.aligned_steps,
+                                          logit_rows=self.logit_rows),
+            cache=self.cache_counts(store),
+        )
