@@ -18,9 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sfcore_daemon.serve.handlers import request_grammar
 from sfcore_daemon.serve.protocol import GenerateRequest
 from sfcore_daemon.structured.checker import check_schema
-from sfcore_daemon.structured.compiler import checked_to_gbnf, request_grammar, schema_to_gbnf
+from sfcore_daemon.structured.compiler import checked_to_gbnf, schema_to_gbnf
 from sfcore_daemon.structured.gbnfcheck import MAX_GRAMMAR_BRANCHES, GrammarError, check_gbnf
 from sfcore_daemon.structured.pattern import check_pattern, pattern_gbnf
 from sfcore_daemon.structured.shape import shape_of

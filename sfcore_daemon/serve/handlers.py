@@ -12,7 +12,7 @@ import importlib.metadata
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar, assert_never
+from typing import Any, NamedTuple, TypeVar, assert_never
 
 from sfcore_daemon import __version__
 from sfcore_daemon.config import Config
@@ -53,8 +53,10 @@ from sfcore_daemon.serve.protocol import (
 from sfcore_daemon.serve.scheduler import Generation, QueueFull, Scheduler
 from sfcore_daemon.serve.stats import Stats
 from sfcore_daemon.store.promptstore import Cleared
-from sfcore_daemon.structured.compiler import request_grammar
+from sfcore_daemon.structured.compiler import compile_json_object, compile_schema
+from sfcore_daemon.structured.gbnfcheck import check_gbnf
 from sfcore_daemon.structured.grammar import GrammarError, GrammarSampler
+from sfcore_daemon.structured.shape import Shape
 
 log = logging.getLogger(__name__)
 
@@ -393,6 +395,34 @@ class RequestHandlers:
 
 
 _T = TypeVar("_T")
+
+
+class GrammarSpec(NamedTuple):
+    """What a request's output is held to: GBNF text, the field it came from, and for a
+    JSON document the shape budget-aware closing completes (None for a GBNF grammar)."""
+
+    text: str
+    field: str
+    shape: Shape | None
+
+
+def request_grammar(request: GenerationRequest) -> GrammarSpec | None:
+    """The grammar a request asks for, or None when the request is unconstrained."""
+    given = [name for name in ("json_schema", "format", "grammar")
+             if getattr(request, name) is not None]
+    if len(given) > 1:
+        raise GrammarError(f"json_schema, format and grammar exclude each other; "
+                           f"this request gives {' and '.join(given)}")
+    if request.json_schema is not None:
+        compiled = compile_schema(request.json_schema)
+        return GrammarSpec(compiled.gbnf, "json_schema", compiled.shape)
+    if request.format is not None:
+        compiled = compile_json_object()
+        return GrammarSpec(compiled.gbnf, "format", compiled.shape)
+    if request.grammar is not None:
+        check_gbnf(request.grammar)
+        return GrammarSpec(request.grammar, "grammar", None)
+    return None
 
 
 def _pick(value: _T | None, default: _T) -> _T:

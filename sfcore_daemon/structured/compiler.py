@@ -1,7 +1,7 @@
 """JSON Schema to GBNF, on the event loop before a request is queued.
 
-`request_grammar` turns a request's `json_schema`, `format: "json"` or `grammar` into
-GBNF text (and, for JSON, the shape of the document it describes). A JSON Schema is
+`compile_schema` turns a client's JSON Schema into GBNF text and the shape of the
+documents it describes (the closing shape). A JSON Schema is
 checked and rewritten by `schemacheck.check_schema`, converted by llama-cpp-python's
 converter with the fixes below, and the GBNF it comes to is held to the same structural
 bounds as a client's grammar (gbnfcheck.py). Every mistake is a `GrammarError` naming
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 import json
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from sfcore_daemon.structured.checker import (
     INTEGER_KEYWORDS,
@@ -20,15 +20,12 @@ from sfcore_daemon.structured.checker import (
     CheckedSchema,
     check_schema,
 )
-from sfcore_daemon.structured.gbnfcheck import MAX_GRAMMAR_NESTING, GrammarError, check_gbnf
+from sfcore_daemon.structured.gbnfcheck import MAX_GRAMMAR_NESTING, check_gbnf
 from sfcore_daemon.structured.pattern import pattern_gbnf
 from sfcore_daemon.structured.shape import Shape, free_object, integer_bounds, shape_of
 
-if TYPE_CHECKING:
-    from sfcore_daemon.serve.protocol import GenerationRequest
-
-__all__ = ["GrammarSpec", "check_schema", "integer_range_gbnf", "json_gbnf",
-           "request_grammar", "schema_to_gbnf"]
+__all__ = ["CompiledSchema", "check_schema", "compile_json_object", "compile_schema",
+           "integer_range_gbnf", "json_gbnf", "schema_to_gbnf"]
 
 # Up to this count the converter writes a bounded repetition (minItems/maxItems,
 # minLength/maxLength) as nested groups, one per allowed count (llama.cpp's parser
@@ -48,32 +45,24 @@ _NO_SURROGATE_ESCAPE: Final = r'"u" ([0-9a-cA-CefEF] [0-9a-fA-F]{3} | [dD] [0-7]
 _CHAR_RULE: Final = r'[^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | ' + _NO_SURROGATE_ESCAPE + ")"
 
 
-class GrammarSpec(NamedTuple):
-    """What a request's output is held to: GBNF text, the field it came from, and for a
-    JSON document the shape budget.py closes it by (None for a GBNF grammar)."""
+class CompiledSchema(NamedTuple):
+    """A schema compiled: the GBNF text llama.cpp's grammar sampler runs, and the shape
+    of the documents it allows, which budget-aware closing (closer.py) completes."""
 
-    text: str
-    field: str
-    shape: Shape | None
+    gbnf: str
+    shape: Shape
 
 
-def request_grammar(request: GenerationRequest) -> GrammarSpec | None:
-    """The grammar a request asks for, or None when the request is unconstrained."""
-    given = [name for name in ("json_schema", "format", "grammar")
-             if getattr(request, name) is not None]
-    if len(given) > 1:
-        raise GrammarError(f"json_schema, format and grammar exclude each other; "
-                           f"this request gives {' and '.join(given)}")
-    if request.json_schema is not None:
-        checked = check_schema(request.json_schema)
-        return GrammarSpec(checked_to_gbnf(checked), "json_schema",
-                           shape_of(checked.root, checked.refs))
-    if request.format is not None:
-        return GrammarSpec(json_gbnf(), "format", free_object())
-    if request.grammar is not None:
-        check_gbnf(request.grammar)
-        return GrammarSpec(request.grammar, "grammar", None)
-    return None
+def compile_schema(schema: Any) -> CompiledSchema:
+    """A client's JSON Schema compiled; GrammarError naming the place of the first thing
+    the conversion cannot honour, or if its grammar is past the bounds of gbnfcheck.py."""
+    checked = check_schema(schema)
+    return CompiledSchema(checked_to_gbnf(checked), shape_of(checked.root, checked.refs))
+
+
+def compile_json_object() -> CompiledSchema:
+    """Any JSON object (`format: "json"`)."""
+    return CompiledSchema(json_gbnf(), free_object())
 
 
 def json_gbnf() -> str:
