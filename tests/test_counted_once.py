@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 
 from sfcore_daemon.config import Config
-from sfcore_daemon.engine.sampling import Sampling
+from sfcore_daemon.llama.sampling import Sampling
 from sfcore_daemon.serve.connection import Connection
 from sfcore_daemon.serve.scheduler import Generation, Scheduler
 from sfcore_daemon.serve.stats import Stats

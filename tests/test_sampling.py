@@ -10,16 +10,16 @@ from collections.abc import Iterator
 import pytest
 
 from sfcore_daemon.config import ModelConfig
-from sfcore_daemon.engine.sampling import (
+from sfcore_daemon.llama import modelfile as models
+from sfcore_daemon.llama.capi import C
+from sfcore_daemon.llama.model import Model
+from sfcore_daemon.llama.sampling import (
     Sampling,
     argmax,
     import_numpy_beside,
     is_plain_greedy,
     make_chain,
 )
-from sfcore_daemon.llama import modelfile as models
-from sfcore_daemon.llama.capi import C
-from sfcore_daemon.llama.model import Model
 
 TEXT = ("def mean(values):\n    return sum(values) / len(values)\n\n"
         "Die Katze schläft auf dem warmen Fensterbrett. 東京は日本の首都です。 "

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import pytest
 
 from sfcore_daemon.config import ModelConfig
-from sfcore_daemon.engine.sampling import import_numpy_beside
 from sfcore_daemon.llama import modelfile as models
 from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.model import Model
+from sfcore_daemon.llama.sampling import import_numpy_beside
 from sfcore_daemon.llama.seqstate import Part, parts, window_pad
 
 HEAD = struct.pack("<Ii", 0x67677371, 3)

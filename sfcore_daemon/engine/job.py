@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
-from sfcore_daemon.engine.sampling import Sampling
+from sfcore_daemon.llama.sampling import Sampling
 
 if TYPE_CHECKING:
     import asyncio

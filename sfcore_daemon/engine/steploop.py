@@ -18,12 +18,12 @@ from sfcore_daemon.engine import faults
 from sfcore_daemon.engine.containment import ContainedStates, Ender
 from sfcore_daemon.engine.drafting import DraftPlan, count_aligned, logit_rows
 from sfcore_daemon.engine.job import EndReason, Job
-from sfcore_daemon.engine.sampling import argmax, is_plain_greedy, make_chain
 from sfcore_daemon.engine.sequence import Seq
 from sfcore_daemon.engine.speculative import DraftSettings, NgramStore
 from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.kvcache import KVCache, shared_prefix
 from sfcore_daemon.llama.model import Model
+from sfcore_daemon.llama.sampling import argmax, is_plain_greedy, make_chain
 from sfcore_daemon.store.promptstore import PromptStore
 
 # llama_decode's return value when the abort callback said stop.

@@ -18,7 +18,6 @@ from typing import Any
 
 from sfcore_daemon.config import ModelConfig
 from sfcore_daemon.engine.job import Job
-from sfcore_daemon.engine.sampling import import_numpy_beside
 from sfcore_daemon.engine.speculative import DraftSettings
 from sfcore_daemon.engine.steploop import StepLoop
 from sfcore_daemon.llama.capi import C
@@ -30,6 +29,7 @@ from sfcore_daemon.llama.model import (
     llama_cpp_version,
 )
 from sfcore_daemon.llama.modelfile import known_sha256, model_sha256
+from sfcore_daemon.llama.sampling import import_numpy_beside
 from sfcore_daemon.store.promptstore import PromptStore
 
 # What the file format of a stored state is; part of every state's fingerprint.

@@ -16,10 +16,10 @@ from typing import Any, NamedTuple, TypeVar, assert_never
 
 from sfcore_daemon import __version__
 from sfcore_daemon.config import Config
-from sfcore_daemon.engine.sampling import Sampling
 from sfcore_daemon.engine.thread import Engine
 from sfcore_daemon.llama.gpu import gpu_layers
 from sfcore_daemon.llama.model import EngineClosed, TokenIdError
+from sfcore_daemon.llama.sampling import Sampling
 from sfcore_daemon.serve import protocol
 from sfcore_daemon.serve.chat import ChatTemplate, ChatTemplateError
 from sfcore_daemon.serve.connection import Connection, ReplySlot

@@ -16,9 +16,9 @@ from collections import deque
 from typing import Protocol, cast
 
 from sfcore_daemon.engine.job import Job
-from sfcore_daemon.engine.sampling import Sampling
 from sfcore_daemon.engine.thread import Engine
 from sfcore_daemon.llama.kvcache import shared_prefix
+from sfcore_daemon.llama.sampling import Sampling
 from sfcore_daemon.serve import protocol
 from sfcore_daemon.serve.protocol import (
     DoneReply,

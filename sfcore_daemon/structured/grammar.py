@@ -23,9 +23,9 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Final
 
-from sfcore_daemon.engine.sampling import PENALTY_LAST_N
 from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.logrouter import llama_log_router
+from sfcore_daemon.llama.sampling import PENALTY_LAST_N
 from sfcore_daemon.structured.closer import Closer, clone_accepts
 from sfcore_daemon.structured.gbnfcheck import GrammarError, check_gbnf
 from sfcore_daemon.structured.tracker import JsonTracker

@@ -1,0 +1,147 @@
+"""The package's layout holds: subpackages in layers, no import circle, nothing too big.
+
+Read from the source with `ast` (nothing is imported), so a change that breaks the
+layout fails here at once, before anyone reads it in a review.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "sfcore_daemon"
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 300
+# Each package may import from its own modules and from packages of a lower layer only.
+# store and structured share a layer and know nothing of each other; tune is a command
+# of its own beside serving, built on the layers below the engine.
+LAYERS: dict[str, int] = {
+    "config": 0,
+    "system": 1,
+    "llama": 2,
+    "store": 3, "structured": 3,
+    "engine": 4,
+    "serve": 5, "tune": 5,
+    "cli": 6, "__main__": 6, "__init__": 6,
+}
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name (below sfcore_daemon) -> file."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Every module of the package `name` imports, anywhere in it (functions and
+    TYPE_CHECKING blocks included)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name.rsplit(".", 1)[0] if "." in name else ""
+    if path.name == "__init__.py":
+        package = name.removesuffix(".__init__")
+    found: set[str] = set()
+
+    def add(dotted: str) -> None:
+        dotted = dotted.removeprefix("sfcore_daemon").removeprefix(".")
+        if dotted in known:
+            found.add(dotted)
+        elif f"{dotted}.__init__" in known:
+            found.add(f"{dotted}.__init__")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("sfcore_daemon"):
+                    add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".") if package else []
+                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                module = ".".join([*base, *(node.module.split(".") if node.module else [])])
+                module = "sfcore_daemon." + module if module else "sfcore_daemon"
+            elif node.module and node.module.startswith("sfcore_daemon"):
+                module = node.module
+            else:
+                continue
+            add(module)
+            for alias in node.names:  # `from sfcore_daemon.llama import model`
+                add(f"{module}.{alias.name}")
+    found.discard(name)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    return {name: _imports(name, path, known) for name, path in modules.items()}
+
+
+def _layer(module: str) -> tuple[str, int]:
+    """A module's package ("" for the top-level modules) and its layer."""
+    top = module.split(".", 1)[0]
+    assert top in LAYERS, f"{module}: its package has no layer in tests/test_layout.py"
+    return ("" if "." not in module else top), LAYERS[top]
+
+
+def test_every_import_goes_down_the_layers() -> None:
+    upward = []
+    for module, targets in _graph().items():
+        package, layer = _layer(module)
+        for target in sorted(targets):
+            target_package, target_layer = _layer(target)
+            if target_package != package and target_layer >= layer:
+                upward.append(f"{module} -> {target}")
+    assert not upward, "imports that do not go down the layers:\n" + "\n".join(upward)
+
+
+def test_no_import_circle() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+    circles: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                circles.append(" -> ".join([*path[path.index(target):], target]))
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_no_module_or_class_too_big() -> None:
+    too_big = []
+    for name, path in _modules().items():
+        text = path.read_text()
+        lines = text.count("\n")
+        if lines > MAX_MODULE_LINES:
+            too_big.append(f"module {name}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                assert node.end_lineno is not None
+                size = node.end_lineno - node.lineno + 1
+                if size > MAX_CLASS_LINES:
+                    too_big.append(f"class {name}.{node.name}: {size} lines")
+    assert not too_big, "past the limits (module 600, class 300):\n" + "\n".join(too_big)
+
+
+def test_each_package_says_what_it_owns_in_two_lines() -> None:
+    packages = sorted(path for path in PACKAGE.iterdir() if (path / "__init__.py").is_file())
+    assert {path.name for path in packages} == {
+        name for name in LAYERS if name not in ("config", "cli", "__main__", "__init__")}
+    for package in packages:
+        doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text()))
+        assert doc is not None and len(doc.splitlines()) == 2, package.name
+    flat = sorted(path.stem for path in PACKAGE.glob("*.py"))
+    assert flat == ["__init__", "__main__", "cli", "config"], flat
