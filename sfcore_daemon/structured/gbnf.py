@@ -169,8 +169,9 @@ class _Emitter:
     def _object(self, shape: Shape, name: str) -> str:
         prefix = f"{name}-" if name else ""
         kv_rules: dict[bytes | None, str] = {}  # None: the additional properties
+        names: dict[bytes | None, str] = {None: "*"}
         for key, value in shape.props.items():
-            prop_name = json.loads(key)
+            prop_name = names[key] = _key_name(key)
             value_rule = self.visit(value, f"{prefix}{prop_name}")
             kv_rules[key] = self._add_rule(f"{prefix}{prop_name}-kv",
                                            f'{_literal(key.decode())} space ":" space '
@@ -187,14 +188,14 @@ class _Emitter:
             rule += " ("
             if shape.required:
                 rule += ' "," space ( '
-            rule += " | ".join(self._optional_chains(optional, kv_rules, prefix))
+            rule += " | ".join(self._optional_chains(optional, kv_rules, names, prefix))
             if shape.required:
                 rule += " )"
             rule += " )?"
         return rule + ' "}" space'
 
     def _optional_chains(self, optional: list[bytes | None], kv_rules: dict[bytes | None, str],
-                         prefix: str) -> list[str]:
+                         names: dict[bytes | None, str], prefix: str) -> list[str]:
         """For each optional property, the properties it may be followed by, in order,
         each optional: a rule per tail, written from the last property backwards."""
         def head(key: bytes | None, first: bool) -> str:
@@ -208,9 +209,7 @@ class _Emitter:
             text = head(optional[i], first=False)
             if i + 1 < len(optional):
                 text += " " + rest[i]
-            before = optional[i - 1]
-            label = "*" if before is None else json.loads(before)
-            rest[i - 1] = self._add_rule(f"{prefix}{label}-rest", text)
+            rest[i - 1] = self._add_rule(f"{prefix}{names[optional[i - 1]]}-rest", text)
         return [head(key, first=True) + (" " + rest[i] if i + 1 < len(optional) else "")
                 for i, key in enumerate(optional)]
 
@@ -246,6 +245,14 @@ class _Emitter:
         if low > CONVERTER_REPEAT or (high is not None and high > CONVERTER_REPEAT):
             return self._add_rule(rule_name, f'"\\"" ({char}){_counted(low, high)} "\\"" space')
         return self._add_rule(rule_name, f'"\\"" {_repetition(char, low, high)} "\\"" space')
+
+
+def _key_name(key: bytes) -> str:
+    """A property's name from its key literal (JSON, ASCII)."""
+    if b"\\" in key:
+        name: str = json.loads(key.decode("ascii"))
+        return name
+    return key[1:-1].decode("ascii")
 
 
 def _literal(text: str) -> str:
