@@ -21,11 +21,13 @@ from hypothesis import strategies as st
 from sfcore_daemon.serve.handlers import request_grammar
 from sfcore_daemon.serve.protocol import GenerateRequest
 from sfcore_daemon.structured.checker import check_schema
-from sfcore_daemon.structured.compiler import checked_to_gbnf, schema_to_gbnf
+from sfcore_daemon.structured.compiler import checked_to_gbnf, compile_schema, schema_to_gbnf
+from sfcore_daemon.structured.gbnf import shape_gbnf
 from sfcore_daemon.structured.gbnfcheck import MAX_GRAMMAR_BRANCHES, GrammarError, check_gbnf
 from sfcore_daemon.structured.pattern import check_pattern, pattern_gbnf
 from sfcore_daemon.structured.shape import shape_of
 from sfcore_daemon.structured.tracker import JsonTracker
+from tests.gbnf_match import accepts
 from tests.harness import done_of, running_daemon
 from tests.llama_grammar_probe import GrammarProbe
 
@@ -370,6 +372,54 @@ def _resolves(document: Any, place: str) -> bool:
         else:
             return False
     return True
+
+
+# --- one walk: the grammar is written from the shape ----------------------------------
+
+
+@PROPERTY_SETTINGS
+@given(SCHEMA_DOCUMENTS)
+def test_the_grammar_is_written_from_the_shape_and_accepts_its_shortest_document(
+        schema: Any) -> None:
+    """A schema is walked once, into its shape: the GBNF is a function of the shape alone
+    (written again from it, the same text), and the document the closer completes a fresh
+    value with, the shape's shortest, is one the grammar accepts."""
+    try:
+        compiled = compile_schema(schema)
+    except GrammarError:
+        return
+    assert shape_gbnf(compiled.shape) == compiled.gbnf
+    shortest = compiled.shape.shortest
+    if len(shortest) < 4000:  # past it: infinite (a $ref cycle), or slow to match
+        assert accepts(compiled.gbnf, shortest.decode()), (shortest, compiled.gbnf)
+
+
+@pytest.mark.parametrize(("schema", "document"), [
+    # The converter read `true` here as {} (any object); the shape used to say "{}" only.
+    ({"type": "object", "properties": {}, "additionalProperties": True},
+     '{"k": {"a": [1, "x"]}, "l": {}}'),
+    ({"type": "object", "additionalProperties": {"type": "integer", "minimum": 3}},
+     '{"a": 3, "b": 40}'),
+    ({"type": "string", "format": "date-time"}, '"2024-02-29T23:59:59.123+05:30"'),
+    ({"type": "string", "format": "uuid"}, '"123e4567-E89B-12d3-a456-426614174000"'),
+    ({"type": ["boolean", "null", "integer"]}, "null "),
+    ({"enum": ["a\\b", {"k": "é"}, None]}, '{"k": "é"}'),
+    ({"$defs": {"n": {"type": "object", "properties": {"c": {"type": "array", "items": {
+        "$ref": "#/$defs/n"}}}}}, "$ref": "#/$defs/n"}, '{"c": [{}, {"c": [{"c": []}]}]}'),
+    ({"type": "array", "items": {"type": "string", "maxLength": 300}, "minItems": 2,
+      "maxItems": 300}, '["ab", "' + "x" * 300 + '"]'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"},
+                                       "c": {"type": "null"}}, "required": ["b"]},
+     '{"b": "", "a": -12, "c": null}'),
+])
+def test_documents_the_grammar_accepts_are_followed_by_the_shape(schema: dict[str, Any],
+                                                                 document: str) -> None:
+    compiled = compile_schema(schema)
+    assert accepts(compiled.gbnf, document), compiled.gbnf
+    assert not accepts(compiled.gbnf, document[:-2]), compiled.gbnf
+    tracker = JsonTracker(compiled.shape)
+    tracker.feed(document.encode())
+    assert not tracker.lost and tracker.completions()[:1] == [b""], document
 
 
 def test_every_value_of_every_keyword_replaced_by_any_json_is_named_or_converts(

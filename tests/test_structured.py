@@ -189,12 +189,14 @@ def test_supported_schemas_convert_and_unsupported_grammar_nesting_is_refused() 
     check_gbnf('root ::= "((((((((" [(((] # ((((\n')
 
 
-def test_the_converter_is_imported_without_numpy_or_the_high_level_package() -> None:
+def test_compiling_a_schema_imports_neither_numpy_nor_the_high_level_package() -> None:
+    """The compiler writes GBNF itself: not even llama-cpp-python's converter module."""
     code = ("import sys; import sfcore_daemon.serve.server; "
             "from sfcore_daemon.structured import compiler; "
-            "compiler.schema_to_gbnf({'type': 'object'}); "
-            "assert 'llama_cpp.llama_grammar' in sys.modules; "
-            "bad = [m for m in ('numpy', 'llama_cpp.llama') if m in sys.modules]; "
+            "compiler.schema_to_gbnf({'type': 'object', 'properties': {'a': {}}}); "
+            "compiler.compile_json_object(); "
+            "bad = [m for m in ('numpy', 'llama_cpp.llama', 'llama_cpp.llama_grammar') "
+            "if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
 

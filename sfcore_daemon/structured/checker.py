@@ -3,15 +3,16 @@
 `check_schema` is the one reader of a schema as the client sent it. Any JSON value may
 stand anywhere in it, so every keyword's value is read through a typed accessor that
 refuses a wrong type with a `GrammarError` naming the place (`$.json_schema.properties
-.a.format`). What it returns, a `CheckedSchema`, is all the converter (schema.py) and
-the shape builder (jsonshape.py) ever see: only the keywords they act on, each of the
-type they expect, the type written out where the keywords implied it (the converter and
-the shape builder guessed differently), annotations dropped, and each `$ref` resolved
-once. Unlike the raw schema, it holds nothing they could trip on.
+.a.format`). What it returns, a `CheckedSchema`, is all the shape builder (shape.py)
+ever sees, and the grammar is written from the shapes (gbnf.py): only the keywords
+they act on, each of the type they expect, the type written out where the keywords
+implied it, annotations dropped, and each `$ref` resolved once. Unlike the raw schema,
+it holds nothing they could trip on.
 
-The converter picks one rule per schema ($ref, then anyOf, then a list of types, then
-const, enum, ...) and drops the other keywords of that schema without a word, so a
-combination it would half-honour is refused rather than let through.
+The shape builder picks one reading per schema ($ref, then anyOf, then a list of types,
+then const, enum, ...), as llama.cpp's json-schema-to-grammar converter does, and would
+drop the other keywords of that schema without a word, so a combination it would
+half-honour is refused rather than let through.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ ANNOTATIONS: Final = frozenset({
 })
 TYPES: Final = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 STRING_FORMATS: Final = frozenset({"date", "time", "date-time", "uuid"})
-# What the converter turns into grammar, by the kind of schema it applies to.
+# What the grammar honours, by the kind of schema it applies to.
 OBJECT_KEYWORDS: Final = frozenset({"properties", "required", "additionalProperties"})
 ARRAY_KEYWORDS: Final = frozenset({"items", "minItems", "maxItems", "prefixItems"})
 STRING_KEYWORDS: Final = frozenset({"minLength", "maxLength", "pattern", "format"})
@@ -45,10 +46,10 @@ MAX_INTEGER_BOUND: Final = 10**16 - 1
 MAX_REPEAT: Final = MAX_GRAMMAR_REPEAT
 MAX_SCHEMA_DEPTH: Final = 32
 # Nesting counted through references: every schema a chain of $refs passes through
-# adds its own nesting (the schemas of a recursive cycle once each). The converter
-# and the shape builder recurse along such chains.
+# adds its own nesting (the schemas of a recursive cycle once each). The shape builder
+# and the grammar's writer recurse along such chains.
 MAX_REF_DEPTH: Final = 128
-# How deep a const or enum value may nest (the converter writes it with json.dumps).
+# How deep a const or enum value may nest (its literal is written with json.dumps).
 MAX_VALUE_DEPTH: Final = 64
 
 _JSON_TYPES: Final[dict[str, tuple[type, ...]]] = {
@@ -167,8 +168,8 @@ class _Checker:
             return _string(schema, path)
         if kind == "integer":
             return _integer(schema, path)
-        # A schema that asserts nothing is any object to the converter (its rule for {});
-        # written out, since an empty items schema reads as absent to it.
+        # A schema that asserts nothing is any object (llama.cpp's converter's rule for
+        # {}); written out, as the converter read an empty items schema as absent.
         return {"type": kind or "object"}
 
     def _ref(self, ref: Any, path: str) -> str:
@@ -177,7 +178,7 @@ class _Checker:
         if ref in self._seen_refs:
             return ref
         target: Any = self._root
-        for part in ref[2:].split("/"):  # as the converter reads it: no ~0/~1 escapes
+        for part in ref[2:].split("/"):  # as llama.cpp's converter read it: no ~0/~1 escapes
             if not isinstance(target, dict) or part not in target:
                 raise GrammarError(f"reference {ref!r} does not resolve - at `{path}`")
             target = target[part]

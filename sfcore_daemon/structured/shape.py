@@ -1,11 +1,14 @@
-"""What a JSON Schema grammar lets a document be, in the form the budget tracker needs.
+"""The one intermediate form of a JSON Schema: a tree of `Shape`s.
 
-`shape_of(schema)` turns a schema that `schema.check_schema` accepted into `Shape`s that
-mirror the GBNF llama-cpp-python's converter writes for it (schema.py): the same order
-of object properties (required ones first, in schema order, then the optional ones in
-order), the same literals for keys, `enum` and `const`, the same number and string
-rules. `Shape.shortest` is the shortest text of a fresh value of that shape, which
-jsonclose.py uses to close a document in as few bytes as the grammar allows.
+`shape_of(schema)` walks a schema that `checker.check_schema` accepted, once, into
+`Shape`s. Everything downstream is derived from that tree: the GBNF text (gbnf.py writes
+it from the shapes alone) and budget-aware closing (tracker.py and closer.py read the
+shapes on the decode thread). A shape holds what both need: the order of object
+properties (required ones first, in schema order, then the optional ones in order), the
+literals of keys, `enum` and `const` as JSON writes them, string and array bounds,
+integer bounds, a pattern's regular expression (and its NFA), and each `$ref` target
+as one shared shape. `Shape.shortest` is the shortest text of a fresh value of that
+shape, which closer.py uses to close a document in as few bytes as the grammar allows.
 
 Pure Python, no llama.cpp: built on the event loop, read on the decode thread.
 """
@@ -29,7 +32,8 @@ MAX_NFA_STATES: Final = 20000
 # out, an untracked pattern, or counts that multiply (an array of minItems arrays).
 _INFINITE: Final = b"\xff" * 100000
 
-# The converter's string formats, as regular expressions over the characters.
+# The string formats, as regular expressions over the characters: a format is a
+# pattern (its NFA and its GBNF come from the same text).
 _DATE: Final = r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[1-2][0-9]|3[0-1])"
 _TIME: Final = (r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]([.][0-9]{3})?"
                 r"(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])")
@@ -43,10 +47,15 @@ FORMAT_PATTERNS: Final = {
 
 class Shape:
     """One schema's value. `kind` is one of: any, object, array, string, pattern,
-    literal, number, integer, alt, untracked (a pattern past the NFA budget)."""
+    literal, number, integer, alt, untracked (a pattern past the NFA budget).
+
+    An `alt` with a `ref` is the target of that $ref: one shape for every reference to
+    it (a recursive schema is a cycle of shapes), its one alternative the target's shape.
+    """
 
     __slots__ = ("kind", "props", "required", "optional", "extra", "items", "prefix",
-                 "min", "max", "low", "high", "literals", "alts", "nfa", "_shortest")
+                 "min", "max", "low", "high", "literals", "typed", "alts", "ref", "regex",
+                 "nfa", "_shortest")
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -61,7 +70,12 @@ class Shape:
         self.low: int | None = None  # an integer's inclusive bounds
         self.high: int | None = None
         self.literals: list[bytes] = []
+        # The literals of the type boolean or null, which end like any other value (in
+        # the grammar's optional space); an enum's or a const's literals stand bare.
+        self.typed = False
         self.alts: list[Shape] = []
+        self.ref: str | None = None
+        self.regex = ""  # pattern, untracked: the regular expression, without ^ and $
         self.nfa: Nfa | None = None
         self._shortest: bytes | None = None
 
@@ -183,7 +197,7 @@ def free_object(value: Shape | None = None) -> Shape:
 
 
 def shape_of(schema: dict[str, Any], refs: dict[str, dict[str, Any]] | None = None) -> Shape:
-    """The shape of a checked schema (schemacheck.py), references resolved lazily (they
+    """The shape of a checked schema (checker.py), references resolved lazily (they
     may recurse): through `refs` (the checked schema each $ref refers to), else by their
     path in `schema`."""
     return _Builder(schema, refs).visit(schema)
@@ -232,15 +246,16 @@ class _Builder:
             return integer_shape(low, high)
         if kind == "number":
             return Shape("number")
-        if kind == "boolean":
-            return _literal([True, False])
-        return _literal([None])
+        shape = _literal([True, False] if kind == "boolean" else [None])
+        shape.typed = True
+        return shape
 
     def _ref(self, ref: str) -> Shape:
         shape = self._refs.get(ref)
         if shape is None:
             # A placeholder first: a recursive reference finds it and shares the result.
             shape = self._refs[ref] = Shape("alt")
+            shape.ref = ref
             target: Any = self._root
             if self._targets is not None:
                 target = self._targets[ref]
@@ -252,6 +267,7 @@ class _Builder:
 
     def _pattern(self, regex: str) -> Shape:
         shape = Shape("pattern")
+        shape.regex = regex
         try:
             shape.nfa = Nfa.compile(regex, self._nfa_states)
             self._nfa_states -= len(shape.nfa.edges)
@@ -268,12 +284,15 @@ class _Builder:
 
     def _object(self, schema: dict[str, Any]) -> Shape:
         properties: dict[str, Any] = schema.get("properties", {})
-        if not properties and isinstance(schema.get("additionalProperties"), dict):
-            return free_object(self.visit(schema["additionalProperties"]))
+        extra = schema.get("additionalProperties")
+        if not properties and (extra is True or isinstance(extra, dict)):
+            # `true` beside `"properties": {}` stands for the schema {}, which is any
+            # object (as llama.cpp's converter read it: the grammar is unchanged).
+            return free_object(self.visit(extra if isinstance(extra, dict) else {}))
         shape = Shape("object")
         required = set(schema.get("required", []))
         for name, sub in properties.items():
-            key = json.dumps(name).encode()  # the converter's key literal: ASCII, escaped
+            key = json.dumps(name).encode()  # the key's literal: ASCII, escaped
             shape.props[key] = self.visit(sub)
             (shape.required if name in required else shape.optional).append(key)
         return shape
@@ -315,7 +334,7 @@ def _ceil(value: float) -> int:
 
 def _literal(values: list[Any]) -> Shape:
     shape = Shape("literal")
-    # As the converter writes constants (schema.Converter._generate_constant_rule).
+    # Non-ASCII text as itself rather than as \u escapes: the form a model writes.
     shape.literals = [json.dumps(value, ensure_ascii=False).encode() for value in values]
     return shape
 
@@ -327,7 +346,7 @@ re_error = sre.error if hasattr(sre, "error") else ValueError
 
 
 class Nfa:
-    """A Thompson NFA over characters for the pattern subset schema.py accepts."""
+    """A Thompson NFA over characters for the pattern subset pattern.py accepts."""
 
     __slots__ = ("accept", "edges", "eps", "limit", "start")
 

@@ -6,7 +6,7 @@ object waiting for a key, a string so many characters long, an array that needs 
 more items. `completions()` gives the shortest bytes that make the document whole from
 there: the string's closing quote (after the characters minLength still asks for), the
 required properties not yet written with their shortest values (in the order the
-converter's grammar requires), closing brackets. An `anyOf` whose alternatives agree on
+schema's grammar requires), closing brackets. An `anyOf` whose alternatives agree on
 the text so far keeps one stack for each (at most MAX_READINGS).
 
 Pure Python and cheap per byte, but nothing reads it on the fast path: grammar.py feeds
