@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from sfcore_daemon.store.fingerprint import state_fingerprint
 from sfcore_daemon.store.promptstore import PromptStore, state_name
 
 
@@ -303,3 +304,24 @@ def test_a_read_past_its_bound_is_given_up_and_later_ones_skip_the_stuck_disk(
     finally:
         release.set()
         store.close(5)
+
+
+_FINGERPRINTED: dict[str, Any] = {
+    "model_sha256": "0" * 64, "llama_cpp": "0.3.16", "flash_attn": "auto", "n_ubatch": 512,
+    "gpu_layers": "auto", "system_info": "CPU : AVX2 = 1 |"}
+
+
+def test_the_fingerprint_is_the_same_hash_of_the_same_values() -> None:
+    # Pinned: another hash of the same values would orphan every state file on disk
+    # (its folder is named after it), so a change of the recipe must be a deliberate one
+    # (with STATE_FORMAT bumped when the file format changes).
+    assert state_fingerprint(**_FINGERPRINTED) == (
+        "75fa67bae301bb3e587e8f237af3ccbd9407c00d16f605cb12120bae080dc245")
+
+
+@pytest.mark.parametrize("field, other", [
+    ("model_sha256", "1" * 64), ("llama_cpp", "0.3.17"), ("flash_attn", True),
+    ("n_ubatch", 256), ("gpu_layers", 0), ("system_info", "CPU : AVX2 = 0 |")])
+def test_every_value_the_engine_passes_changes_the_fingerprint(field: str, other: Any) -> None:
+    assert state_fingerprint(**{**_FINGERPRINTED, field: other}) != \
+        state_fingerprint(**_FINGERPRINTED)

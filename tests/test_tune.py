@@ -10,7 +10,7 @@ import pytest
 import tomli_w
 
 from sfcore_daemon.config import load_config
-from sfcore_daemon.tune.command import ROW_MULTIPLES, SAWTOOTH, leftover_shares, row_sizes
+from sfcore_daemon.tune.rows import ROW_MULTIPLES, SAWTOOTH, leftover_shares, row_sizes
 from tests.harness import BASE_CONFIG, merge, run_cli
 
 pytestmark = pytest.mark.asyncio

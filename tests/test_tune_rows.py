@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from sfcore_daemon.tune.command import choose_row_multiple, leftover_shares, row_sizes
+from sfcore_daemon.tune.rows import choose_row_multiple, leftover_shares, row_sizes
 
 # Measured on the 2-vCPU x86 machine with the default model (docs/performance.md, "Rows
 # come in fours"): llamafile's tinyBLAS takes the Q8_0 output matrix's logit rows four at

@@ -73,8 +73,7 @@ class ContainedStates(PromptStates):
         seq.next_prompt = 0
 
     def _failed(self, job: Job | None, what: str, exc: Exception) -> None:
-        if self._store is not None:
-            self._store.counters.errors += 1
+        self._count_error()
         if job is not None:
             job.contained.append((what, exc))
 

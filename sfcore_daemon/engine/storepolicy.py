@@ -1,6 +1,8 @@
-"""The step loop's side of the prompt store (promptstore.py), on the decode thread: which
-stored state a new prompt restores, where its prompt is cut into chunks, and which
-states of its cells are kept, and when.
+"""The engine's side of the prompt store (store/*), on the decode thread: which stored
+state a new prompt restores, where its prompt is cut into chunks, and which states of
+its cells are kept, and when. The one engine module that talks to the store: the step
+loop and containment.py go through `PromptStates`; the Engine (thread.py) gets the
+store's type and its fingerprint (`store_fingerprint`) from here.
 
 A state continues only where its text ends, and a sliding-window model's state holds
 just the last window of its window layers, so states are taken at places the next
@@ -14,12 +16,17 @@ import logging
 import time
 from collections.abc import Sequence
 
+from sfcore_daemon.config import ModelConfig
 from sfcore_daemon.engine.job import Job
 from sfcore_daemon.engine.sequence import Seq
 from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.kvcache import KVCache
-from sfcore_daemon.llama.model import Model
-from sfcore_daemon.store.promptstore import PromptStore
+from sfcore_daemon.llama.model import Model, llama_cpp_version
+from sfcore_daemon.llama.modelfile import model_sha256
+from sfcore_daemon.store.fingerprint import state_fingerprint
+from sfcore_daemon.store.promptstore import Entry, PromptStore
+
+__all__ = ["Entry", "PromptStates", "PromptStore", "store_fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +88,7 @@ class PromptStates:
         if self._cells.restore(seq, data, entry.tokens, n, place=n in seq.cuts):
             job.n_cached, job.cache_source = n, "ram"
         else:
-            store.counters.errors += 1
+            self._count_error()
             job.n_cached, job.cache_source, job.restore_failed = 0, "none", True
 
     def poll(self, seq: Seq) -> None:
@@ -119,8 +126,7 @@ class PromptStates:
         if self._cells.restore(seq, data, entry.tokens, n, place=n in seq.cuts):
             job.n_cached, job.cache_source = n, "disk"
         else:
-            assert self._store is not None
-            self._store.counters.errors += 1
+            self._count_error()
             job.n_cached, job.cache_source, job.restore_failed = 0, "none", True
         seq.next_prompt = job.n_cached
         self.protect(seq, job)
@@ -228,3 +234,20 @@ class PromptStates:
         """At shutdown: every slot's cells into the store (the daemon drains first)."""
         for seq in self._seqs:
             self.keep(seq, len(seq.cached))
+
+    def _count_error(self) -> None:
+        """A failed restore or keep, counted in the store's `errors` (the stats op)."""
+        if self._store is not None:
+            self._store.counters.errors += 1
+
+
+def store_fingerprint(model_path: str, config: ModelConfig) -> str:
+    """The fingerprint of the states this model and context make (store/fingerprint.py).
+    Runs on the store's thread: it may hash the model file."""
+    return state_fingerprint(
+        model_sha256=model_sha256(model_path),
+        llama_cpp=llama_cpp_version(),
+        flash_attn=config.flash_attn,
+        n_ubatch=min(config.n_ubatch, config.n_batch),
+        gpu_layers=config.n_gpu_layers,
+        system_info=C.llama_print_system_info().decode(errors="replace"))

@@ -8,8 +8,7 @@ llama.cpp context happens on it.
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
-import json
+import functools
 import os
 import queue
 import threading
@@ -20,20 +19,12 @@ from sfcore_daemon.config import ModelConfig
 from sfcore_daemon.engine.job import Job
 from sfcore_daemon.engine.speculative import DraftSettings
 from sfcore_daemon.engine.steploop import StepLoop
+from sfcore_daemon.engine.storepolicy import PromptStore, store_fingerprint
 from sfcore_daemon.llama.capi import C
-from sfcore_daemon.llama.model import (
-    EngineClosed,
-    LoadAborted,
-    Model,
-    ModelLoadError,
-    llama_cpp_version,
-)
-from sfcore_daemon.llama.modelfile import known_sha256, model_sha256
+from sfcore_daemon.llama.model import EngineClosed, LoadAborted, Model, ModelLoadError
+from sfcore_daemon.llama.modelfile import known_sha256
 from sfcore_daemon.llama.sampling import import_numpy_beside
-from sfcore_daemon.store.promptstore import PromptStore
 
-# What the file format of a stored state is; part of every state's fingerprint.
-_STATE_FORMAT = 1
 # How long the start-up waits for the store to index its folder (headers only: a few
 # milliseconds for hundreds of files); only a hung disk takes longer.
 _STORE_OPEN_TIMEOUT_S = 30.0
@@ -102,7 +93,7 @@ class Engine:
         self._thread.start()
         if self.store is not None:
             # Beside the model load: the store reads its folder meanwhile.
-            self.store.open(self._state_fingerprint)
+            self.store.open(functools.partial(store_fingerprint, self.model_path, self.config))
         return self.ready
 
     def _main(self) -> None:
@@ -151,26 +142,6 @@ class Engine:
         self.bos_text, self.eos_text = model.bos_text, model.eos_text
         self._loop = StepLoop(model, self.slots, self._prefill_per_step,
                               self.config.reproducible, self.drafts, self.store)
-
-    def _state_fingerprint(self) -> str:
-        """Everything that decides a stored state's layout and numbers: a state made
-        under any other value is never loaded. Runs on the store's thread."""
-        config = self.config
-        identity = {
-            "format": _STATE_FORMAT,
-            "model_sha256": model_sha256(self.model_path),
-            "llama_cpp": llama_cpp_version(),
-            # K/V types are llama.cpp's defaults (f16); flash attention decides whether
-            # V is stored transposed; the sliding-window cache is full-size; the
-            # ubatch size and CPU features decide how the rows were computed.
-            "flash_attn": config.flash_attn,
-            "swa_full": True,
-            "kv_unified": True,
-            "n_ubatch": min(config.n_ubatch, config.n_batch),
-            "gpu_layers": config.n_gpu_layers,
-            "system_info": C.llama_print_system_info().decode(errors="replace"),
-        }
-        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
     def _draft_rows(self) -> int:
         if self.drafts is None or self.config.reproducible:

@@ -1,7 +1,7 @@
 """The prompt store's folders on disk: which files count against the disk budget, and
 removing them without removing what is not ours or what changed under us.
 
-Under `[cache] dir` each fingerprint (promptstore.py) has its own folder, named by its
+Under `[cache] dir` each fingerprint (fingerprint.py) has its own folder, named by its
 first 32 hex digits. An upgrade, another model or another context layout starts a new
 folder and never reads the old ones, so the budget is over all of them: files of other
 fingerprints are removed first, oldest first, and a folder left empty is removed too.

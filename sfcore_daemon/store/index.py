@@ -1,5 +1,5 @@
-"""The prompt store's index and RAM tier (the disk tier and the threads are
-promptstore.PromptStore): which stored state fits a prompt, and the RAM budget.
+"""The prompt store's index and RAM tier (the disk tier is disktier.DiskTier,
+the threads promptstore.PromptStore): which stored state fits a prompt, and the RAM budget.
 
 Memory: `ram_mb` bounds the bytes the store holds, the RAM tier's states and the states
 queued for disk together, each buffer once (a slow disk or the model's first hash

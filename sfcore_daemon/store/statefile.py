@@ -102,7 +102,7 @@ def read_state(path: Path, fingerprint: str, max_file_bytes: int, *, payload: bo
     """The checked header of the state file at `path`, its size and (`payload`) its
     checked payload, all read from one open file; None if there is no file there.
     Anything wrong with it, an I/O error included, raises BadStateFile; its `info` is
-    the stat of the file read when the file may be removed (statedisk.remove_if_same)."""
+    the stat of the file read when the file may be removed (disk.remove_if_same)."""
     info: os.stat_result | None = None
     try:
         file, info = open_state(path)

@@ -1,0 +1,38 @@
+"""What makes a stored state valid for a model and a context: the fingerprint every
+state file carries in its header and is filed under (disk.folder_name). A file made
+under any other fingerprint is never loaded.
+
+The engine passes in the values (engine/storepolicy.store_fingerprint); the store
+decides what goes into the hash and how, so a new field, or a new file format, is
+one change here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+# What the file format of a stored state is; part of every state's fingerprint.
+STATE_FORMAT = 1
+
+
+def state_fingerprint(*, model_sha256: str, llama_cpp: str, flash_attn: bool | str,
+                      n_ubatch: int, gpu_layers: int | str, system_info: str) -> str:
+    """Everything that decides a stored state's layout and numbers, hashed: the model
+    file's sha256, the llama.cpp build, the context parameters and the CPU features
+    (llama_print_system_info)."""
+    identity = {
+        "format": STATE_FORMAT,
+        "model_sha256": model_sha256,
+        "llama_cpp": llama_cpp,
+        # K/V types are llama.cpp's defaults (f16); flash attention decides whether
+        # V is stored transposed; the sliding-window cache is full-size; the
+        # ubatch size and CPU features decide how the rows were computed.
+        "flash_attn": flash_attn,
+        "swa_full": True,
+        "kv_unified": True,
+        "n_ubatch": n_ubatch,
+        "gpu_layers": gpu_layers,
+        "system_info": system_info,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
