@@ -83,8 +83,8 @@ class Generation:
         self.replied = False
         # Times a later request started ahead of this one while it waited for room.
         self.overtaken = 0
-        # Set by the scheduler that runs it: called once its job has ended and the
-        # slot is free for another request.
+        # Set by the scheduler that starts it: told once the job has ended, so that it
+        # frees the slot.
         self.on_released: Callable[[Generation], None] | None = None
         self._stats = stats
 
