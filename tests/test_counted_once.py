@@ -1,7 +1,7 @@
 """A generation's outcome is counted in `stats` exactly once, also when a write drops
 the connection just before the `done` line.
 
-The event-loop half of a generation (scheduler.Generation) writing through a real
+The event-loop half of a generation (output.Generation) writing through a real
 Connection to a real socket whose peer has shut its reading side: the first write
 fails (EPIPE) and leaves the transport closing, and the next one drops the connection,
 which abandons the generation, as it does in the daemon. What the decode thread would
@@ -22,7 +22,8 @@ import pytest_asyncio
 from sfcore_daemon.config import Config
 from sfcore_daemon.llama.sampling import Sampling
 from sfcore_daemon.serve.connection import Connection
-from sfcore_daemon.serve.scheduler import Generation, Scheduler
+from sfcore_daemon.serve.output import Generation
+from sfcore_daemon.serve.scheduler import Scheduler
 from sfcore_daemon.serve.stats import Stats
 
 pytestmark = pytest.mark.asyncio
@@ -68,8 +69,7 @@ def _generation(peer: _Peer, stops: tuple[str, ...]) -> Generation:
                           repeat_penalty=1.0, seed=None),
         cache_prompt=True, sink=slot, arrived_ns=0, loop=asyncio.get_running_loop(),
         stats=peer.server.stats)
-    slot.generation = generation
-    peer.connection.generations.add(generation)
+    slot.attach(generation)
     return generation
 
 

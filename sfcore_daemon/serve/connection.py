@@ -3,7 +3,9 @@
 A `Connection` reads request lines and answers each in full, in the order the requests
 arrived, even when they are pipelined: each request gets a `ReplySlot` in the
 connection's outbox, and only the slot at the head writes to the socket. What a
-request means is its owner's business (`handlers.RequestHandlers.handle`).
+request means is its owner's business (`ops.Ops.handle`). The connection also keeps
+which of its requests are generations still writing (its slots attach them), so that
+its client leaving or a `cancel` can reach them.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from sfcore_daemon.serve.protocol import Request, RequestError, RequestId
 
 if TYPE_CHECKING:
     from sfcore_daemon.config import Config
-    from sfcore_daemon.serve.scheduler import Generation, Scheduler
+    from sfcore_daemon.serve.output import Generation
+    from sfcore_daemon.serve.scheduler import Scheduler
     from sfcore_daemon.serve.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -37,9 +40,14 @@ _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 class ConnectionOwner(Protocol):
     """What a connection needs of the server that accepted it."""
 
-    config: Config
-    stats: Stats
-    scheduler: Scheduler | None
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def stats(self) -> Stats: ...
+
+    @property
+    def scheduler(self) -> Scheduler | None: ...
 
     async def handle(self, connection: Connection, request: Request, arrived_ns: int) -> bool:
         """Answer one decoded request; False when the connection must close after it."""
@@ -93,6 +101,16 @@ class ReplySlot:
         # The generation writing here, forgotten by the connection once it is answered.
         self.generation: Generation | None = None
 
+    @property
+    def gone(self) -> bool:
+        """The client has left: nothing written here will reach it."""
+        return self._connection.gone
+
+    def attach(self, generation: Generation) -> None:
+        """`generation` writes here: the connection knows it until this slot closes."""
+        self.generation = generation
+        self._connection.generations.add(generation)
+
     def write(self, data: bytes | bytearray) -> None:
         connection = self._connection
         if connection.gone:
@@ -140,6 +158,16 @@ class Connection:
         self.last_activity = time.monotonic()
 
     # --- output ---
+
+    def unanswered(self, request_id: RequestId) -> list[Generation]:
+        """This connection's generations with id `request_id` not yet answered."""
+        return [generation for generation in self.generations
+                if generation.request_id == request_id and not generation.replied]
+
+    @property
+    def generating(self) -> bool:
+        """Whether a generation of this connection still writes its reply."""
+        return bool(self.generations)
 
     def open_slot(self) -> ReplySlot:
         slot = ReplySlot(self)

@@ -2,8 +2,8 @@
 
 `Server` owns the listener, every connection and the engine: it admits connections,
 waits for the model, and on a stop signal stops accepting, drains with a timeout,
-cancels the rest, frees the model and closes the connections. The ops themselves are
-`handlers.RequestHandlers`.
+cancels the rest, frees the model and closes the connections. What the ops read of it
+is its `ServerState`; the ops themselves are `ops.Ops`, the owner of every connection.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from sfcore_daemon.config import Config
 from sfcore_daemon.engine.thread import Engine
 from sfcore_daemon.llama.model import LoadAborted
 from sfcore_daemon.serve import protocol
-from sfcore_daemon.serve.chat import ChatTemplate, ChatTemplateError, resolve_template
+from sfcore_daemon.serve.chat import ChatTemplateError, resolve_template
 from sfcore_daemon.serve.connection import Connection, peer_credentials, peer_groups
-from sfcore_daemon.serve.handlers import RequestHandlers
+from sfcore_daemon.serve.ops import Ops
 from sfcore_daemon.serve.scheduler import Scheduler
-from sfcore_daemon.serve.stats import Stats
+from sfcore_daemon.serve.state import ServerState
 from sfcore_daemon.system import systemd
 from sfcore_daemon.system.socketfile import ListeningSocket, StartupError
 
@@ -36,27 +36,19 @@ _CLOSE_GRACE_S = 5.0
 EXIT_DECODE_FAILED = 70
 
 
-class Server(RequestHandlers):
+class Server:
     def __init__(self, config: Config, engine: Engine, cpus: list[int],
                  listening: ListeningSocket) -> None:
         """`engine` has been started (it may still be loading); the server closes it."""
         self.config = config
-        self.cpus = cpus
         self._listening = listening
         self.socket_path = listening.path
+        # Started, maybe still loading; `state.engine` once loaded.
         self._engine = engine
-        # Set once the model is loaded and warmed up.
-        self.engine: Engine | None = None
-        self.scheduler: Scheduler | None = None
-        self.chat_template: ChatTemplate | None = None
-        self.stats = Stats()
+        self.state = ServerState(config, cpus)
+        self.ops = Ops(self.state)
         self.connections: set[Connection] = set()
         self._connection_tasks: set[asyncio.Task[None]] = set()
-        self.draining = False
-        self.ready = asyncio.Event()
-        # Set when the load has ended either way: requests waiting for the model
-        # then run, or are answered `shutting_down` if the load was given up.
-        self._load_ended = asyncio.Event()
         self._stop = asyncio.Event()
         self._stop_count = 0
         self._listener: asyncio.AbstractServer | None = None
@@ -91,18 +83,18 @@ class Server(RequestHandlers):
     def _start_watchdog(self) -> None:
         from sfcore_daemon.system.watchdog import Watchdog
 
-        engine = self._engine
+        engine, state = self._engine, self.state
         watchdog = Watchdog.from_env(
             progress=lambda: engine.progress,
-            busy=lambda: not self.ready.is_set() or (
-                self.scheduler is not None and self.scheduler.busy),
+            busy=lambda: not state.ready.is_set() or (
+                state.scheduler is not None and state.scheduler.busy),
         )
         if watchdog is not None:
             self._watchdog = asyncio.ensure_future(watchdog.run())
 
     async def _load(self) -> bool:
         """Wait for the model; False if a stop signal came first (the load is aborted)."""
-        engine, model_config = self._engine, self.config.model
+        engine, model_config, state = self._engine, self.config.model, self.state
         loaded: asyncio.Future[Any] = asyncio.wrap_future(engine.ready)
         stopped: asyncio.Future[Any] = asyncio.ensure_future(self._stop.wait())
         await asyncio.wait({loaded, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -110,22 +102,22 @@ class Server(RequestHandlers):
         if not loaded.done():
             log.info("stop requested while the model loads; aborting the load")
             engine.abort_load()
-            self.draining = True
-            self._load_ended.set()
+            state.draining = True
+            state.load_ended.set()
             with contextlib.suppress(LoadAborted):
                 await loaded
             return False
         loaded.result()  # a load error ends the daemon here
         info = engine.info
         try:
-            self.chat_template = resolve_template(
+            state.chat_template = resolve_template(
                 model_template=info.chat_template, configured=model_config.chat_template,
                 architecture=info.architecture, bos_token=engine.bos_text,
                 eos_token=engine.eos_text)
         except ChatTemplateError as exc:
             raise StartupError(f"model.chat_template: {exc}") from None
-        self.engine = engine
-        self.scheduler = Scheduler(engine, self.config.server.max_queue, engine.slots)
+        state.engine = engine
+        state.scheduler = Scheduler(engine, self.config.server.max_queue, engine.slots)
         loop = asyncio.get_running_loop()
 
         def decode_stopped(future: concurrent.futures.Future[None]) -> None:
@@ -141,12 +133,12 @@ class Server(RequestHandlers):
         log.info("%s", engine.loaded_model().placement)
         log.info("n_ctx=%d n_batch=%d n_ubatch=%d threads=%d threads_batch=%d cpus=%s "
                  "reproducible=%s chat_template=%s", engine.n_ctx, model_config.n_batch,
-                 engine.n_ubatch, engine.n_threads, engine.n_threads_batch, self.cpus,
+                 engine.n_ubatch, engine.n_threads, engine.n_threads_batch, state.cpus,
                  model_config.reproducible,
-                 self.chat_template.label if self.chat_template else None)
+                 state.chat_template.label if state.chat_template else None)
         log.info("llama.cpp system info: %s", engine.system_info.strip())
-        self.ready.set()
-        self._load_ended.set()
+        state.ready.set()
+        state.load_ended.set()
         # The one line a person or a script waits for; systemd gets the same as STATUS.
         log.info("ready: serving %s on %s with %d slots", info.name, self.socket_path,
                  engine.slots)
@@ -161,14 +153,15 @@ class Server(RequestHandlers):
         error = future.exception()
         if error is None and self._stop.is_set():
             return
-        self.failed = self.draining = True
+        self.failed = self.state.draining = True
         log.critical("the decode thread died; answering every request with an error and "
                      "exiting with status %d to be restarted", EXIT_DECODE_FAILED,
                      exc_info=error)
         systemd.notify("STATUS=the decode thread died; exiting")
-        if self.scheduler is not None:
-            self.scheduler.fail_all(protocol.INTERNAL, "the daemon's decode thread failed "
-                                    "(see its log); the daemon exits to be restarted")
+        if self.state.scheduler is not None:
+            self.state.scheduler.fail_all(protocol.INTERNAL, "the daemon's decode thread "
+                                          "failed (see its log); the daemon exits to be "
+                                          "restarted")
         self._stop.set()
 
     def request_stop(self, signum: int | None = None) -> None:
@@ -176,22 +169,22 @@ class Server(RequestHandlers):
         if self._stop_count == 1:
             log.info("received %s; draining", signal.Signals(signum).name if signum else "stop")
             self._stop.set()
-        elif self.scheduler is not None:
+        elif self.state.scheduler is not None:
             log.info("second stop signal: cancelling the running request now")
-            self.scheduler.cancel_running()
+            self.state.scheduler.cancel_running()
 
     async def _shutdown(self) -> None:
-        self.draining = True
+        self.state.draining = True
         systemd.notify("STOPPING=1")
         if self._listener is not None:
             self._listener.close()
-        scheduler = self.scheduler
+        scheduler = self.state.scheduler
         if scheduler is not None:
             scheduler.reject_waiting(protocol.SHUTTING_DOWN, "the daemon is shutting down")
         # Connections with nothing running are answered and closed now; the others
         # close once their running request has finished.
         for connection in list(self.connections):
-            if not connection.generations:
+            if not connection.generating:
                 self._closing.add(asyncio.ensure_future(connection.close_after_replies()))
         if scheduler is not None:
             try:
@@ -231,18 +224,18 @@ class Server(RequestHandlers):
         task = asyncio.current_task()
         assert task is not None
         self._connection_tasks.add(task)
-        connection = Connection(self, reader, writer)
-        self.stats.connections_total += 1
+        connection = Connection(self.ops, reader, writer)
+        self.state.stats.connections_total += 1
         try:
             rejection = self._admission_error(writer)
             if rejection is not None:
-                self.stats.connections_rejected += 1
+                self.state.stats.connections_rejected += 1
                 code, message = rejection
                 connection.reply_error(None, code, message)
                 await connection.close_after_replies()
                 return
             self.connections.add(connection)
-            self.stats.connections_current = len(self.connections)
+            self.state.stats.connections_current = len(self.connections)
             await connection.serve()
         except asyncio.CancelledError:
             connection.drop("daemon stopping")
@@ -251,12 +244,12 @@ class Server(RequestHandlers):
             connection.drop("internal error")
         finally:
             self.connections.discard(connection)
-            self.stats.connections_current = len(self.connections)
+            self.state.stats.connections_current = len(self.connections)
             self._connection_tasks.discard(task)
 
     def _admission_error(self, writer: asyncio.StreamWriter) -> tuple[str, str] | None:
         server_config = self.config.server
-        if self.draining:
+        if self.state.draining:
             return protocol.SHUTTING_DOWN, "the daemon is shutting down"
         restricted = bool(server_config.allowed_uids or server_config.allowed_gids)
         if restricted or log.isEnabledFor(logging.DEBUG):

@@ -1,0 +1,209 @@
+"""Admission: a generate or chat request becomes a queued `Generation`, or is refused.
+
+`Admission.admit` is the one way in, whatever front end decoded the request: it takes
+the request, the sink its reply goes to and the time it arrived, and goes down in
+order: the grammar the request asks for (checked and compiled), the prompt (a chat
+rendered through its template), its tokens (off the event loop when long), the
+GrammarSampler, the sampling settings with their defaults, max_tokens clipped to the
+room the prompt leaves, and the scheduler. A request that cannot run raises `Refused`,
+which the front end answers as an error line in the request's place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol, TypeVar
+
+from sfcore_daemon.engine.sampling import Sampling
+from sfcore_daemon.engine.thread import Engine
+from sfcore_daemon.llama.model import EngineClosed
+from sfcore_daemon.serve import protocol
+from sfcore_daemon.serve.chat import ChatTemplateError
+from sfcore_daemon.serve.output import Generation, ReplySink
+from sfcore_daemon.serve.protocol import GenerateRequest, GenerationRequest
+from sfcore_daemon.serve.scheduler import QueueFull
+from sfcore_daemon.serve.state import ServerState
+from sfcore_daemon.structured.compiler import compile_json_object, compile_schema
+from sfcore_daemon.structured.gbnfcheck import check_gbnf
+from sfcore_daemon.structured.grammar import GrammarError, GrammarSampler
+from sfcore_daemon.structured.shape import Shape
+
+# Prompts above this size are tokenized off the event loop (about a millisecond of C work).
+_INLINE_TOKENIZE_BYTES = 32 * 1024
+
+_T = TypeVar("_T")
+
+
+class Refused(Exception):
+    """The request cannot run; answered with an error line (its outcome is counted)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ClientSink(ReplySink, Protocol):
+    """A reply sink as admission needs it: it can tell that its client has left, and
+    it is told which generation writes into it (so the client's leaving or a cancel
+    can reach it) before that generation is queued."""
+
+    @property
+    def gone(self) -> bool: ...
+
+    def attach(self, generation: Generation) -> None: ...
+
+
+class GrammarSpec(NamedTuple):
+    """What a request's output is held to: GBNF text, the field it came from, and for a
+    JSON document the shape budget-aware closing completes (None for a GBNF grammar)."""
+
+    text: str
+    field: str
+    shape: Shape | None
+
+
+def request_grammar(request: GenerationRequest) -> GrammarSpec | None:
+    """The grammar a request asks for, or None when the request is unconstrained."""
+    given = [name for name in ("json_schema", "format", "grammar")
+             if getattr(request, name) is not None]
+    if len(given) > 1:
+        raise GrammarError(f"json_schema, format and grammar exclude each other; "
+                           f"this request gives {' and '.join(given)}")
+    if request.json_schema is not None:
+        compiled = compile_schema(request.json_schema)
+        return GrammarSpec(compiled.gbnf, "json_schema", compiled.shape)
+    if request.format is not None:
+        compiled = compile_json_object()
+        return GrammarSpec(compiled.gbnf, "format", compiled.shape)
+    if request.grammar is not None:
+        check_gbnf(request.grammar)
+        return GrammarSpec(request.grammar, "grammar", None)
+    return None
+
+
+class Admission:
+    """Turns generation requests into queued generations; event loop only."""
+
+    def __init__(self, state: ServerState) -> None:
+        self._state = state
+
+    async def admit(self, request: GenerationRequest, sink: ClientSink,
+                    arrived_ns: int) -> Generation | None:
+        """Queue `request` (or start it) with its reply going to `sink`.
+
+        Returns its generation: queued, running, or already answered `queue_full`
+        (counted as a generation that failed). None when the client left meanwhile
+        (counted as cancelled; nothing is written). Raises Refused for a request
+        that cannot run, counted as an error outcome; the caller writes the error.
+        """
+        state = self._state
+        request_id = request.id
+        assert request_id is not None
+        try:
+            # Checking and converting take about a millisecond per 2 KB of grammar (a
+            # second for a schema of a megabyte): a worker thread, unless it is small.
+            spec = (await asyncio.to_thread(request_grammar, request)
+                    if _long_grammar(request) else request_grammar(request))
+            engine = await state.loaded_engine()
+            prompt = await self._prompt(engine, request)
+            grammar = (GrammarSampler.create(engine.loaded_model(), spec.text, spec.field,
+                                             prompt, state.config.server.grammar_budget_s,
+                                             shape=spec.shape)
+                       if spec is not None else None)
+        except (ChatTemplateError, GrammarError) as exc:
+            raise self._refused(protocol.INVALID_REQUEST, str(exc)) from None
+        except EngineClosed:
+            raise self._refused(protocol.SHUTTING_DOWN, "the daemon is shutting down") from None
+        if len(prompt) >= engine.n_ctx:
+            raise self._refused(
+                protocol.CONTEXT_OVERFLOW,
+                f"the prompt is {len(prompt)} tokens and the context holds {engine.n_ctx} "
+                "(model.n_ctx); no room is left for a reply")
+        if sink.gone:
+            state.stats.by_outcome["cancelled"] += 1
+            return None
+        if state.draining:
+            raise self._refused(protocol.SHUTTING_DOWN, "the daemon is shutting down")
+        scheduler = state.scheduler
+        assert scheduler is not None
+        defaults = state.config.generation
+        generation = Generation(
+            request_id=request_id,
+            stream=request.stream,
+            stops=request.stop_sequences,
+            prompt=prompt,
+            sampling=Sampling(
+                temperature=_pick(request.temperature, defaults.temperature),
+                top_k=_pick(request.top_k, defaults.top_k),
+                top_p=_pick(request.top_p, defaults.top_p),
+                min_p=_pick(request.min_p, defaults.min_p),
+                repeat_penalty=_pick(request.repeat_penalty, defaults.repeat_penalty),
+                seed=request.seed,
+            ),
+            # Clipped to the room the prompt leaves, so the scheduler can reserve it.
+            max_tokens=min(_pick(request.max_tokens, defaults.max_tokens),
+                           engine.n_ctx - len(prompt)),
+            cache_prompt=request.cache_prompt,
+            sink=sink,
+            arrived_ns=arrived_ns,
+            loop=asyncio.get_running_loop(),
+            stats=state.stats,
+            exclusive=self._exclusive(request),
+            grammar=grammar,
+            speculative=request.speculative and state.speculates,
+        )
+        sink.attach(generation)
+        try:
+            scheduler.submit(generation)
+        except QueueFull:
+            # Answered through the generation, so it is counted as one that failed.
+            generation.fail(protocol.QUEUE_FULL,
+                            f"every slot is busy and {scheduler.queue_depth} requests are waiting "
+                            "(server.max_queue)")
+        return generation
+
+    def _refused(self, code: str, message: str) -> Refused:
+        self._state.stats.by_outcome["error"] += 1
+        return Refused(code, message)
+
+    async def _prompt(self, engine: Engine, request: GenerationRequest) -> list[int]:
+        """The request's prompt tokens; ChatTemplateError if a chat cannot be rendered."""
+        if isinstance(request, GenerateRequest):
+            return await off_loop_if_long(len(request.prompt), engine.tokenize, request.prompt)
+        template = self._state.chat_template
+        if template is None:
+            raise ChatTemplateError(
+                f"chat needs a chat template: the model ({engine.info.architecture}) has none "
+                "of its own and model.chat_template names none (set it to a llama.cpp "
+                "built-in name such as \"chatml\", or to a Jinja template)")
+        messages = [(message.role, message.content) for message in request.messages]
+        size = sum(len(content) for _, content in messages)
+        return await off_loop_if_long(
+            size, lambda: engine.tokenize_segments(template.render(messages)))
+
+    def _exclusive(self, request: GenerationRequest) -> bool:
+        """Whether a request must have the batch to itself: in reproducible mode its
+        bytes must not depend on what else runs. (A `cache_prompt: false` request only
+        skips prefix reuse: letting one client empty the batch and every slot's cache
+        at will would let it serialise the daemon.)"""
+        return self._state.config.model.reproducible
+
+
+def _pick(value: _T | None, default: _T) -> _T:
+    return default if value is None else value
+
+
+def _long_grammar(request: GenerationRequest) -> bool:
+    """Whether checking the request's grammar may take more than about a millisecond (a
+    schema's grammar is not known before it is converted: taken as long)."""
+    return request.json_schema is not None or len(request.grammar or "") > 2048
+
+
+async def off_loop_if_long(size: int, function: Callable[..., _T], *args: Any) -> _T:
+    """Run a tokenizer call inline, or in a worker thread when `size` (bytes of text)
+    would keep the event loop busy for more than about a millisecond."""
+    if size > _INLINE_TOKENIZE_BYTES:
+        return await asyncio.to_thread(function, *args)
+    return function(*args)

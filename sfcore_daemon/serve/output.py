@@ -1,0 +1,278 @@
+"""The event-loop half of a generation: the output pipeline.
+
+`Generation` turns the pieces the decode thread produces into protocol lines: it
+runs the UTF-8/stop-sequence filter, encodes `token` lines in batches, writes the
+final `done` (with usage and timings) or an error, and counts the outcome in
+`stats` once. It writes to a `ReplySink` (a connection's reply slot); which slot
+it runs in and when it starts is the scheduler's business, which it tells through
+`on_released`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol, cast
+
+from sfcore_daemon.engine.job import Job
+from sfcore_daemon.engine.sampling import Sampling
+from sfcore_daemon.serve import protocol
+from sfcore_daemon.serve.protocol import (
+    DoneReply,
+    ErrorReply,
+    FinishReason,
+    RequestId,
+    Timings,
+    TokenReply,
+    Usage,
+)
+from sfcore_daemon.serve.stats import Stats
+from sfcore_daemon.serve.textstream import TextStream
+from sfcore_daemon.structured.grammar import GrammarDeadEnd, GrammarSampler
+
+log = logging.getLogger(__name__)
+
+
+class ReplySink(Protocol):
+    """Where one request's reply lines go (a connection keeps them in request order)."""
+
+    def write(self, data: bytes | bytearray) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Generation:
+    """One generate or chat request, from the moment it is queued until its last line
+    is written. Its outcome is counted in `stats` exactly once, when it is decided."""
+
+    def __init__(
+        self,
+        *,
+        request_id: RequestId,
+        stream: bool,
+        stops: tuple[str, ...],
+        prompt: list[int],
+        sampling: Sampling,
+        max_tokens: int,
+        cache_prompt: bool,
+        sink: ReplySink,
+        arrived_ns: int,
+        loop: asyncio.AbstractEventLoop,
+        stats: Stats,
+        exclusive: bool = False,
+        grammar: GrammarSampler | None = None,
+        speculative: bool = False,
+    ) -> None:
+        self.request_id = request_id
+        self.stream = stream
+        self.sink = sink
+        self.arrived_ns = arrived_ns
+        self.job = Job(
+            prompt, sampling, max_tokens, cache_prompt,
+            loop=loop, on_pieces=self._drain, on_finished=self._finished, grammar=grammar,
+            speculative=speculative,
+        )
+        self.job.exclusive = exclusive
+        self._text = TextStream(stops)
+        self._parts: list[str] = []
+        self.completion_tokens = 0
+        self._last_token_ns = 0
+        # True once nothing more may be written: done/error sent, or the client is gone.
+        self.replied = False
+        # Times a later request started ahead of this one while it waited for room.
+        self.overtaken = 0
+        # Set by the scheduler that starts it: told once the job has ended, so that it
+        # frees the slot.
+        self.on_released: Callable[[Generation], None] | None = None
+        self._stats = stats
+
+    # --- called by the scheduler and the connection --------------------------------------
+
+    def cancel(self) -> None:
+        """End the generation early; its `done` says `cancelled` (cancel op, shutdown)."""
+        self.job.stop_requested = True
+
+    def abandon(self) -> None:
+        """The client is gone: stop at the next token and write nothing more."""
+        self.job.stop_requested = True
+        if not self.replied:
+            self.replied = True
+            self._record("cancelled")
+            self.sink.close()
+
+    def fail(self, code: str, message: str) -> None:
+        """Answer with an error instead of running (used for queued requests)."""
+        if not self.replied:
+            self.replied = True
+            self._record("error")
+            self._stats.errors[code] += 1
+            self.sink.write(protocol.encode_line(
+                ErrorReply(id=self.request_id, code=code, message=message)))
+            self.sink.close()
+
+    def cancel_queued(self) -> None:
+        """Answer a request that never ran: `done`, finish_reason "cancelled"."""
+        if not self.replied:
+            self._reply_done("cancelled")
+
+    # --- called on the event loop by the decode thread's wake-ups -----------------------
+
+    def _drain(self) -> None:
+        job = self.job
+        # Cleared before reading, so a piece appended meanwhile schedules another drain.
+        job.wake_pending = False
+        pieces = job.pieces
+        if self.replied:
+            pieces.clear()
+            return
+        text_stream, stream = self._text, self.stream
+        batch = bytearray()
+        while pieces:
+            piece, sampled_ns = pieces.popleft()
+            self.completion_tokens += 1
+            self._last_token_ns = sampled_ns
+            text = text_stream.feed(piece)
+            if text:
+                if stream:
+                    protocol.encode_line_into(TokenReply(id=self.request_id, text=text), batch)
+                else:
+                    self._parts.append(text)
+            if text_stream.stop_hit is not None:
+                # Reply now; the decode thread notices within one token and frees the slot.
+                job.stop_requested = True
+                pieces.clear()
+                self._write(batch)
+                self._reply_done("stop_sequence")
+                return
+        self._write(batch)
+
+    def _finished(self) -> None:
+        # The slot is released whatever happens here: a bug in writing the last
+        # lines must never leave the slot busy for ever.
+        try:
+            self._drain()
+            job = self.job
+            if not self.replied:
+                if job.end_reason == "error":
+                    self._fail_with(job.error)
+                else:
+                    tail = self._text.finish()
+                    if tail:
+                        if self.stream:
+                            self._write(protocol.encode_line(
+                                TokenReply(id=self.request_id, text=tail)))
+                        else:
+                            self._parts.append(tail)
+                    # end_reason is "stop", "length" or "cancelled" here ("error" is above).
+                    self._reply_done("stop_sequence" if self._text.stop_hit is not None
+                                     else cast(FinishReason, job.end_reason))
+        except Exception:
+            log.exception("finishing generation %r failed", self.request_id)
+            self.fail(protocol.INTERNAL, "unexpected error in the daemon; see its log")
+        finally:
+            if self.on_released is not None:
+                self.on_released(self)
+
+    def _fail_with(self, error: BaseException | None) -> None:
+        if isinstance(error, GrammarDeadEnd):
+            # The request's own grammar, not a fault of the daemon: no traceback.
+            log.info("generation %r: %s", self.request_id, error)
+            if error.at_start:
+                field = self.job.grammar.field if self.job.grammar is not None else "grammar"
+                self.fail(protocol.INVALID_REQUEST, f"{error} - at `$.{field}`")
+            else:
+                self.fail(protocol.GRAMMAR_DEAD_END,
+                          f"{error} after {self.completion_tokens} tokens; the text so far "
+                          "was streamed")
+            return
+        log.error("generation %r failed", self.request_id, exc_info=error)
+        self.fail(protocol.INTERNAL, "the model failed while generating; see the daemon log")
+
+    def _write(self, data: bytes | bytearray) -> None:
+        if data:
+            self.sink.write(data)
+
+    def _record(self, outcome: str) -> None:
+        job = self.job
+        self._stats.generation_ended(outcome, len(job.prompt), job.n_cached,
+                                     self.completion_tokens, self._decode_ns())
+        if job.grammar is not None:
+            self._stats.grammar_requests += 1
+            self._stats.grammar_tokens += job.grammar.tokens
+            self._stats.grammar_resampled += job.grammar.resampled
+            self._stats.grammar_closed_early += self._truncated
+        self._stats.cache_hit(job.cache_source, job.n_cached)
+        if job.restore_failed:
+            log.warning("generation %r: llama.cpp refused a stored prompt state; "
+                        "its prompt was evaluated instead", self.request_id)
+        for what, error in job.contained:
+            log.warning("generation %r: %s failed (%s); the request went on without it",
+                        self.request_id, what, error, exc_info=error)
+        if job.drafted:
+            self._stats.speculative_requests += 1
+            self._stats.drafted_tokens += job.drafted
+            self._stats.accepted_tokens += job.accepted
+            self._stats.draft_steps += job.draft_steps
+            self._stats.aligned_steps += job.aligned_steps
+            self._stats.logit_rows += job.logit_rows
+
+    @property
+    def _truncated(self) -> bool:
+        """Closed early to fit max_tokens, and the reply is that whole document."""
+        grammar = self.job.grammar
+        return (grammar is not None and grammar.closed_early and self.job.end_reason == "stop"
+                and self._text.stop_hit is None)
+
+    def _decode_ns(self) -> int:
+        return self._last_token_ns - self.job.t_first if self.completion_tokens > 1 else 0
+
+    def _reply_done(self, reason: FinishReason) -> None:
+        if self.replied:
+            # A line written just before (the text up to a stop sequence, the held-back
+            # tail) dropped the connection, and that counted the request as cancelled.
+            return
+        self.replied = True
+        self._record(reason)
+        self.sink.write(protocol.encode_line(DoneReply(
+            id=self.request_id,
+            text="" if self.stream else "".join(self._parts),
+            finish_reason=reason,
+            stop_sequence=self._text.stop_hit,
+            truncated=self._truncated,
+            usage=Usage(
+                prompt_tokens=len(self.job.prompt),
+                cached_tokens=self.job.n_cached,
+                completion_tokens=self.completion_tokens,
+                drafted_tokens=self.job.drafted,
+                accepted_tokens=self.job.accepted,
+            ),
+            timings=self._timings(),
+        )))
+        self.sink.close()
+
+    def _timings(self) -> Timings:
+        job, now = self.job, time.perf_counter_ns()
+        started = job.t_start or now
+        prompt_ns = job.t_prompt_done - job.t_start if job.t_prompt_done else 0
+        evaluated = len(job.prompt) - job.n_cached
+        decode_ns = self._decode_ns()
+        return Timings(
+            queued_ms=_ms(started - self.arrived_ns),
+            prompt_ms=_ms(prompt_ns),
+            prompt_tok_s=_rate(evaluated, prompt_ns),
+            first_token_ms=_ms(job.t_first - self.arrived_ns) if job.t_first else 0.0,
+            decode_ms=_ms(decode_ns),
+            decode_tok_s=_rate(self.completion_tokens - 1, decode_ns),
+            total_ms=_ms(now - self.arrived_ns),
+            cache_source=job.cache_source,
+        )
+
+
+def _ms(ns: int) -> float:
+    return round(ns / 1e6, 3)
+
+
+def _rate(count: int, ns: int) -> float:
+    return round(count * 1e9 / ns, 2) if ns > 0 and count > 0 else 0.0
