@@ -20,7 +20,7 @@ async def test_the_log_says_ready_with_the_model_socket_and_slots() -> None:
 
         lines = await poll_until(ready_lines, bool, timeout=30, what="the ready line")
         assert len(lines) == 1, daemon.log
-        assert re.search(r" INFO sfcore_daemon\.server: ready: serving \S.* on "
+        assert re.search(r" INFO sfcore_daemon\.serve\.server: ready: serving \S.* on "
                          + re.escape(daemon.socket_path) + r" with 3 slots$", lines[0]), lines
         async with daemon.client() as client:
             info = await client.final({"op": "info"})

@@ -15,9 +15,9 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-from sfcore_daemon.engine.sampling import Sampling
 from sfcore_daemon.engine.thread import Engine
 from sfcore_daemon.llama.model import EngineClosed
+from sfcore_daemon.llama.sampling import Sampling
 from sfcore_daemon.serve import protocol
 from sfcore_daemon.serve.chat import ChatTemplateError
 from sfcore_daemon.serve.output import Generation, ReplySink

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Protocol, cast
 
 from sfcore_daemon.engine.job import Job
-from sfcore_daemon.engine.sampling import Sampling
+from sfcore_daemon.llama.sampling import Sampling
 from sfcore_daemon.serve import protocol
 from sfcore_daemon.serve.protocol import (
     DoneReply,
