@@ -18,7 +18,7 @@ from sfcore_daemon.engine import faults
 from sfcore_daemon.engine.containment import ContainedStates, Ender
 from sfcore_daemon.engine.drafting import DraftPlan, count_aligned, logit_rows
 from sfcore_daemon.engine.job import EndReason, Job
-from sfcore_daemon.engine.sampling import argmax, is_plain_greedy, make_chain
+from sfcore_daemon.engine.sampling import PENALTY_LAST_N, argmax, is_plain_greedy, make_chain
 from sfcore_daemon.engine.sequence import Seq
 from sfcore_daemon.engine.speculative import DraftSettings, NgramStore
 from sfcore_daemon.llama.capi import C
@@ -186,10 +186,10 @@ class StepLoop:
             seq.n_out = 0
             seq.generating = False
             seq.limit = min(job.max_tokens, self.n_ctx - len(job.prompt))
-            seq.sampler = make_chain(self._vocab, job.sampling, job.prompt)
+            seq.sampler, penalties = make_chain(self._vocab, job.sampling, job.prompt)
             seq.argmax = job.grammar is None and is_plain_greedy(job.sampling)
             if job.grammar is not None:  # it counts its tokens against the same limit
-                job.grammar.begin(seq.limit)
+                job.grammar.begin(seq.limit, penalties, PENALTY_LAST_N)
             seq.drafter = (faults.drafter(job)(self._drafts, job.prompt, self._learned)
                            if job.speculative and self._drafts is not None else None)
             seq.draft = []
@@ -390,7 +390,7 @@ class StepLoop:
                 token: int = C.llama_sampler_sample(seq.sampler, self._ctx, row)
                 return token
             if grammar.closer is not None:
-                faults.hit("closer", job)  # as if the closer (budget.py) failed, for the tests
+                faults.hit("closer", job)  # as if the closer (closer.py) failed, for the tests
             # Checks the chain's choice against the grammar (see grammar.py).
             drawn = grammar.sample(seq.sampler, self._ctx, row)
             if drawn is None:
