@@ -731,12 +731,12 @@ def main() -> int:
         if problems:
             parser.error("; ".join(problems))
 
-    from sfcore_daemon.llama import modelfile as models
+    from sfcore_daemon.llama import modelfile
     from sfcore_daemon.system import cpus
 
     pinned = cpus.pin(())
     n_threads, n_threads_batch = cpus.derive_threads(pinned, 0, 0)
-    model = models.resolve_model_path(args.model or "")
+    model = modelfile.resolve_model_path(args.model or "")
     params = {"model": model, "n_ctx": args.n_ctx, "n_threads": n_threads,
               "n_threads_batch": n_threads_batch, "tokens": args.tokens, "slots": args.slots,
               "llama_server_kv": args.llama_server_kv}

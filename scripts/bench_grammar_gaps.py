@@ -90,9 +90,9 @@ async def phase(path: str, tokens: int, other_request: dict[str, Any] | None) ->
 
 
 async def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    from sfcore_daemon.llama import modelfile as models
+    from sfcore_daemon.llama import modelfile
 
-    daemon = await Daemon.start({"model": models.resolve_model_path(args.model or ""),
+    daemon = await Daemon.start({"model": modelfile.resolve_model_path(args.model or ""),
                                  "n_ctx": 8192})
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in PHASES}
     try:

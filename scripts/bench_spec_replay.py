@@ -42,7 +42,7 @@ from sfcore_daemon.engine.speculative import (
     NgramStore,
     aligned_lengths,
 )
-from sfcore_daemon.llama import modelfile as models
+from sfcore_daemon.llama import modelfile
 
 TOKENS = 256
 MAX_ROWS = 65  # the daemon's draft_max (64) + its pending token; ngram-mod's n_max too
@@ -164,7 +164,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=12, help="edit and free prompts each")
     parser.add_argument("--model", help="GGUF model (default: the embedded default model)")
     args = parser.parse_args()
-    context = Context(models.resolve_model_path(args.model or ""))
+    context = Context(modelfile.resolve_model_path(args.model or ""))
     cost = step_costs(context, context.tokenize(FREE_STARTS[0]))
     texts: list[tuple[str, list[int], list[int]]] = []
     # The bench's order: an edit and a free prompt, then the edit prompts its edit x4 row

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from sfcore_daemon.config import ModelConfig
-from sfcore_daemon.llama import modelfile as models
+from sfcore_daemon.llama import modelfile
 from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.model import context_params
 
@@ -119,7 +119,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="GGUF model (default: the embedded default model)")
     args = parser.parse_args()
-    context = Context(models.resolve_model_path(args.model or ""))
+    context = Context(modelfile.resolve_model_path(args.model or ""))
     prompt = context.tokenize(PROMPTS["free"])
     times: dict[int, list[float]] = {drafts: [] for drafts in DRAFTS}
     order = random.Random(0)

@@ -63,9 +63,9 @@ async def shortest_tokens(reader: asyncio.StreamReader, writer: asyncio.StreamWr
 
 
 async def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    from sfcore_daemon.llama import modelfile as models
+    from sfcore_daemon.llama import modelfile
 
-    daemon = await Daemon.start({"model": models.resolve_model_path(args.model or ""),
+    daemon = await Daemon.start({"model": modelfile.resolve_model_path(args.model or ""),
                                  "n_ctx": 8192, "slots": args.slots})
     results: dict[str, list[dict[str, Any]]] = {}
     try:

@@ -247,9 +247,9 @@ async def phase(path: str, seconds: float, hostile: bool) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from sfcore_daemon.llama import modelfile as models
+    from sfcore_daemon.llama import modelfile
 
-    params = {"model": models.resolve_model_path(args.model or ""), "n_ctx": 8192}
+    params = {"model": modelfile.resolve_model_path(args.model or ""), "n_ctx": 8192}
     log_path = Path(args.log) if args.log else None
     daemon = await Daemon.start(params, log_path=log_path)
     results: dict[str, Any] = {"alone": [], "hostile": []}

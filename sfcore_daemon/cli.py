@@ -123,14 +123,14 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def _run(config: Config, pinned: list[int]) -> int:
-    from sfcore_daemon.llama import modelfile as models
+    from sfcore_daemon.llama import modelfile
     from sfcore_daemon.system import cpus
 
     n_threads, n_threads_batch = cpus.derive_threads(
         pinned, config.runtime.n_threads, config.runtime.n_threads_batch)
     try:
-        model_path = models.resolve_model_path(config.model.path)
-    except models.ModelSourceError as exc:
+        model_path = modelfile.resolve_model_path(config.model.path)
+    except modelfile.ModelSourceError as exc:
         log.error("%s", exc)
         return EXIT_STARTUP
 

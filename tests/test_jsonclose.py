@@ -1,4 +1,4 @@
-"""The JSON tracker and shortest completions (jsonshape.py, jsonclose.py) and the integer
+"""The JSON tracker and shortest completions (shape.py, tracker.py) and the integer
 range grammar, on their own: no model, no daemon."""
 
 from __future__ import annotations

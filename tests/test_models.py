@@ -10,7 +10,7 @@ import pytest
 def test_an_interrupted_assembly_leaves_no_partial_file(tmp_path: Path) -> None:
     """Ctrl-C (or SIGTERM, raised during start-up) in the middle of the first assembly
     removes the half-written file; the package is a stand-in that stops half way."""
-    from sfcore_daemon.llama import modelfile as models
+    from sfcore_daemon.llama import modelfile
 
     class Interrupted:
         def assemble(self, path: Path, overwrite: bool) -> None:
@@ -19,5 +19,5 @@ def test_an_interrupted_assembly_leaves_no_partial_file(tmp_path: Path) -> None:
 
     target = tmp_path / "models" / "model.gguf"
     with pytest.raises(KeyboardInterrupt):
-        models._assemble(Interrupted(), target)
+        modelfile._assemble(Interrupted(), target)
     assert list(target.parent.iterdir()) == []

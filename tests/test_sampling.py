@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from sfcore_daemon.config import ModelConfig
-from sfcore_daemon.llama import modelfile as models
+from sfcore_daemon.llama import modelfile
 from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.model import Model
 from sfcore_daemon.llama.sampling import (
@@ -32,7 +32,7 @@ GREEDY = Sampling(temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_pena
 def decoded() -> Iterator[tuple[Model, int]]:
     """The model after one decode of TEXT with logits on every row; the row count."""
     importing = import_numpy_beside()
-    model = Model.load(models.resolve_model_path(""), ModelConfig(n_ctx=512), 2, 2, slots=1,
+    model = Model.load(modelfile.resolve_model_path(""), ModelConfig(n_ctx=512), 2, 2, slots=1,
                        draft_rows=128)
     importing.join(60)
     tokens = model.tokenize(TEXT)[:128]
@@ -53,7 +53,8 @@ def test_argmax_draws_what_the_greedy_chain_draws_on_every_row(
         decoded: tuple[Model, int]) -> None:
     model, rows = decoded
     assert is_plain_greedy(GREEDY)
-    chain = make_chain(model.vocab, GREEDY, [])
+    chain, penalties = make_chain(model.vocab, GREEDY, [])
+    assert penalties is None
     try:
         for row in range(rows):
             assert argmax(model.ctx, row, model.info.n_vocab) == \
@@ -67,3 +68,17 @@ def test_only_a_chain_that_is_an_argmax_is_replaced() -> None:
     assert is_plain_greedy(GREEDY)
     assert not is_plain_greedy(dataclasses.replace(GREEDY, temperature=0.7))
     assert not is_plain_greedy(dataclasses.replace(GREEDY, repeat_penalty=1.1))
+
+
+def test_the_chain_hands_over_its_repeat_penalty(decoded: tuple[Model, int]) -> None:
+    """A grammar's masked draw rebuilds the penalty's history: it gets that sampler from
+    make_chain, not by looking for it in the chain."""
+    model, _ = decoded
+    for sampling in (dataclasses.replace(GREEDY, repeat_penalty=1.1),
+                     dataclasses.replace(GREEDY, temperature=0.7, repeat_penalty=1.1)):
+        chain, penalties = make_chain(model.vocab, sampling, [1, 2, 3])
+        try:
+            assert penalties is not None
+            assert C.llama_sampler_name(penalties) == b"penalties"
+        finally:
+            C.llama_sampler_free(chain)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from sfcore_daemon.config import ModelConfig
-from sfcore_daemon.llama import modelfile as models
+from sfcore_daemon.llama import modelfile
 from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.model import Model
 from sfcore_daemon.llama.sampling import import_numpy_beside
@@ -78,7 +78,7 @@ def test_no_pad_for_one_part_or_none_wanted() -> None:
 @pytest.fixture(scope="module")
 def model() -> Iterator[Model]:
     importing = import_numpy_beside()
-    loaded = Model.load(models.resolve_model_path(""), ModelConfig(n_ctx=2048), 2, 2,
+    loaded = Model.load(modelfile.resolve_model_path(""), ModelConfig(n_ctx=2048), 2, 2,
                         slots=1, spare_seqs=1)
     importing.join(60)
     try:

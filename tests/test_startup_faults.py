@@ -239,8 +239,8 @@ async def test_a_second_instance_on_a_live_socket_is_refused_and_the_first_serve
 async def _real_model_path() -> Path:
     """The default model as the daemon finds it (assembled into the cache on first use)."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", "from sfcore_daemon.llama import modelfile as models; "
-        "print(models.default_model_path())", cwd=REPO,
+        sys.executable, "-c", "from sfcore_daemon.llama import modelfile; "
+        "print(modelfile.default_model_path())", cwd=REPO,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     stdout, stderr = await asyncio.wait_for(process.communicate(), 180)
     assert process.returncode == 0, stderr.decode()

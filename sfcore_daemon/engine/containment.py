@@ -8,7 +8,7 @@ and the event loop logs them as the request ends).
   on the way; a failure while freeing what the job held drops the slot's cells.
 
 The drafter contains its own failures (speculative.NgramDrafter), and a failure in a
-draw (a sampler, a grammar, its JSON closer) ends that request alone (StepLoop._fail).
+draw (a sampler, a grammar, its JSON closer) ends that request alone (rows.Rows.fail).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ so a test picks the one request it breaks. The points:
 - "keep": the prompt store taking a state of the request's cells;
 - "restore": the prompt store once it has restored a state for the request's prompt
   from RAM, or started reading one from disk;
-- "closer": the grammar's draw, when the request's JSON closer (budget.py) rides along;
+- "closer": the grammar's draw, when the request's JSON closer (closer.py) rides along;
 - "end": ending the request, before its slot's state is kept.
 
 Unset (as in production) every check is one comparison with an empty dict.

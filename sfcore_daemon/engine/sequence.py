@@ -1,5 +1,5 @@
 """One slot's sequence: its KV cells (kvcache.SeqCells) and what the step loop and the
-prompt store's side of it (promptstates.py) keep for the job it runs."""
+prompt store's side of it (storepolicy.py) keep for the job it runs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 from sfcore_daemon.engine.job import Job
 from sfcore_daemon.engine.speculative import NgramDrafter
 from sfcore_daemon.llama.kvcache import SeqCells
-from sfcore_daemon.store.promptstore import Entry
+from sfcore_daemon.store.index import Entry
 
 
 class Seq(SeqCells):
@@ -38,7 +38,7 @@ class Seq(SeqCells):
         self.draft: list[int] = []  # the tokens after last_token in this step's batch
         # A stored state being read from disk for its prompt (the entry, the rows to
         # keep, the read, the time.monotonic() it is given up at); the sequence sits out
-        # of the steps until it is there (promptstates.PromptStates.poll).
+        # of the steps until it is there (storepolicy.PromptStates.poll).
         self.loading: tuple[Entry, int, Future[bytearray | None], float] | None = None
         # Whether its cells may be kept in the prompt store (not after cache_prompt: false).
         self.keep_state = False
@@ -48,9 +48,9 @@ class Seq(SeqCells):
         self.prompt_kept = False  # its prompt's states were taken (or were not worth it)
         # The turn or line starts whose states are taken once the prompt is read, and
         # the first row those states need kept meanwhile (-1: none; see
-        # promptstates.PromptStates.protect).
+        # storepolicy.PromptStates.protect).
         self.boundaries: list[int] = []
         self.protect_from = -1
         # Where its prompt's chunks end besides n_batch multiples, ascending: the turn
-        # or line starts a stored state may end at (promptstates.PromptStates.cuts).
+        # or line starts a stored state may end at (storepolicy.PromptStates.cuts).
         self.cuts: list[int] = []

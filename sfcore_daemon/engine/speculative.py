@@ -4,7 +4,7 @@ When the last few tokens of a sequence (prompt and output so far) occurred befor
 tokens that followed them then are proposed as a draft. The step loop puts the draft
 into the step beside the sequence's pending token, each row asking for logits, and the
 sequence's own sampler chain samples the rows in order: a draft token is kept while it
-equals what the chain drew (see StepLoop._verify). So every token is the chain's draw
+equals what the chain drew (see rows.Rows._verify). So every token is the chain's draw
 from its own row, one draw per token. The rows are not always one token a step's to the
 bit: a step of several rows goes through other matrix kernels, which round otherwise
 (docs/performance.md, "Numerics"), and a near-tie can go the other way. What holds: the

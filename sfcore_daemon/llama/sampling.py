@@ -31,8 +31,11 @@ class Sampling:
     seed: int | None
 
 
-def make_chain(vocab: Any, sampling: Sampling, prompt: list[int]) -> Any:
-    """A llama.cpp sampler chain for one request (the caller frees it)."""
+def make_chain(vocab: Any, sampling: Sampling, prompt: list[int]) -> tuple[Any, Any]:
+    """A llama.cpp sampler chain for one request (the caller frees it), and the repeat
+    penalty's sampler in it (None without one; the chain owns it): a grammar's draw
+    over masked candidates rebuilds that sampler's history (grammar.py)."""
+    penalties: Any = None
     chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
     add = C.llama_sampler_chain_add
     # Cheap filters first: top_k shrinks the candidates before anything sorts them.
@@ -52,7 +55,7 @@ def make_chain(vocab: Any, sampling: Sampling, prompt: list[int]) -> Any:
             # took 299 us per token here, top_k(1) then greedy 209 us.
             add(chain, C.llama_sampler_init_top_k(1))
         add(chain, C.llama_sampler_init_greedy())
-        return chain
+        return chain, penalties
     if sampling.top_p < 1.0:
         add(chain, C.llama_sampler_init_top_p(sampling.top_p, 1))
     if sampling.min_p > 0.0:
@@ -60,14 +63,14 @@ def make_chain(vocab: Any, sampling: Sampling, prompt: list[int]) -> Any:
     add(chain, C.llama_sampler_init_temp(sampling.temperature))
     seed = C.LLAMA_DEFAULT_SEED if sampling.seed is None else sampling.seed % SEED_MODULUS
     add(chain, C.llama_sampler_init_dist(seed))
-    return chain
+    return chain, penalties
 
 
 # numpy once `import_numpy_beside` has imported it: llama.cpp's chain builds a 262,144-
 # entry candidate array for every token (209 us per token here, top_k(1) then greedy);
 # numpy's argmax reads the row in about 30 us. Imported on a thread beside the model
 # load (llama.cpp's C code, which releases the GIL), so it costs start-up nothing; the
-# daemon does not import it otherwise (llama_c.py).
+# daemon does not import it otherwise (capi.py).
 _imported: dict[str, Any] = {}
 
 

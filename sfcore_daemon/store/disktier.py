@@ -21,8 +21,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from sfcore_daemon.store import disk as statedisk
-from sfcore_daemon.store import statefile
+from sfcore_daemon.store import disk, statefile
 from sfcore_daemon.store.index import Cleared, Entry, PromptIndex
 from sfcore_daemon.store.statefile import BadStateFile, StateHeader
 
@@ -47,7 +46,7 @@ class DiskTier(PromptIndex):
         try:
             self.fingerprint = fingerprint()
             if self.root is not None and self.disk_budget > 0:
-                folder = self.root / statedisk.folder_name(self.fingerprint)
+                folder = self.root / disk.folder_name(self.fingerprint)
                 folder.mkdir(parents=True, exist_ok=True)
                 self.folder = folder
         except OSError as exc:
@@ -74,7 +73,7 @@ class DiskTier(PromptIndex):
         found = []
         for name in names:
             path = folder / name
-            info = statedisk.lstat(path)
+            info = disk.lstat(path)
             if name.endswith(statefile.SUFFIX) and not name.startswith(".") and info:
                 found.append((info.st_mtime_ns, path))
         found.sort()
@@ -109,7 +108,7 @@ class DiskTier(PromptIndex):
         except BadStateFile as exc:
             with self._lock:
                 self.counters.errors += 1
-            if exc.info is not None and statedisk.remove_if_same(path, exc.info, self._files):
+            if exc.info is not None and disk.remove_if_same(path, exc.info, self._files):
                 log.warning("prompt cache: ignoring and removing %s: %s", path, exc.reason)
             else:
                 log.warning("prompt cache: ignoring %s: %s", path, exc.reason)
@@ -147,7 +146,7 @@ class DiskTier(PromptIndex):
             with self._files:
                 os.replace(partial, final)
         except OSError as exc:
-            statedisk.unlink(partial)
+            disk.unlink(partial)
             self._write_failed(final, exc)
             return
         if self._write_trouble:
@@ -175,13 +174,13 @@ class DiskTier(PromptIndex):
             self._write_trouble = reason
 
     def _make_room(self, size: int, keep: str) -> bool:
-        """Remove files until `size` more bytes fit the disk budget (statedisk.make_room:
+        """Remove files until `size` more bytes fit the disk budget (disk.make_room:
         other fingerprints' folders first). The folders are listed again each time, so
         files another daemon wrote count too."""
         root, folder = self.root, self.folder
         if size > self.disk_budget or root is None or folder is None:
             return False
-        room = statedisk.make_room(root, folder, size, self.disk_budget, keep)
+        room = disk.make_room(root, folder, size, self.disk_budget, keep)
         with self._lock:
             self.counters.disk_evicted += room.evicted
             for path in room.removed:
@@ -209,7 +208,7 @@ class DiskTier(PromptIndex):
         files = removed = 0
         folder, root = self.folder, self.root
         if folder is not None and root is not None:
-            files, removed = statedisk.remove_own(root, folder)
+            files, removed = disk.remove_own(root, folder)
         with self._lock:
             self.disk_bytes = 0
         log.info("prompt cache: cleared %d states, %d files (%.1f MB)", len(gone), files,

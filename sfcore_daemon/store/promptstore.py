@@ -30,7 +30,7 @@ from pathlib import Path
 
 from sfcore_daemon.config import CacheConfig
 from sfcore_daemon.llama.modelfile import cache_dir
-from sfcore_daemon.store import disk as statedisk
+from sfcore_daemon.store import disk
 from sfcore_daemon.store.disktier import DiskTier
 from sfcore_daemon.store.index import CacheCounters, Cleared, Entry, StateView
 from sfcore_daemon.store.statefile import StateHeader, state_name
@@ -191,7 +191,7 @@ class PromptStore(DiskTier):
         if checked is None:
             self._forget(entry)
             return None
-        statedisk.touch(path)
+        disk.touch(path)
         return checked[2]
 
     # --- the event loop (the stats and cache ops) ------------------------------------

@@ -12,7 +12,9 @@ questions for the sampler:
   (checked on a copy of the grammar), ending with end-of-generation if there is room;
   None when no completion fits in `left` tokens.
 
-The sampler emits a plan as forced tokens, each checked against the real grammar.
+The sampler emits a plan as forced tokens, each checked against the real grammar: the
+draws near the end (`near_end`, `settle`) are the closer's, made with the sampler's own
+draw and grammar (`Drawing`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import ctypes
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from sfcore_daemon.llama.capi import C
 from sfcore_daemon.structured.shape import Shape
@@ -37,11 +39,33 @@ BASE_WINDOW: Final = 32
 _MAX_CANDIDATES: Final = 4
 
 
+class Drawing(Protocol):
+    """What the closer uses of the grammar sampler it rides along with (grammar.py)."""
+
+    tokens: int  # tokens drawn, this one included
+    limit: int  # the most tokens the request may emit
+    eog: int  # end-of-generation
+    closed_early: bool
+    emitted: list[int]  # every token accepted so far
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows `token` next."""
+
+    def accepts(self, tokens: list[int]) -> bool:
+        """Whether the grammar allows `tokens` in order."""
+
+    def draw(self, chain: Any, ctx: Any, idx: int, accept: bool = True) -> int | None:
+        """The usual draw (narrow tiers; None: only a wide pass can find a token)."""
+
+    def accept(self, token: int) -> None:
+        """`token` is the document's next."""
+
+
 class Closer:
     """Budget-aware completion for one request's JSON document."""
 
     __slots__ = ("shape", "window", "tracker", "fed", "forced", "lost", "completion_len",
-                 "_model", "_buf")
+                 "settling", "_model", "_buf")
 
     def __init__(self, shape: Shape, model: Model) -> None:
         self.shape = shape
@@ -54,8 +78,58 @@ class Closer:
         # then on the request samples as without a closer.
         self.lost = shortest >= 100000
         self.completion_len = 0  # planned tokens not yet forced, end-of-generation aside
+        # The tokens left when a draw near the end went to a wide pass (0: none did).
+        self.settling = 0
         self._model = model
         self._buf = ctypes.create_string_buffer(64)
+
+    def near_end(self, sampler: Drawing, chain: Any, ctx: Any, idx: int) -> int | None:
+        """A draw when the tokens left are close to what completing the document needs.
+
+        Forced tokens first (a completion planned earlier). Otherwise the usual draw,
+        narrow tiers only and nothing accepted yet; its token is kept when the document
+        can still be completed in the tokens left after it. If not (or only a wide pass
+        could find a token), the shortest completion is planned and its first token
+        forced. The grammar checks every forced token; if it ever refused one, or no
+        completion fits, the request goes on as if it had no closer.
+        """
+        left = sampler.limit - sampler.tokens + 1  # this token included
+        if self.forced:
+            token = self.forced.popleft()
+            if sampler.allows(token):
+                return self._force(sampler, chain, token)
+            self.forced.clear()
+            self.lost = True
+            return sampler.draw(chain, ctx, idx)
+        tracker = self.catch_up(sampler.emitted)
+        if tracker is None:
+            return sampler.draw(chain, ctx, idx)
+        drawn = sampler.draw(chain, ctx, idx, accept=False)
+        if drawn is None:  # a wide pass draws it, and settles it (sample_wide)
+            self.settling = left
+            return None
+        return self.settle(sampler, tracker, chain, drawn, left)
+
+    def settle(self, sampler: Drawing, tracker: JsonTracker, chain: Any, drawn: int,
+               left: int) -> int:
+        """Keep a drawn token if the document can still be completed after it, else
+        force the first token of the shortest completion (when one fits)."""
+        if C.llama_vocab_is_eog(self._model.vocab, drawn) or self.fits_after(
+                tracker, drawn, left - 1):
+            sampler.accept(drawn)
+            return drawn
+        if self.plan(tracker, left, sampler.eog, sampler.accepts):
+            return self._force(sampler, chain, self.forced.popleft())
+        sampler.accept(drawn)
+        return drawn
+
+    def _force(self, sampler: Drawing, chain: Any, token: int) -> int:
+        C.llama_sampler_accept(chain, token)
+        sampler.accept(token)
+        if self.completion_len:
+            self.completion_len -= 1
+            sampler.closed_early = self.completion_len == 0
+        return token
 
     def catch_up(self, emitted: list[int]) -> JsonTracker | None:
         """The tracker, having read every emitted token (once, lazily, the first time)."""

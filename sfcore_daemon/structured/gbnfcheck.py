@@ -13,7 +13,7 @@ unless its structure is within these bounds:
 - a repetition count is at most MAX_GRAMMAR_REPEAT (llama.cpp's own threshold; above it
   llama.cpp silently drops an upper bound), and its minimum is not above its maximum;
 - at most MAX_GRAMMAR_RULES rules and MAX_GRAMMAR_ELEMENTS elements once repetitions are
-  expanded as llama.cpp expands them (its memory, and the copy `budget.py` makes);
+  expanded as llama.cpp expands them (its memory, and the copy `closer.py` makes);
 - from any one point, at most MAX_GRAMMAR_BRANCHES alternatives can be reached before
   the next character (nested groups and referenced rules included): the alternation
   width that sets how many stacks one step makes;

@@ -10,7 +10,7 @@ schema's grammar requires), closing brackets. An `anyOf` whose alternatives agre
 the text so far keeps one stack for each (at most MAX_READINGS).
 
 Pure Python and cheap per byte, but nothing reads it on the fast path: grammar.py feeds
-it only once a request's budget is close to its end (budget.py).
+it only once a request's budget is close to its end (closer.py).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import IO, NoReturn
 
 from sfcore_daemon.config import Config, ConfigError, apply_overrides, load_config
-from sfcore_daemon.llama import modelfile as models
+from sfcore_daemon.llama import modelfile
 from sfcore_daemon.system import cpus
 from sfcore_daemon.tune.bench import DECODE_PROMPT_TOKENS, Bench
 from sfcore_daemon.tune.configfile import (
@@ -272,8 +272,8 @@ def _tune(argv: list[str]) -> int:
         raise TuneError(str(exc)) from None
     plan = make_plan(args, config, pinned)
     try:
-        model_path = models.resolve_model_path(config.model.path)
-    except models.ModelSourceError as exc:
+        model_path = modelfile.resolve_model_path(config.model.path)
+    except modelfile.ModelSourceError as exc:
         raise TuneError(str(exc)) from None
     # Must be set before llama.cpp (and any BLAS it links) is loaded.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")

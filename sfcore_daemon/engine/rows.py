@@ -1,0 +1,182 @@
+"""A step's results, on the decode thread: how each logit row becomes its sequence's next
+token, and what the token does.
+
+The one place that decides how a row's token is chosen: numpy's argmax for a plain
+greedy request, the request's own sampler chain (sampling.py), or, with a grammar, the
+grammar sampler around that chain (grammar.py; near the end of a JSON request's
+budget, its closer, closer.py). A grammar draw that needs a wide pass parks the sequence
+until a thread beside the steps has made it. A drafted run of rows is verified token by
+token; each token taken is handed to the event loop through `Job.pieces`, the loop woken
+at most once per step.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+
+from sfcore_daemon.engine import faults
+from sfcore_daemon.engine.containment import Ender
+from sfcore_daemon.engine.job import Job
+from sfcore_daemon.engine.sequence import Seq
+from sfcore_daemon.llama.capi import C
+from sfcore_daemon.llama.model import Model
+from sfcore_daemon.llama.sampling import PENALTY_LAST_N, argmax, is_plain_greedy, make_chain
+
+
+def _drain_each(jobs: list[Job]) -> None:
+    for job in jobs:
+        job._wake()
+
+
+class Rows:
+    """Each job's way of choosing its tokens, and the draw from each row of a step."""
+
+    def __init__(self, model: Model, ender: Ender) -> None:
+        self.model = model
+        self._ctx = model.ctx
+        self._vocab = model.vocab
+        self._n_vocab = model.info.n_vocab
+        self._memory = model.memory
+        self._ender = ender
+        # Wide grammar passes (grammar.py) take 3 ms to over a second: they run here,
+        # beside the steps, instead of inside the step every sequence shares.
+        self._wide_passes = ThreadPoolExecutor(1, thread_name_prefix="sfcore-grammar")
+
+    def shutdown(self) -> None:
+        self._wide_passes.shutdown(wait=True)
+
+    def prepare(self, seq: Seq, job: Job) -> None:
+        """How `job` on `seq` (its limit set) chooses its tokens: its sampler chain,
+        numpy's argmax in place of a chain that is one, its grammar around the chain."""
+        seq.sampler, penalties = make_chain(self._vocab, job.sampling, job.prompt)
+        seq.argmax = job.grammar is None and is_plain_greedy(job.sampling)
+        if job.grammar is not None:  # it counts its tokens against the same limit
+            job.grammar.begin(seq.limit, penalties, PENALTY_LAST_N)
+
+    def read(self, outputs: list[tuple[Seq, int]], woken: list[Job]) -> None:
+        """The tokens of a decoded step's logit rows (StepBatch.outputs)."""
+        for seq, row in outputs:
+            try:
+                if seq.draft:
+                    self._verify(seq, row, woken)
+                    continue
+                drawn = self._sample(seq, row)
+                if drawn is not None:
+                    self.take(seq, drawn, woken)
+            except Exception as exc:  # one request's failure ends that request alone
+                self.fail(seq, exc)
+
+    def _sample(self, seq: Seq, row: int) -> int | None:
+        """The sequence's next token from the logits of `row`; None when a wide grammar
+        pass will draw it (the sequence is parked) or the job ended with an error."""
+        job = seq.job
+        assert job is not None
+        grammar = job.grammar
+        try:
+            if seq.argmax:
+                return argmax(self._ctx, row, self._n_vocab)
+            if grammar is None:
+                token: int = C.llama_sampler_sample(seq.sampler, self._ctx, row)
+                return token
+            if grammar.closer is not None:
+                faults.hit("closer", job)  # as if the closer (closer.py) failed, for the tests
+            # Checks the chain's choice against the grammar (see grammar.py).
+            drawn = grammar.sample(seq.sampler, self._ctx, row)
+            if drawn is None:
+                seq.parked = self._wide_passes.submit(grammar.sample_wide, seq.sampler)
+            return drawn
+        except Exception as exc:  # one request's failure ends that request alone
+            self.fail(seq, exc)
+            return None
+
+    def _verify(self, seq: Seq, row: int, woken: list[Job]) -> None:
+        """Sample the rows of the pending token and its draft in order, exactly as one
+        token a step would: each draft token is kept while it equals what the chain
+        drew from the row before it; the first that differs ends the run, and the
+        drawn token is the next one. The rejected tokens' cells are removed."""
+        draft, seq.draft = seq.draft, []
+        taken: list[int] = []
+        accepted = 0
+        vocab = self._vocab
+        for index in range(len(draft) + 1):
+            token = self._sample(seq, row + index)
+            if token is None:  # parked after `accepted` tokens, or ended
+                break
+            taken.append(token)
+            if (index == len(draft) or token != draft[index]
+                    or C.llama_vocab_is_eog(vocab, token)):
+                break
+            accepted += 1
+        job = seq.job
+        if job is None:  # ended with an error: its cells are gone
+            return
+        seq.cached.extend(draft[:accepted])
+        if accepted < len(draft):
+            C.llama_memory_seq_rm(self._memory, seq.id, len(seq.cached), -1)
+        job.drafted += len(draft)
+        job.accepted += accepted
+        assert seq.drafter is not None
+        seq.drafter.verified(len(draft), accepted)
+        for token in taken:
+            self.take(seq, token, woken)
+            if seq.job is None:
+                break
+
+    def take(self, seq: Seq, token: int, woken: list[Job]) -> None:
+        """A sampled token: the end of the job, or a piece of its output and the
+        sequence's next input. A failure here ends that request alone."""
+        try:
+            self._take_token(seq, token, woken)
+        except Exception as exc:
+            self.fail(seq, exc)
+
+    def _take_token(self, seq: Seq, token: int, woken: list[Job]) -> None:
+        job = seq.job
+        assert job is not None
+        now = time.perf_counter_ns()
+        if seq.n_out == 0:
+            job.t_first = now
+        if C.llama_vocab_is_eog(self._vocab, token):
+            self._ender.end(seq, "stop")
+            return
+        model = self.model
+        piece = model.pieces.get(token)
+        if piece is None:
+            piece = model.piece(token)
+        job.pieces.append((piece, now))
+        if not job.wake_pending:
+            job.wake_pending = True
+            woken.append(job)
+        seq.n_out += 1
+        if seq.drafter is not None:
+            seq.drafter.append(token)
+        if seq.n_out >= seq.limit:
+            # A document its grammar would end here is whole: "stop", not "length".
+            grammar = job.grammar
+            self._ender.end(seq, "stop" if grammar is not None and grammar.complete()
+                            else "length")
+            return
+        seq.last_token = token
+        seq.generating = True
+
+    @staticmethod
+    def wake(woken: list[Job]) -> None:
+        if woken:
+            # One wake-up of the event loop per step, whatever the number of streams.
+            woken[0].loop.call_soon_threadsafe(_drain_each, woken)
+
+    @staticmethod
+    def unpark(seq: Seq) -> None:
+        """Wait for the sequence's wide grammar pass (it uses the samplers ending frees)."""
+        if seq.parked is not None:
+            wait([seq.parked])
+            seq.parked = None
+
+    def fail(self, seq: Seq, exc: BaseException) -> None:
+        """End `seq`'s job with the error `exc`, unless it has ended already."""
+        job = seq.job
+        if job is not None:
+            job.error = exc
+            self.unpark(seq)
+            self._ender.end(seq, "error")

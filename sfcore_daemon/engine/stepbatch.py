@@ -1,0 +1,177 @@
+"""A step's batch, on the decode thread: which rows go into the step's one `llama_decode`
+(each generating sequence's pending token and its draft, then prompt chunks), which
+rows ask for logits, and what the sequences hold once the batch is decoded.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sfcore_daemon.engine.drafting import DraftPlan, count_aligned, logit_rows
+from sfcore_daemon.engine.sequence import Seq
+from sfcore_daemon.engine.speculative import DraftSettings
+from sfcore_daemon.llama.capi import C
+from sfcore_daemon.llama.kvcache import KVCache
+from sfcore_daemon.llama.model import Model
+
+# Prompt tokens left up to which a prompt is a short rest (a question after a restored or
+# reused prefix, a chat's new turn, a short prompt): read whole, before the long ones.
+_SHORT_REST = 64
+# Rows of short rests in one step, unless the shortest alone has more. A step's cost grows
+# with its rows (about 4.5 ms a row at 1000 cells of context, over ~15 ms a step), so a
+# burst's mean first token is lowest when its shortest prompts go first, one or a few a
+# step: 8 restored questions of ~18 tokens in one step all waited ~800 ms for it; one a
+# step, their first tokens came at ~100 ms intervals. (docs/performance.md, "Parallel
+# slots": the 12-client churn's mean first token 1254 -> 906 ms.)
+_SHORT_STEP_ROWS = 32
+
+
+def _rest(seq: Seq) -> int:
+    job = seq.job
+    assert job is not None
+    return len(job.prompt) - seq.next_prompt
+
+
+def _reading_order(seq: Seq) -> tuple[bool, int]:
+    """Short rests first, the fewest tokens left first; then the long prompts (the
+    sort is stable: oldest request first among them)."""
+    rest = _rest(seq)
+    return (rest > _SHORT_REST, rest if rest <= _SHORT_REST else 0)
+
+
+class StepBatch:
+    """The one batch every step is decoded from, sized for n_batch tokens of one sequence
+    each, and the plan of the step being decoded: after `fill`, `stepping` (generating
+    sequences), `prefilling` (those reading a prompt chunk) and `outputs` (each logit
+    row's sequence and row: a pending token's, or a prompt's last)."""
+
+    def __init__(self, model: Model, slots: int, prefill_per_step: int,
+                 reproducible: bool, drafts: DraftSettings | None) -> None:
+        batch = model.n_batch
+        self._prefill_per_step = prefill_per_step
+        self._drafts = drafts
+        self._draft_rows = 0 if drafts is None else min(drafts.step_rows, batch - slots)
+        # Reproducible mode cuts prompts at multiples of n_ubatch, so that a chunk
+        # evaluated after a cache hit is cut exactly as in a cold run.
+        self._prefill_chunk = batch - batch % model.n_ubatch if reproducible else batch
+        self._n_batch = batch
+        self.batch: Any = C.llama_batch_init(batch, 0, 1)
+        for row in range(batch):
+            self.batch.n_seq_id[row] = 1
+        self.stepping: list[Seq] = []
+        self.prefilling: list[Seq] = []
+        self.outputs: list[tuple[Seq, int]] = []
+
+    def free(self) -> None:
+        """Free the batch; only once the loop has returned."""
+        if self.batch is not None:
+            C.llama_batch_free(self.batch)
+            self.batch = None
+
+    def fill(self, active: list[Seq]) -> int:
+        """Plan the step for the `active` sequences and write its rows into the batch;
+        the number of rows (0: every sequence waits)."""
+        batch = self.batch
+        tokens, positions, seq_ids, wants = batch.token, batch.pos, batch.seq_id, batch.logits
+        outputs: list[tuple[Seq, int]] = []
+        prefilling: list[Seq] = []
+        stepping = [seq for seq in active if seq.generating and seq.parked is None]
+        self.stepping, self.prefilling, self.outputs = stepping, prefilling, outputs
+        # Every generating sequence first: its pending token and its draft, if any, each
+        # row asking for logits. The drafts are proposed now and settled once the
+        # prompt chunks are planned: a prompt read to its end adds a logit row too.
+        plan = (DraftPlan(self._drafts, self._draft_rows, stepping)
+                if self._drafts is not None and stepping else None)
+        n = len(stepping) + (plan.rows if plan is not None else 0)
+        # Then prompt tokens: first the short rests (their first token is near), the
+        # shortest first, each whole and at most _SHORT_STEP_ROWS rows of them a step;
+        # then the others, oldest request first. Alone, a prompt goes in whole n_batch
+        # chunks; beside streaming sequences, at most prefill_per_step tokens a step,
+        # so their next token is never held up by a whole long prompt.
+        budget = self._n_batch - n if n == 0 else min(self._prefill_per_step, self._n_batch - n)
+        chunk = self._prefill_chunk
+        reading = [seq for seq in active
+                   if not seq.generating and seq.parked is None and seq.loading is None]
+        if len(reading) > 1:
+            reading.sort(key=_reading_order)
+            first_rest = _rest(reading[0])
+            if first_rest <= _SHORT_REST:
+                budget = min(budget, max(_SHORT_STEP_ROWS, first_rest))
+        # A prompt read alone is cut at its cuts too (storepolicy.PromptStates.cuts):
+        # a cold run's bytes come only from a batch of its own. Beside other rows a cut
+        # would just delay the rest of the prompt by a step.
+        alone = n == 0 and len(reading) == 1
+        ends = 0  # prompts read to their end in this step
+        for seq in reading:
+            if budget <= 0:
+                break
+            job = seq.job
+            assert job is not None
+            prompt, pos = job.prompt, seq.next_prompt
+            if prefilling and budget < len(prompt) - pos <= _SHORT_REST:
+                continue  # a short rest is read whole
+            end = min(pos - pos % chunk + chunk, len(prompt), pos + budget)
+            for cut in seq.cuts if alone else ():
+                if pos < cut < end:
+                    end = cut
+                    break
+            budget -= end - pos
+            seq.chunk_end = end
+            prefilling.append(seq)
+            ends += end == len(prompt)
+        if plan is not None:
+            plan.settle(len(stepping) + ends, self._n_batch - n - sum(
+                seq.chunk_end - seq.next_prompt for seq in prefilling))
+        n = 0
+        for seq in stepping:
+            pos, sid = len(seq.cached), seq.id
+            tokens[n] = seq.last_token
+            positions[n] = pos
+            seq_ids[n][0] = sid
+            wants[n] = 1
+            outputs.append((seq, n))
+            n += 1
+            for token in seq.draft:
+                pos += 1
+                tokens[n] = token
+                positions[n] = pos
+                seq_ids[n][0] = sid
+                wants[n] = 1
+                n += 1
+        for seq in prefilling:
+            job = seq.job
+            assert job is not None
+            prompt, sid = job.prompt, seq.id
+            for index in range(seq.next_prompt, seq.chunk_end):
+                tokens[n] = prompt[index]
+                positions[n] = index
+                seq_ids[n][0] = sid
+                wants[n] = 0
+                n += 1
+            if seq.chunk_end == len(prompt):
+                wants[n - 1] = 1
+                outputs.append((seq, n - 1))
+        if plan is not None and plan.rows:
+            assert self._drafts is not None
+            count_aligned([seq for seq in stepping if seq.draft], logit_rows(batch, n),
+                          self._drafts.row_multiple)
+        batch.n_tokens = n
+        return n
+
+    def decoded(self, cells: KVCache) -> int:
+        """The batch was decoded: each sequence's cache holds its rows (a draft's, once
+        verified). The time the step's prompts were read (time.perf_counter_ns)."""
+        for seq in self.stepping:
+            seq.cached.append(seq.last_token)
+        now = time.perf_counter_ns()
+        for seq in self.prefilling:
+            job = seq.job
+            assert job is not None
+            seq.cached.extend(job.prompt[seq.next_prompt:seq.chunk_end])
+            seq.next_prompt = seq.prompt_rows = seq.chunk_end
+            if seq.chunk_end == len(job.prompt):
+                job.t_prompt_done = now
+            elif seq.protect_from >= 0:
+                cells.protect(seq, seq.protect_from)
+        return now
