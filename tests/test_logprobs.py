@@ -29,9 +29,9 @@ def reference(logits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 
 @pytest.mark.parametrize("top", [0, 1, 5, 20])
-def test_row_numbers_are_the_log_softmax_and_its_best(top: int) -> None:
+@pytest.mark.parametrize("n_vocab", [262_144, 50_000, 60])
+def test_row_numbers_are_the_log_softmax_and_its_best(top: int, n_vocab: int) -> None:
     rng = np.random.default_rng(top)
-    n_vocab = 50_000
     rows = RowLogprobs(n_vocab)
     for _ in range(3):  # the scratch buffers are reused
         logits = (rng.standard_normal(n_vocab) * 4).astype(np.float32)
@@ -49,16 +49,22 @@ def test_row_numbers_are_the_log_softmax_and_its_best(top: int) -> None:
             assert best == int(logits.argmax())
 
 
-def test_equal_logits_rank_the_lower_id_first_and_a_flat_row_is_uniform() -> None:
-    rows = RowLogprobs(1000)
-    logits = np.zeros(1000, np.float32)
-    logits[[7, 3, 900]] = 5.0
-    _, ids, values = rows.of(logits, 3, 4)
-    assert ids[:3] == [3, 7, 900] and values[0] == values[1] == values[2]
-    flat = np.full(1000, -3.0, np.float32)
+@pytest.mark.parametrize("n_vocab", [262_144, 1000])
+def test_equal_logits_rank_the_lower_id_first_and_a_flat_row_is_uniform(n_vocab: int) -> None:
+    rows = RowLogprobs(n_vocab)
+    logits = np.zeros(n_vocab, np.float32)
+    same_column = 3 + n_vocab // 64  # as 3 (RowLogprobs._best)
+    logits[[900, 7, 3, same_column]] = 5.0
+    _, ids, values = rows.of(logits, 3, 5)
+    assert ids == [*sorted([3, 7, 900, same_column]), 0]
+    assert values[0] == values[3] > values[4]
+    flat = np.full(n_vocab, -3.0, np.float32)
     chosen, ids, _ = rows.of(flat, 999, 2)
-    assert chosen == pytest.approx(-math.log(1000), abs=1e-5)
+    assert chosen == pytest.approx(-math.log(n_vocab), abs=1e-4)
     assert ids == [0, 1]
+    # Near-ties that differ in the last bit keep their order.
+    logits[11] = np.nextafter(np.float32(5.0), np.float32(6.0))
+    assert rows.of(logits, 3, 2)[1] == [11, 3]
 
 
 # --- entries into lines -----------------------------------------------------------------
@@ -264,7 +270,8 @@ async def test_a_stop_sequence_keeps_the_entries_of_the_text_before_it() -> None
         full = await whole(client, {**GREEDY, "logprobs": 1})
         text = full["text"]
         # A stop sequence that first occurs in the middle of the text.
-        stop = next(text[at:at + 3] for at in range(len(text) // 2, len(text) - 3)
+        middle_first = sorted(range(1, len(text) - 3), key=lambda at: abs(at - len(text) // 2))
+        stop = next(text[at:at + 3] for at in middle_first
                     if text.find(text[at:at + 3]) == at and text[at:at + 3].strip())
         cut = await whole(client, {**GREEDY, "logprobs": 1, "stop": stop})
         assert cut["finish_reason"] == "stop_sequence"
