@@ -725,6 +725,57 @@ def test_a_closing_error_code_raises_it_and_the_next_call_reconnects() -> None:
     asyncio.run(main())
 
 
+def entry(token: int, text: str, *alternatives: tuple[int, str, float]) -> dict[str, Any]:
+    return {"token": token, "text": text, "bytes": list(text.encode()), "logprob": -0.5,
+            "top_logprobs": [{"token": t, "text": x, "bytes": list(x.encode()), "logprob": v}
+                             for t, x, v in alternatives]}
+
+
+def with_logprobs(conn: socket.socket, requests: BinaryIO, n: int) -> None:
+    """The daemon's shapes: entries on token lines and `done` (stream false: all there)."""
+    for line in requests:
+        request = json.loads(line)
+        asked = "logprobs" in request
+        done = json.loads(done_line(request["id"], "" if request["stream"] else "Hi!", 2))
+        if request["stream"]:
+            token = {"type": "token", "id": request["id"], "text": "Hi"}
+            if asked:
+                token["logprobs"] = [entry(1, "Hi", (1, "Hi", -0.5), (2, "Ho", -1.5))]
+                done["logprobs"] = [entry(3, "!", (3, "!", -0.5), (4, "?", -2.0))]
+            conn.sendall(json.dumps(token).encode() + b"\n"
+                         + json.dumps({"type": "token", "id": request["id"], "text": "!"})
+                         .encode() + b"\n")
+        elif asked:
+            done["logprobs"] = [entry(1, "Hi", (1, "Hi", -0.5), (2, "Ho", -1.5)),
+                                entry(3, "!", (3, "!", -0.5), (4, "?", -2.0))]
+        conn.sendall(json.dumps(done).encode() + b"\n")
+
+
+def test_logprobs_are_asked_for_and_come_back_typed() -> None:
+    with fake_daemon(with_logprobs) as path, Client(path, timeout=30) as client:
+        whole = client.generate("x", logprobs=2).logprobs
+        stream = client.stream_chat([{"role": "user", "content": "x"}], logprobs=2)
+        assert "".join(stream) == "Hi!"
+        assert stream.result is not None and stream.result.logprobs == whole
+        assert whole is not None and [e.token for e in whole] == [1, 3]
+        first = whole[0]
+        assert (first.text, first.bytes, first.logprob) == ("Hi", b"Hi", -0.5)
+        assert [(t.token, t.bytes, t.logprob) for t in first.top_logprobs] == [
+            (1, b"Hi", -0.5), (2, b"Ho", -1.5)]
+        assert client.generate("x").logprobs is None
+
+    async def main() -> None:
+        async with AsyncClient(path, timeout=30) as client:
+            result = await client.chat([{"role": "user", "content": "x"}], logprobs=0)
+            assert result.logprobs is not None and len(result.logprobs) == 2
+            stream = client.stream_generate("x", logprobs=2)
+            assert [piece async for piece in stream] == ["Hi", "!"]
+            assert stream.result is not None and stream.result.logprobs == whole
+
+    with fake_daemon(with_logprobs) as path:
+        asyncio.run(main())
+
+
 def test_a_hang_up_mid_stream_raises_after_the_pieces_that_came() -> None:
     with fake_daemon(hang_up_mid_stream) as path, Client(path, timeout=30) as client:
         pieces: list[str] = []

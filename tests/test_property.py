@@ -139,7 +139,7 @@ def check_exchange(background: BackgroundDaemon, blob: bytes, seen: Counter[str]
 
 FIELDS = ["op", "id", "prompt", "stream", "max_tokens", "temperature", "top_k", "top_p",
           "min_p", "repeat_penalty", "seed", "stop", "cache_prompt", "messages", "text",
-          "add_special", "tokens", "target", "action", "bogus"]
+          "add_special", "tokens", "target", "action", "logprobs", "bogus"]
 OPS = ["generate", "chat", "tokenize", "detokenize", "info", "stats", "health", "cancel",
        "cache", "list", "nope", "", "HEALTH"]
 
@@ -170,6 +170,8 @@ plausible_requests = st.one_of(
               ids, st.text(max_size=60), st.integers(1, 3), st.booleans()),
     st.builds(lambda i, m: {"op": "chat", "id": i, "messages": m, "max_tokens": 2},
               ids, messages),
+    st.builds(lambda i, p, n: {"id": i, "prompt": p, "max_tokens": 2, "logprobs": n},
+              ids, st.text(max_size=20), st.integers(-2, 22) | json_leaves),
     st.builds(lambda i, t: {"op": "cancel", "id": i, "target": t}, ids, ids),
     st.builds(lambda i, o: {"op": o, "id": i}, ids, st.sampled_from(OPS)),
 )

@@ -6,6 +6,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
+from sfcore_daemon.llama.logprobs import TokenLogprobs
 from sfcore_daemon.llama.sampling import Sampling
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ class Job:
         "n_cached", "t_start", "t_prompt_done", "t_first", "end_reason", "error",
         "slot", "evict", "exclusive", "kept", "grammar", "speculative", "drafted",
         "accepted", "draft_steps", "aligned_steps", "logit_rows", "cache_source", "restore_failed",
-        "contained",
+        "contained", "logprobs", "numbers",
     )
 
     def __init__(
@@ -45,6 +46,7 @@ class Job:
         on_finished: Callable[[], None],
         grammar: GrammarSampler | None = None,
         speculative: bool = False,
+        logprobs: int | None = None,
     ) -> None:
         self.prompt = prompt
         self.sampling = sampling
@@ -53,6 +55,13 @@ class Job:
         self.stop_requested = False
         # (token bytes, perf_counter_ns at sampling); appended by the thread only.
         self.pieces: deque[tuple[bytes, int]] = deque()
+        # The alternatives a request's `logprobs` asks for per token (0: the token's own
+        # logprob only), None when it asks for none. Then the thread appends each
+        # token's numbers (llama/logprobs.py) here as it is drawn, before its piece: the
+        # n-th piece's numbers are the n-th entry (tokens drawn but never emitted, the
+        # end-of-generation one or draft rows past the end, leave more at the end).
+        self.logprobs = logprobs
+        self.numbers: deque[TokenLogprobs] = deque()
         self.wake_pending = False
         self.loop = loop
         self._wake = on_pieces

@@ -7,21 +7,28 @@ grammar sampler around that chain (grammar.py; near the end of a JSON request's
 budget, its closer, closer.py). A grammar draw that needs a wide pass parks the sequence
 until a thread beside the steps has made it. A drafted run of rows is verified token by
 token; each token taken is handed to the event loop through `Job.pieces`, the loop woken
-at most once per step.
+at most once per step. A request that asks for logprobs gets each token's numbers from
+the row it was chosen from (a draft token: the row that verified it; logprobs.py).
 """
 
 from __future__ import annotations
 
+import ctypes
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, Any
 
 from sfcore_daemon.engine import faults
 from sfcore_daemon.engine.containment import Ender
 from sfcore_daemon.engine.job import Job
 from sfcore_daemon.engine.sequence import Seq
 from sfcore_daemon.llama.capi import C
+from sfcore_daemon.llama.logprobs import RowLogprobs, RowNumbers, TokenLogprobs
 from sfcore_daemon.llama.model import Model
 from sfcore_daemon.llama.sampling import PENALTY_LAST_N, argmax, is_plain_greedy, make_chain
+
+if TYPE_CHECKING:
+    from sfcore_daemon.structured.grammar import GrammarSampler
 
 
 def _drain_each(jobs: list[Job]) -> None:
@@ -42,6 +49,10 @@ class Rows:
         # Wide grammar passes (grammar.py) take 3 ms to over a second: they run here,
         # beside the steps, instead of inside the step every sequence shares.
         self._wide_passes = ThreadPoolExecutor(1, thread_name_prefix="sfcore-grammar")
+        # Scratch for the logprobs of requests that ask (logprobs.py): one for the
+        # steps, one for the wide passes' thread; made when first needed.
+        self._logprobs: RowLogprobs | None = None
+        self._wide_logprobs: RowLogprobs | None = None
 
     def shutdown(self) -> None:
         self._wide_passes.shutdown(wait=True)
@@ -74,21 +85,66 @@ class Rows:
         assert job is not None
         grammar = job.grammar
         try:
+            token: int
             if seq.argmax:
-                return argmax(self._ctx, row, self._n_vocab)
-            if grammar is None:
-                token: int = C.llama_sampler_sample(seq.sampler, self._ctx, row)
-                return token
-            if grammar.closer is not None:
-                faults.hit("closer", job)  # as if the closer (closer.py) failed, for the tests
-            # Checks the chain's choice against the grammar (see grammar.py).
-            drawn = grammar.sample(seq.sampler, self._ctx, row)
-            if drawn is None:
-                seq.parked = self._wide_passes.submit(grammar.sample_wide, seq.sampler)
-            return drawn
+                token = argmax(self._ctx, row, self._n_vocab)
+            elif grammar is None:
+                token = C.llama_sampler_sample(seq.sampler, self._ctx, row)
+            else:
+                if grammar.closer is not None:
+                    # As if the closer (closer.py) failed, for the tests.
+                    faults.hit("closer", job)
+                # Checks the chain's choice against the grammar (see grammar.py).
+                drawn = grammar.sample(seq.sampler, self._ctx, row)
+                if drawn is None:
+                    self._park(seq, job, grammar, row)
+                    return None
+                token = drawn
+            if job.logprobs is not None:  # all a job that asks for none pays
+                job.numbers.append(self._numbers(
+                    token, self._row_logprobs().of_row(self._ctx, row, token, job.logprobs)))
+            return token
         except Exception as exc:  # one request's failure ends that request alone
             self.fail(seq, exc)
             return None
+
+    def _park(self, seq: Seq, job: Job, grammar: GrammarSampler, row: int) -> None:
+        """Leave the draw to a wide grammar pass beside the steps (the sequence sits out
+        until it is made). Its logprobs come from a copy of the row: by the time the
+        pass has chosen, later steps have overwritten the logits."""
+        if job.logprobs is None:
+            seq.parked = self._wide_passes.submit(grammar.sample_wide, seq.sampler)
+            return
+        logits = self._row_logprobs().copy_row(self._ctx, row)
+        seq.parked = self._wide_passes.submit(self._sample_wide, grammar, seq.sampler, job,
+                                              logits)
+
+    def _sample_wide(self, grammar: GrammarSampler, chain: Any, job: Job, logits: Any) -> int:
+        """A wide pass's draw, with its logprobs (on the wide passes' thread)."""
+        token = grammar.sample_wide(chain)
+        if self._wide_logprobs is None:
+            self._wide_logprobs = RowLogprobs(self._n_vocab)
+        assert job.logprobs is not None
+        chosen, ids, logprobs = self._wide_logprobs.of(logits, token, job.logprobs)
+        # The model's piece cache is the decode thread's to fill: read it, else a
+        # buffer of this pass's own.
+        model, buf = self.model, ctypes.create_string_buffer(256)
+        pieces = [model.pieces.get(alt) or model.piece_into(alt, buf) for alt in ids]
+        job.numbers.append(TokenLogprobs(token, chosen, ids, logprobs, pieces))
+        return token
+
+    def _numbers(self, token: int, numbers: RowNumbers) -> TokenLogprobs:
+        """A row's numbers with the alternatives' bytes (decode thread)."""
+        chosen, ids, logprobs = numbers
+        model = self.model
+        cached = model.pieces
+        pieces = [cached.get(alt) or model.piece(alt) for alt in ids]
+        return TokenLogprobs(token, chosen, ids, logprobs, pieces)
+
+    def _row_logprobs(self) -> RowLogprobs:
+        if self._logprobs is None:  # the first request that asks
+            self._logprobs = RowLogprobs(self._n_vocab)
+        return self._logprobs
 
     def _verify(self, seq: Seq, row: int, woken: list[Job]) -> None:
         """Sample the rows of the pending token and its draft in order, exactly as one

@@ -183,14 +183,19 @@ class Model:
 
     def piece(self, token: int) -> bytes:
         """The bytes of `token`, remembered in `pieces` (decode thread only)."""
-        buf = self._piece_buf
+        piece = self.piece_into(token, self._piece_buf)
+        self.pieces[token] = piece
+        return piece
+
+    def piece_into(self, token: int, buf: Any) -> bytes:
+        """The bytes of `token`, read through `buf` (a ctypes string buffer; any thread
+        with a buffer of its own), not remembered."""
         n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
             n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
-        piece = buf.raw[:n]
-        self.pieces[token] = piece
-        return piece
+        raw: bytes = buf.raw[:n]
+        return raw
 
     def close(self, timeout: float) -> bool:
         """Free the context and the model once no thread reads the vocabulary; False

@@ -153,6 +153,7 @@ class Admission:
             exclusive=self._exclusive(request),
             grammar=grammar,
             speculative=request.speculative and state.speculates,
+            logprobs=request.logprobs,
         )
         sink.attach(generation)
         try:

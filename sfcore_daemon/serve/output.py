@@ -19,12 +19,14 @@ from typing import Protocol, cast
 from sfcore_daemon.engine.job import Job
 from sfcore_daemon.llama.sampling import Sampling
 from sfcore_daemon.serve import protocol
+from sfcore_daemon.serve.logprobs import LogprobTrail
 from sfcore_daemon.serve.protocol import (
     DoneReply,
     ErrorReply,
     FinishReason,
     RequestId,
     Timings,
+    TokenLogprob,
     TokenReply,
     Usage,
 )
@@ -64,6 +66,7 @@ class Generation:
         exclusive: bool = False,
         grammar: GrammarSampler | None = None,
         speculative: bool = False,
+        logprobs: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.stream = stream
@@ -72,11 +75,15 @@ class Generation:
         self.job = Job(
             prompt, sampling, max_tokens, cache_prompt,
             loop=loop, on_pieces=self._drain, on_finished=self._finished, grammar=grammar,
-            speculative=speculative,
+            speculative=speculative, logprobs=logprobs,
         )
         self.job.exclusive = exclusive
         self._text = TextStream(stops)
         self._parts: list[str] = []
+        # Asked for logprobs: each token's entry on its way to a line (logprobs.py), and
+        # those a `done` line carries (stream false: all of them).
+        self._trail = LogprobTrail(self.job.numbers) if logprobs is not None else None
+        self._entries: list[TokenLogprob] = []
         self.completion_tokens = 0
         self._last_token_ns = 0
         # True once nothing more may be written: done/error sent, or the client is gone.
@@ -126,19 +133,27 @@ class Generation:
         pieces = job.pieces
         if self.replied:
             pieces.clear()
+            job.numbers.clear()
             return
-        text_stream, stream = self._text, self.stream
+        text_stream, stream, trail = self._text, self.stream, self._trail
         batch = bytearray()
+        entries = None
         while pieces:
             piece, sampled_ns = pieces.popleft()
             self.completion_tokens += 1
             self._last_token_ns = sampled_ns
-            text = text_stream.feed(piece)
+            if trail is None:
+                text = text_stream.feed(piece)
+            else:
+                text, entries = trail.feed(text_stream, piece)
             if text:
                 if stream:
-                    protocol.encode_line_into(TokenReply(id=self.request_id, text=text), batch)
+                    protocol.encode_line_into(
+                        TokenReply(id=self.request_id, text=text, logprobs=entries), batch)
                 else:
                     self._parts.append(text)
+                    if entries:
+                        self._entries += entries
             if text_stream.stop_hit is not None:
                 # Reply now; the decode thread notices within one token and frees the slot.
                 job.stop_requested = True
@@ -160,11 +175,7 @@ class Generation:
                 else:
                     tail = self._text.finish()
                     if tail:
-                        if self.stream:
-                            self._write(protocol.encode_line(
-                                TokenReply(id=self.request_id, text=tail)))
-                        else:
-                            self._parts.append(tail)
+                        self._emit_tail(tail)
                     # end_reason is "stop", "length" or "cancelled" here ("error" is above).
                     self._reply_done("stop_sequence" if self._text.stop_hit is not None
                                      else cast(FinishReason, job.end_reason))
@@ -174,6 +185,18 @@ class Generation:
         finally:
             if self.on_released is not None:
                 self.on_released(self)
+
+    def _emit_tail(self, tail: str) -> None:
+        """The text held back until the end."""
+        trail = self._trail
+        entries = trail.emitted(len(tail)) if trail is not None else None
+        if self.stream:
+            self._write(protocol.encode_line(
+                TokenReply(id=self.request_id, text=tail, logprobs=entries)))
+        else:
+            self._parts.append(tail)
+            if entries:
+                self._entries += entries
 
     def _fail_with(self, error: BaseException | None) -> None:
         if isinstance(error, GrammarDeadEnd):
@@ -249,8 +272,19 @@ class Generation:
                 accepted_tokens=self.job.accepted,
             ),
             timings=self._timings(),
+            logprobs=self._done_entries(),
         )))
         self.sink.close()
+
+    def _done_entries(self) -> list[TokenLogprob] | None:
+        """The entries the `done` line carries: with stream false all of them; else
+        those no token line took. None when the request asked for none."""
+        trail = self._trail
+        if trail is None:
+            return None
+        if self._text.stop_hit is None:
+            self._entries += trail.rest()
+        return self._entries
 
     def _timings(self) -> Timings:
         job, now = self.job, time.perf_counter_ns()

@@ -39,6 +39,8 @@ StopText = Annotated[str, Meta(min_length=1)]
 # Bounds past the protocol's "int >= 0" / "float >= 0" keep values that llama.cpp
 # takes as C ints finite and unwrapped; they are far beyond any useful setting.
 CInt = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+# The most alternatives a token's logprobs may list (OpenAI's top_logprobs limit).
+MAX_LOGPROBS: Final = 20
 
 
 # --- requests -------------------------------------------------------------------------
@@ -69,6 +71,9 @@ class _GenerationOptions(_Request):
     # false: never draft tokens for this request (see speculative.py); the output is
     # the same either way, only its speed differs.
     speculative: bool = True
+    # Each token's log-probability and its `logprobs` likeliest alternatives (0: the
+    # token's own only); None: none. OpenAI's top_logprobs has the same range.
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @property
     def stop_sequences(self) -> tuple[str, ...]:
@@ -135,8 +140,30 @@ class _Reply(Struct, tag_field="type", kw_only=True):
     id: RequestId
 
 
-class TokenReply(_Reply, tag="token", kw_only=True):
+class TopLogprob(Struct, kw_only=True):
+    """One of a token's likeliest alternatives (the chosen one among them)."""
+
+    token: int
+    text: str  # its bytes as UTF-8, invalid sequences replaced (U+FFFD)
+    bytes: list[int]
+    logprob: float
+
+
+class TokenLogprob(Struct, kw_only=True):
+    """A generated token's log-probability under the model (docs/protocol.md)."""
+
+    token: int
     text: str
+    bytes: list[int]
+    logprob: float
+    top_logprobs: list[TopLogprob]  # best first; [] for logprobs 0
+
+
+# `logprobs` is written only for a request that asks (omit_defaults leaves out None).
+class TokenReply(_Reply, tag="token", kw_only=True, omit_defaults=True):
+    text: str
+    # The tokens whose text starts in this line (docs/protocol.md, Logprobs).
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Usage(Struct, kw_only=True):
@@ -161,7 +188,7 @@ class Timings(Struct, kw_only=True):
     cache_source: Literal["none", "slot", "ram", "disk"]
 
 
-class DoneReply(_Reply, tag="done", kw_only=True):
+class DoneReply(_Reply, tag="done", kw_only=True, omit_defaults=True):
     text: str
     finish_reason: FinishReason
     stop_sequence: str | None
@@ -169,6 +196,8 @@ class DoneReply(_Reply, tag="done", kw_only=True):
     truncated: bool
     usage: Usage
     timings: Timings
+    # Asked for: every token's entry (stream false), else those no token line carried.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class ErrorReply(_Reply, tag="error", kw_only=True):

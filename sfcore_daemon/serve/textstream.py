@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 
 class TextStream:
-    __slots__ = ("_decoder", "_held", "_stops", "stop_hit")
+    __slots__ = ("_decoder", "_held", "_stops", "decoded", "stop_hit")
 
     def __init__(self, stops: Sequence[str] = ()) -> None:
         # A model can emit byte tokens that never form valid UTF-8, and a generation
@@ -29,10 +29,15 @@ class TextStream:
         self._held = ""
         # The stop sequence that ended the text, once one has matched.
         self.stop_hit: str | None = None
+        # Characters decoded so far, held back or not: what is emitted is always a
+        # prefix of them (where a token's text starts, for its logprobs).
+        self.decoded = 0
 
     def feed(self, piece: bytes) -> str:
         """Take one token's bytes; return the text that is now safe to emit."""
-        return self._release(self._decoder.decode(piece), final=False)
+        text = self._decoder.decode(piece)
+        self.decoded += len(text)
+        return self._release(text, final=False)
 
     def finish(self) -> str:
         """End of generation: flush what was held back (it can no longer become a stop)."""

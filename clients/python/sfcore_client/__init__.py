@@ -13,6 +13,8 @@ from ._common import (
     SfcoreError,
     SfcoreTimeoutError,
     Timings,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 from .aio import AsyncClient, AsyncStream
@@ -21,4 +23,4 @@ from .client import Client, Stream
 __version__ = "0.2.0"
 __all__ = ["DEFAULT_SOCKET", "AsyncClient", "AsyncStream", "Client", "Result",
            "SfcoreConnectionError", "SfcoreError", "SfcoreTimeoutError", "Stream", "Timings",
-           "Usage"]
+           "TokenLogprob", "TopLogprob", "Usage"]

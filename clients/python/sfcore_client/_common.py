@@ -22,7 +22,8 @@ DEFAULT_SOCKET = "/tmp/sfcore-ai.sock"
 DEFAULT_TIMEOUT = 60.0
 GENERATION_OPTIONS = frozenset({"max_tokens", "temperature", "top_k", "top_p", "min_p",
                                 "repeat_penalty", "seed", "stop", "cache_prompt",
-                                "json_schema", "format", "grammar", "speculative"})
+                                "json_schema", "format", "grammar", "speculative",
+                                "logprobs"})
 # Error codes after which the daemon closes the connection (PROTOCOL.md).
 CLOSING_CODES = frozenset({"line_too_long", "too_many_connections", "forbidden",
                            "shutting_down"})
@@ -83,6 +84,28 @@ class Timings:
 
 
 @dataclass(frozen=True, slots=True)
+class TopLogprob:
+    """One of a token's likeliest alternatives under the model."""
+
+    token: int
+    text: str
+    bytes: bytes
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token: its id, text and bytes, its log-probability under the model,
+    and (logprobs N > 0) its N likeliest alternatives, best first."""
+
+    token: int
+    text: str
+    bytes: bytes
+    logprob: float
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Result:
     """A finished generation: the whole text and the figures of the daemon's `done` line."""
 
@@ -94,6 +117,9 @@ class Result:
     timings: Timings
     # A JSON document the daemon closed early to fit max_tokens (finish_reason "stop").
     truncated: bool = False
+    # One entry per token when the request asked for `logprobs` (a stop sequence drops
+    # those of tokens wholly inside it); None when it did not.
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 def resolve_socket_path(path: str | os.PathLike[str] | None) -> str:
@@ -151,12 +177,29 @@ def chat_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, str]]
     return [dict(message) for message in messages]
 
 
-def result_of(done: Mapping[str, Any], text: str) -> Result:
+def result_of(done: Mapping[str, Any], text: str,
+              streamed: Sequence[Mapping[str, Any]] = ()) -> Result:
+    """The Result of a `done` line; `streamed`: the logprobs entries of its token lines."""
+    entries = done.get("logprobs")
     return Result(
         id=done["id"], text=text, finish_reason=done["finish_reason"],
         stop_sequence=done.get("stop_sequence"), usage=_known(Usage, done["usage"]),
         timings=_known(Timings, done["timings"]),
         truncated=bool(done.get("truncated", False)),
+        logprobs=None if entries is None else tuple(
+            token_logprob(entry) for entry in (*streamed, *entries)),
+    )
+
+
+def token_logprob(entry: Mapping[str, Any]) -> TokenLogprob:
+    """A typed logprobs entry (`bytes` as bytes, from the list of ints on the wire)."""
+    return TokenLogprob(
+        token=entry["token"], text=entry["text"], bytes=bytes(entry["bytes"]),
+        logprob=entry["logprob"],
+        top_logprobs=tuple(
+            TopLogprob(token=top["token"], text=top["text"], bytes=bytes(top["bytes"]),
+                       logprob=top["logprob"])
+            for top in entry.get("top_logprobs", ())),
     )
 
 
@@ -174,17 +217,19 @@ class Call:
     """One request in flight on a connection.
 
     `pieces` receives what the caller has not taken yet: token texts (or, for `raw`
-    calls, whole reply dicts). `parts` keeps every token text for the final Result.
+    calls, whole reply dicts). `parts` keeps every token text for the final Result, and
+    `entries` the token lines' logprobs entries (a request that asked for them).
     """
 
-    __slots__ = ("id", "raw", "pieces", "parts", "final", "error", "done", "abandoned",
-                 "conn")
+    __slots__ = ("id", "raw", "pieces", "parts", "entries", "final", "error", "done",
+                 "abandoned", "conn")
 
     def __init__(self, request_id: Any, raw: bool = False) -> None:
         self.id = request_id
         self.raw = raw
         self.pieces: deque[Any] = deque()
         self.parts: list[str] = []
+        self.entries: list[Mapping[str, Any]] = []
         self.final: dict[str, Any] | None = None
         self.error: SfcoreError | None = None
         self.done = False
@@ -232,6 +277,9 @@ def route(calls: deque[Call], reply: Any) -> bool:
                 raise OutOfStep(f"a token for id {reply['id']!r} while {call.id!r} is due")
             text = reply["text"]
             call.parts.append(text)
+            entries = reply.get("logprobs")
+            if entries:
+                call.entries += entries
             if not call.abandoned:
                 call.pieces.append(reply if call.raw else text)
             return False

@@ -450,7 +450,8 @@ class AsyncStream(Generic[T]):
         if self._result is None and call is not None:
             final = call.final
             if final is not None and final["type"] == "done":
-                self._result = result_of(final, final["text"] or "".join(call.parts))
+                self._result = result_of(final, final["text"] or "".join(call.parts),
+                                         call.entries)
         return self._result
 
     @staticmethod
