@@ -851,3 +851,24 @@ def test_wheel_has_no_dependency_and_ships_types_and_the_command(tmp_path: Path)
     assert not any(name.startswith("benchmarks/") for name in names)
     assert "Requires-Python: >=3.11" in metadata and "Requires-Dist" not in metadata
     assert "sfcore = sfcore_client.cli:main" in entry_points
+
+
+@pytest.mark.asyncio
+async def test_logprobs_through_the_client_against_the_real_daemon() -> None:
+    """The typed entries from a live daemon: one per generated token, their bytes the
+    text, each with the asked-for alternatives, best first."""
+    async with running_daemon() as daemon:
+        def ask() -> None:
+            with Client(daemon.socket_path, timeout=60) as client:
+                result = client.generate("Count: 1, 2, 3,", max_tokens=6, logprobs=3, **GREEDY)
+                entries = result.logprobs
+                assert entries is not None and len(entries) == result.usage.completion_tokens
+                assert b"".join(entry.bytes for entry in entries) == result.text.encode()
+                for entry in entries:
+                    assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+                    assert entry.top_logprobs[0].token == entry.token
+                    values = [top.logprob for top in entry.top_logprobs]
+                    assert values == sorted(values, reverse=True)
+                assert client.generate("Hi", max_tokens=2).logprobs is None
+
+        await in_thread(ask)
