@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", metavar="PATH", help="override [model] path (a GGUF file)")
     parser.add_argument("--threads", metavar="N", type=int,
                         help="override [runtime] n_threads (decode threads)")
+    parser.add_argument("--openai", metavar="ADDRESS",
+                        help="override [openai] listen: serve the OpenAI-compatible HTTP API "
+                             "on HOST:PORT (loopback) or unix:/path")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return parser
 
@@ -75,6 +78,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
         server__socket_path=args.socket,
         model__path=args.model,
         runtime__n_threads=args.threads,
+        openai__listen=args.openai,
     )
 
 
@@ -144,15 +148,28 @@ def _run(config: Config, pinned: list[int]) -> int:
     except StartupError as exc:
         log.error("%s", exc)
         return EXIT_STARTUP
+    http: ListeningSocket | None = None
     try:
-        return _serve(config, pinned, model_path, listening=listening, n_threads=n_threads,
-                      n_threads_batch=n_threads_batch)
+        address = config.openai.address
+        if address is not None:
+            from sfcore_daemon.openai.listener import open_http_socket
+
+            http = open_http_socket(address, config.server.socket_mode_bits)
+        return _serve(config, pinned, model_path, listening=listening, http=http,
+                      n_threads=n_threads, n_threads_batch=n_threads_batch)
+    except StartupError as exc:
+        log.error("%s", exc)
+        return EXIT_STARTUP
     finally:
+        if http is not None:
+            http.sock.close()
+            http.remove()
         listening.remove()
 
 
 def _serve(config: Config, pinned: list[int], model_path: str, *,
-           listening: ListeningSocket, n_threads: int, n_threads_batch: int) -> int:
+           listening: ListeningSocket, http: ListeningSocket | None, n_threads: int,
+           n_threads_batch: int) -> int:
     import msgspec
 
     from sfcore_daemon.engine.speculative import draft_settings
@@ -181,9 +198,14 @@ def _serve(config: Config, pinned: list[int], model_path: str, *,
     # while this thread imports the server and sets up the event loop.
     engine.start()
     try:
-        from sfcore_daemon.serve.server import Server
+        from sfcore_daemon.serve.server import Frontend, Server
 
-        server = Server(config, engine, pinned, listening)
+        frontends: list[Frontend] = []
+        if http is not None:
+            from sfcore_daemon.openai.listener import OpenAIListener
+
+            frontends.append(OpenAIListener(config, http))
+        server = Server(config, engine, pinned, listening, frontends)
         return _run_event_loop(server.run())
     except (StartupError, ModelLoadError) as exc:
         log.error("%s", exc)

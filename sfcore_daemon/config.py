@@ -7,10 +7,11 @@ the only place a decoded config is changed.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
@@ -166,6 +167,83 @@ class CacheConfig(_Section, frozen=True):
     disk_read_timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=3_600_000)] = 5000
 
 
+class ListenAddress(NamedTuple):
+    """Where the OpenAI-compatible listener binds: a TCP host and port, or a Unix path."""
+
+    host: str
+    port: int
+    unix_path: str
+
+    @property
+    def is_loopback(self) -> bool:
+        if self.unix_path:
+            return True
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:  # a host name: what it resolves to is not known here
+            return False
+
+    def __str__(self) -> str:
+        if self.unix_path:
+            return f"unix:{self.unix_path}"
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+_HOST_PORT = re.compile(
+    r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9.-]+)):(?P<port>\d{1,5})$")
+
+
+def parse_listen(text: str) -> ListenAddress:
+    """`127.0.0.1:8080`, `[::1]:8080`, `localhost:8080` or `unix:/path/to.sock`;
+    ValueError for anything else."""
+    if text.startswith("unix:"):
+        path = text.removeprefix("unix:")
+        if not path.startswith("/"):
+            raise ValueError(f"{text!r}: a Unix socket path must be absolute (unix:/path)")
+        return ListenAddress("", 0, path)
+    match = _HOST_PORT.match(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not HOST:PORT, [IPv6]:PORT or unix:/path")
+    port = int(match["port"])
+    if port > 65535:
+        raise ValueError(f"{text!r}: port {port} is not in 0-65535")
+    host = match["v6"] or match["host"]
+    if match["v6"]:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"{text!r}: {host} is not an IPv6 address") from None
+    return ListenAddress(host, port, "")
+
+
+class OpenAIConfig(_Section, frozen=True):
+    # Empty: no HTTP listener. "127.0.0.1:8080" (a loopback address and port),
+    # "[::1]:8080", or "unix:/path/to.sock". Anything not loopback needs allow_remote.
+    # Port 0: a free port, named in the start-up log and systemd's STATUS.
+    listen: str = ""
+    # true: `listen` may be an address other hosts reach (0.0.0.0, a LAN address, a
+    # host name). The endpoint then serves whoever reaches it: set api_key.
+    allow_remote: bool = False
+    # Non-empty: every request but GET /health must send `Authorization: Bearer <key>`.
+    api_key: str = ""
+    # The model's id in /v1/models and in replies. Empty: the model file's name
+    # without .gguf.
+    model_id: str = ""
+
+    @property
+    def address(self) -> ListenAddress | None:
+        return parse_listen(self.listen) if self.listen else None
+
+    def __post_init__(self) -> None:
+        address = self.address
+        if address is not None and not address.is_loopback and not self.allow_remote:
+            raise ValueError(
+                f"listen = {self.listen!r} is not a loopback address: other hosts could "
+                "reach it. Set allow_remote = true (and an api_key) to serve them")
+
+
 class LogConfig(_Section, frozen=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -177,6 +255,7 @@ class Config(_Section, frozen=True):
     generation: GenerationConfig = GenerationConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     cache: CacheConfig = CacheConfig()
+    openai: OpenAIConfig = OpenAIConfig()
     log: LogConfig = LogConfig()
 
     def __post_init__(self) -> None:

@@ -21,7 +21,7 @@ import pytest_asyncio
 
 from sfcore_daemon.config import Config
 from sfcore_daemon.llama.sampling import Sampling
-from sfcore_daemon.serve.connection import Connection
+from sfcore_daemon.serve.connection import Connection, GenerationReply
 from sfcore_daemon.serve.output import Generation
 from sfcore_daemon.serve.scheduler import Scheduler
 from sfcore_daemon.serve.stats import Stats
@@ -67,8 +67,8 @@ def _generation(peer: _Peer, stops: tuple[str, ...]) -> Generation:
         request_id="g", stream=True, stops=stops, prompt=[2, 100, 101], max_tokens=8,
         sampling=Sampling(temperature=0.0, top_k=40, top_p=1.0, min_p=0.0,
                           repeat_penalty=1.0, seed=None),
-        cache_prompt=True, sink=slot, arrived_ns=0, loop=asyncio.get_running_loop(),
-        stats=peer.server.stats)
+        cache_prompt=True, sink=GenerationReply(slot, "g"), arrived_ns=0,
+        loop=asyncio.get_running_loop(), stats=peer.server.stats)
     slot.attach(generation)
     return generation
 

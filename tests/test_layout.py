@@ -22,7 +22,8 @@ LAYERS: dict[str, int] = {
     "store": 3, "structured": 3,
     "engine": 4,
     "serve": 5, "tune": 5,
-    "cli": 6, "__main__": 6, "__init__": 6,
+    "openai": 6,
+    "cli": 7, "__main__": 7, "__init__": 7,
 }
 
 

@@ -29,6 +29,15 @@ class Sampling:
     min_p: float
     repeat_penalty: float
     seed: int | None
+    # OpenAI's penalties, in llama.cpp's penalties sampler beside repeat_penalty: each
+    # recent token's logit less frequency_penalty per use and presence_penalty once.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return (self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
 
 
 def make_chain(vocab: Any, sampling: Sampling, prompt: list[int]) -> tuple[Any, Any]:
@@ -41,16 +50,17 @@ def make_chain(vocab: Any, sampling: Sampling, prompt: list[int]) -> tuple[Any, 
     # Cheap filters first: top_k shrinks the candidates before anything sorts them.
     if sampling.temperature > 0 and sampling.top_k > 0:
         add(chain, C.llama_sampler_init_top_k(sampling.top_k))
-    if sampling.repeat_penalty != 1.0:
+    if sampling.penalised:
         n_vocab = C.llama_vocab_n_tokens(vocab)
         penalties = C.llama_sampler_init_penalties(
-            n_vocab, PENALTY_LAST_N, sampling.repeat_penalty, 0.0, 0.0)
+            n_vocab, PENALTY_LAST_N, sampling.repeat_penalty, sampling.frequency_penalty,
+            sampling.presence_penalty)
         add(chain, penalties)
         # The prompt's tail counts as "recent" too, as in llama.cpp's own tools.
         for token in prompt[-PENALTY_LAST_N:]:
             C.llama_sampler_accept(chain, token)
     if sampling.temperature <= 0:
-        if sampling.repeat_penalty == 1.0:
+        if penalties is None:
             # The same argmax, faster: llama.cpp's greedy loop over 262k candidates
             # took 299 us per token here, top_k(1) then greedy 209 us.
             add(chain, C.llama_sampler_init_top_k(1))
@@ -90,7 +100,7 @@ def import_numpy_beside() -> threading.Thread:
 
 def is_plain_greedy(sampling: Sampling) -> bool:
     """Whether the chain for `sampling` is an argmax and nothing else."""
-    return sampling.temperature <= 0 and sampling.repeat_penalty == 1.0 and "numpy" in _imported
+    return sampling.temperature <= 0 and not sampling.penalised and "numpy" in _imported
 
 
 def argmax(ctx: Any, row: int, n_vocab: int) -> int:

@@ -141,6 +141,8 @@ class Admission:
                 min_p=_pick(request.min_p, defaults.min_p),
                 repeat_penalty=_pick(request.repeat_penalty, defaults.repeat_penalty),
                 seed=request.seed,
+                frequency_penalty=request.frequency_penalty or 0.0,
+                presence_penalty=request.presence_penalty or 0.0,
             ),
             # Clipped to the room the prompt leaves, so the scheduler can reserve it.
             max_tokens=min(_pick(request.max_tokens, defaults.max_tokens),

@@ -22,7 +22,14 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sfcore_daemon.serve import protocol
-from sfcore_daemon.serve.protocol import Request, RequestError, RequestId
+from sfcore_daemon.serve.protocol import (
+    DoneReply,
+    Request,
+    RequestError,
+    RequestId,
+    TokenLogprob,
+    TokenReply,
+)
 
 if TYPE_CHECKING:
     from sfcore_daemon.config import Config
@@ -128,6 +135,46 @@ class ReplySlot:
             if self.generation is not None:
                 self._connection.generations.discard(self.generation)
             self._connection.advance()
+
+
+class GenerationReply:
+    """A generation's reply events as NDJSON lines in its slot (`output.ReplySink`):
+    `token` lines gathered and written a batch at a time, then `done` or `error`."""
+
+    __slots__ = ("_slot", "_request_id", "_batch")
+
+    def __init__(self, slot: ReplySlot, request_id: RequestId) -> None:
+        self._slot = slot
+        self._request_id = request_id
+        self._batch = bytearray()
+
+    @property
+    def gone(self) -> bool:
+        return self._slot.gone
+
+    def attach(self, generation: Generation) -> None:
+        self._slot.attach(generation)
+
+    def token(self, text: str, logprobs: list[TokenLogprob] | None) -> None:
+        protocol.encode_line_into(
+            TokenReply(id=self._request_id, text=text, logprobs=logprobs), self._batch)
+
+    def flush(self) -> None:
+        if self._batch:
+            # A new buffer each time: the transport may keep the one it was given.
+            batch, self._batch = self._batch, bytearray()
+            self._slot.write(batch)
+
+    def done(self, reply: DoneReply) -> None:
+        self._slot.write(protocol.encode_line(reply))
+        self._slot.close()
+
+    def error(self, code: str, message: str) -> None:
+        self._slot.write(protocol.error_line(self._request_id, code, message))
+        self._slot.close()
+
+    def close(self) -> None:
+        self._slot.close()
 
 
 class Connection:

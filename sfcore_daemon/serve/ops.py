@@ -21,7 +21,7 @@ from sfcore_daemon.llama.gpu import gpu_layers
 from sfcore_daemon.llama.model import EngineClosed, TokenIdError
 from sfcore_daemon.serve import protocol
 from sfcore_daemon.serve.admission import Admission, Refused, off_loop_if_long
-from sfcore_daemon.serve.connection import Connection, ReplySlot
+from sfcore_daemon.serve.connection import Connection, GenerationReply, ReplySlot
 from sfcore_daemon.serve.protocol import (
     CacheReply,
     CacheRequest,
@@ -105,7 +105,8 @@ class Ops:
                 case GenerateRequest() | ChatRequest():
                     slot = connection.open_slot()
                     try:
-                        await self.admission.admit(request, slot, arrived_ns)
+                        await self.admission.admit(
+                            request, GenerationReply(slot, request_id), arrived_ns)
                     except Refused as refusal:
                         connection.reply_error(request_id, refusal.code, refusal.message, slot)
                 case TokenizeRequest():

@@ -1,11 +1,12 @@
 """The event-loop half of a generation: the output pipeline.
 
-`Generation` turns the pieces the decode thread produces into protocol lines: it
-runs the UTF-8/stop-sequence filter, encodes `token` lines in batches, writes the
-final `done` (with usage and timings) or an error, and counts the outcome in
-`stats` once. It writes to a `ReplySink` (a connection's reply slot); which slot
-it runs in and when it starts is the scheduler's business, which it tells through
-`on_released`.
+`Generation` turns the pieces the decode thread produces into reply events: it runs
+the UTF-8/stop-sequence filter, hands the text (and its logprobs) to a `ReplySink`
+in batches, then the final `done` (with usage and timings) or an error, and counts
+the outcome in `stats` once. The sink is the front end's: an NDJSON connection's
+reply slot encodes protocol lines, the OpenAI listener server-sent events or one
+JSON body. Which slot it runs in and when it starts is the scheduler's business,
+which it tells through `on_released`.
 """
 
 from __future__ import annotations
@@ -22,12 +23,10 @@ from sfcore_daemon.serve import protocol
 from sfcore_daemon.serve.logprobs import LogprobTrail
 from sfcore_daemon.serve.protocol import (
     DoneReply,
-    ErrorReply,
     FinishReason,
     RequestId,
     Timings,
     TokenLogprob,
-    TokenReply,
     Usage,
 )
 from sfcore_daemon.serve.stats import Stats
@@ -38,9 +37,24 @@ log = logging.getLogger(__name__)
 
 
 class ReplySink(Protocol):
-    """Where one request's reply lines go (a connection keeps them in request order)."""
+    """Where one generation's reply goes, as events the front end encodes.
 
-    def write(self, data: bytes | bytearray) -> None: ...
+    `token` and `flush` may come many times; then exactly one of `done`, `error`
+    (each the last word: the sink closes) or `close` (the client is gone: nothing
+    more is said). Any call may find the client gone and abandon the generation
+    before it returns."""
+
+    def token(self, text: str, logprobs: list[TokenLogprob] | None) -> None:
+        """Streamed text (stream true), with its tokens' logprobs if asked for."""
+        ...
+
+    def flush(self) -> None:
+        """The end of a batch of `token` calls: send what they gathered."""
+        ...
+
+    def done(self, reply: DoneReply) -> None: ...
+
+    def error(self, code: str, message: str) -> None: ...
 
     def close(self) -> None: ...
 
@@ -115,9 +129,7 @@ class Generation:
             self.replied = True
             self._record("error")
             self._stats.errors[code] += 1
-            self.sink.write(protocol.encode_line(
-                ErrorReply(id=self.request_id, code=code, message=message)))
-            self.sink.close()
+            self.sink.error(code, message)
 
     def cancel_queued(self) -> None:
         """Answer a request that never ran: `done`, finish_reason "cancelled"."""
@@ -135,8 +147,7 @@ class Generation:
             pieces.clear()
             job.numbers.clear()
             return
-        text_stream, stream, trail = self._text, self.stream, self._trail
-        batch = bytearray()
+        text_stream, stream, trail, sink = self._text, self.stream, self._trail, self.sink
         entries = None
         while pieces:
             piece, sampled_ns = pieces.popleft()
@@ -148,8 +159,7 @@ class Generation:
                 text, entries = trail.feed(text_stream, piece)
             if text:
                 if stream:
-                    protocol.encode_line_into(
-                        TokenReply(id=self.request_id, text=text, logprobs=entries), batch)
+                    sink.token(text, entries)
                 else:
                     self._parts.append(text)
                     if entries:
@@ -158,10 +168,10 @@ class Generation:
                 # Reply now; the decode thread notices within one token and frees the slot.
                 job.stop_requested = True
                 pieces.clear()
-                self._write(batch)
+                sink.flush()
                 self._reply_done("stop_sequence")
                 return
-        self._write(batch)
+        sink.flush()
 
     def _finished(self) -> None:
         # The slot is released whatever happens here: a bug in writing the last
@@ -191,8 +201,8 @@ class Generation:
         trail = self._trail
         entries = trail.emitted(len(tail)) if trail is not None else None
         if self.stream:
-            self._write(protocol.encode_line(
-                TokenReply(id=self.request_id, text=tail, logprobs=entries)))
+            self.sink.token(tail, entries)
+            self.sink.flush()
         else:
             self._parts.append(tail)
             if entries:
@@ -212,10 +222,6 @@ class Generation:
             return
         log.error("generation %r failed", self.request_id, exc_info=error)
         self.fail(protocol.INTERNAL, "the model failed while generating; see the daemon log")
-
-    def _write(self, data: bytes | bytearray) -> None:
-        if data:
-            self.sink.write(data)
 
     def _record(self, outcome: str) -> None:
         job = self.job
@@ -258,7 +264,7 @@ class Generation:
             return
         self.replied = True
         self._record(reason)
-        self.sink.write(protocol.encode_line(DoneReply(
+        self.sink.done(DoneReply(
             id=self.request_id,
             text="" if self.stream else "".join(self._parts),
             finish_reason=reason,
@@ -273,8 +279,7 @@ class Generation:
             ),
             timings=self._timings(),
             logprobs=self._done_entries(),
-        )))
-        self.sink.close()
+        ))
 
     def _done_entries(self) -> list[TokenLogprob] | None:
         """The entries the `done` line carries: with stream false all of them; else

@@ -60,6 +60,9 @@ class _GenerationOptions(_Request):
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
     min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
     repeat_penalty: Annotated[float, Meta(gt=0, le=1e6)] | None = None
+    # OpenAI's: subtracted from a recent token's logit per use, and once if used at all.
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
     seed: Annotated[int, Meta(ge=0)] | None = None
     stop: StopText | Annotated[list[StopText], Meta(max_length=8)] | None = None
     cache_prompt: bool = True

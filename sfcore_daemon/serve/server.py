@@ -13,7 +13,8 @@ import concurrent.futures
 import contextlib
 import logging
 import signal
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from sfcore_daemon.config import Config
 from sfcore_daemon.engine.thread import Engine
@@ -36,11 +37,29 @@ _CLOSE_GRACE_S = 5.0
 EXIT_DECODE_FAILED = 70
 
 
+class Frontend(Protocol):
+    """A listener beside the NDJSON socket (the OpenAI-compatible HTTP one), given to
+    the server from above: started with the server, stopped in its shutdown order."""
+
+    def describe(self) -> str:
+        """What it serves where, for the ready line."""
+        ...
+
+    async def start(self, state: ServerState) -> None: ...
+
+    async def stop_accepting(self) -> None: ...
+
+    async def close(self) -> None:
+        """After the drain: close its connections and its socket."""
+        ...
+
+
 class Server:
     def __init__(self, config: Config, engine: Engine, cpus: list[int],
-                 listening: ListeningSocket) -> None:
+                 listening: ListeningSocket, frontends: Sequence[Frontend] = ()) -> None:
         """`engine` has been started (it may still be loading); the server closes it."""
         self.config = config
+        self._frontends = tuple(frontends)
         self._listening = listening
         self.socket_path = listening.path
         # Started, maybe still loading; `state.engine` once loaded.
@@ -70,6 +89,8 @@ class Server:
             self._start_watchdog()
             self._listener = await asyncio.start_unix_server(self._accept,
                                                              sock=self._listening.sock)
+            for frontend in self._frontends:
+                await frontend.start(self.state)
             log.info("listening on %s; loading the model", self.socket_path)
             systemd.notify("STATUS=loading the model")
             if await self._load() and not self._stop.is_set():
@@ -140,9 +161,10 @@ class Server:
         state.ready.set()
         state.load_ended.set()
         # The one line a person or a script waits for; systemd gets the same as STATUS.
-        log.info("ready: serving %s on %s with %d slots", info.name, self.socket_path,
-                 engine.slots)
-        systemd.notify(f"READY=1\nSTATUS=serving {info.name} on {self.socket_path}")
+        also = "".join(f"; {frontend.describe()}" for frontend in self._frontends)
+        log.info("ready: serving %s on %s with %d slots%s", info.name, self.socket_path,
+                 engine.slots, also)
+        systemd.notify(f"READY=1\nSTATUS=serving {info.name} on {self.socket_path}{also}")
         return True
 
     def _decode_stopped(self, future: concurrent.futures.Future[None]) -> None:
@@ -178,6 +200,8 @@ class Server:
         systemd.notify("STOPPING=1")
         if self._listener is not None:
             self._listener.close()
+        for frontend in self._frontends:
+            await frontend.stop_accepting()
         scheduler = self.state.scheduler
         if scheduler is not None:
             scheduler.reject_waiting(protocol.SHUTTING_DOWN, "the daemon is shutting down")
@@ -196,6 +220,8 @@ class Server:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(scheduler.wait_idle(), _CLOSE_GRACE_S)
         await self._close_connections()
+        for frontend in self._frontends:
+            await frontend.close()
         # Only now: a request still being tokenized holds the vocabulary, and close()
         # waits for it before freeing the model.
         if not await asyncio.to_thread(self._engine.close):

@@ -1,0 +1,148 @@
+"""The OpenAI-compatible listener: its socket, its aiohttp server, its shutdown.
+
+The socket is bound at start-up beside the NDJSON one, before the model loads, so a
+busy port ends start-up with one line. Once serving, `OpenAIListener` is one of the
+server's front ends (`serve.server.Frontend`): it stops accepting when the daemon
+drains, and closes its connections after the generations have ended.
+
+Why aiohttp: its server runs on the daemon's own (uv)loop, parses HTTP in C
+(llhttp), holds streamed writes to the client's pace (`StreamResponse.write` waits
+for the socket to drain), and cancels a handler whose client hung up; no
+hand-written parser, no second process, nothing on the decode thread.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import socket
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from sfcore_daemon.config import Config, ListenAddress
+from sfcore_daemon.openai.routes import Routes, json_response
+from sfcore_daemon.openai.translate import ApiError
+from sfcore_daemon.serve import protocol
+from sfcore_daemon.serve.state import ServerState
+from sfcore_daemon.system.socketfile import ListeningSocket, StartupError, bind_socket
+
+log = logging.getLogger(__name__)
+
+# How long closing waits for a handler still writing after the drain (it has its
+# generation's last bytes to send, or a client that stopped reading).
+_CLOSE_GRACE_S = 5.0
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def open_http_socket(address: ListenAddress, socket_mode: int) -> ListeningSocket:
+    """Bind the listener's socket; StartupError (one line for the user) if it can't."""
+    if address.unix_path:
+        sock = bind_socket(address.unix_path, socket_mode)
+        info = os.stat(address.unix_path)
+        return ListeningSocket(sock, address.unix_path, (info.st_dev, info.st_ino))
+    host = "127.0.0.1" if address.host == "localhost" else address.host
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, address.port), family=family, backlog=512)
+    except OSError as exc:
+        raise StartupError(f"openai.listen {address}: cannot listen there: "
+                           f"{exc.strerror or exc}") from None
+    return ListeningSocket(sock, str(address), None)
+
+
+def url_of(sock: socket.socket) -> str:
+    if sock.family == socket.AF_UNIX:
+        return f"unix:{sock.getsockname()}"
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class OpenAIListener:
+    """The HTTP front end: created with its bound socket, started once the event loop
+    runs, stopped by the server's shutdown (`serve.server.Frontend`)."""
+
+    def __init__(self, config: Config, listening: ListeningSocket) -> None:
+        self._config = config
+        self._listening = listening
+        self.url = url_of(listening.sock)
+        self._runner: web.AppRunner | None = None
+        self._site: web.SockSite | None = None
+
+    def describe(self) -> str:
+        return f"OpenAI API on {self.url}"
+
+    async def start(self, state: ServerState) -> None:
+        routes = Routes(state)
+        app = web.Application(
+            client_max_size=self._config.server.max_line_bytes,
+            middlewares=[_errors, *_auth(self._config.openai.api_key)],
+        )
+        routes.add_to(app)
+        self._runner = web.AppRunner(
+            app, handle_signals=False, access_log=None, handler_cancellation=True,
+            shutdown_timeout=_CLOSE_GRACE_S,
+            keepalive_timeout=self._config.server.idle_timeout_s or 3600.0)
+        await self._runner.setup()
+        self._site = web.SockSite(self._runner, self._listening.sock, backlog=512)
+        await self._site.start()
+        log.info("serving the OpenAI API on %s", self.url)
+
+    async def stop_accepting(self) -> None:
+        if self._site is not None:
+            site, self._site = self._site, None
+            await site.stop()
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+        self._listening.sock.close()
+        self._listening.remove()
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    """Every error in OpenAI's shape: ours, aiohttp's (404, 405, 413), and bugs."""
+    try:
+        return await handler(request)
+    except ApiError as api_error:
+        failure = api_error
+    except web.HTTPRequestEntityTooLarge:
+        failure = ApiError.from_code(
+            protocol.LINE_TOO_LONG, "the body is larger than server.max_line_bytes allows")
+    except web.HTTPException as http_error:
+        if http_error.status < 400:
+            raise
+        failure = ApiError(http_error.status,
+                           f"{request.method} {request.path}: {http_error.reason}", None,
+                           "not_found" if http_error.status == 404 else None)
+    except ConnectionError:
+        raise
+    except Exception:
+        log.exception("HTTP request %s %s failed", request.method, request.path)
+        failure = ApiError.from_code(protocol.INTERNAL,
+                                     "unexpected error in the daemon; see its log")
+    return json_response(failure.body(), failure.status)
+
+
+def _auth(api_key: str) -> list[Middleware]:
+    """The API key check (none without a key). /health answers anyone, as a probe must."""
+    if not api_key:
+        return []
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check_key(request: web.Request, handler: _Handler) -> web.StreamResponse:
+        if request.path not in ("/health", "/v1/health"):
+            given = request.headers.get("Authorization", "").encode()
+            # Constant time: how much of a guess matched must not show in the timing.
+            if not hmac.compare_digest(given, expected):
+                raise ApiError(401, "a valid API key is needed: send Authorization: "
+                               "Bearer <key> ([openai] api_key)", None, "invalid_api_key",
+                               "invalid_request_error")
+        return await handler(request)
+
+    return [check_key]

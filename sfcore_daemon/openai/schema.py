@@ -1,0 +1,227 @@
+"""OpenAI's request and response bodies as msgspec Structs (docs/openai.md).
+
+Requests keep OpenAI's field names and ranges. Fields the daemon does not know are
+ignored, as OpenAI-compatible servers do (no `forbid_unknown_fields`); a known field
+with a wrong value fails decoding with the field's path, which becomes the error's
+`param`. Replies are encoded by one reused Encoder.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from sfcore_daemon.serve.protocol import MAX_LOGPROBS
+
+PositiveInt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+
+
+# --- requests -------------------------------------------------------------------------
+
+
+class ContentPart(Struct, kw_only=True):
+    """One part of a message's content; only text parts are understood."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[Any] | None = None
+
+
+class StreamOptions(Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(Struct, kw_only=True):
+    name: str = ""
+    # `schema` is a Struct attribute name in msgspec's eyes only as a field: renamed.
+    json_schema: dict[str, Any] | bool | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class SamplingFields(Struct, kw_only=True):
+    """What chat and completions requests share."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    # Beyond OpenAI's fields, as llama-server takes them: the daemon's own sampling knobs.
+    top_k: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
+    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    repeat_penalty: Annotated[float, Meta(gt=0, le=1e6)] | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    # A string, or a list of one (OpenAI's batches and token arrays are refused: one
+    # request is one generation here).
+    prompt: str | list[str | int | list[int]]
+    logprobs: TopLogprobs | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+# --- replies --------------------------------------------------------------------------
+
+
+class ErrorBody(Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(Struct, kw_only=True):
+    error: ErrorBody
+
+
+class ModelCard(Struct, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "sfcore-ai"
+
+
+class ModelList(Struct, kw_only=True):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class PromptTokensDetails(Struct, kw_only=True):
+    cached_tokens: int
+
+
+class CompletionUsage(Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprobOut(Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobOut(Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChoiceLogprobs(Struct, kw_only=True):
+    content: list[TokenLogprobOut]
+    refusal: None = None
+
+
+class AssistantMessage(Struct, kw_only=True):
+    role: str = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(Struct, kw_only=True):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None
+    finish_reason: str
+
+
+class ChatCompletion(Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+
+
+class Delta(Struct, kw_only=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct, kw_only=True):
+    index: int = 0
+    delta: Delta
+    logprobs: ChoiceLogprobs | None
+    finish_reason: str | None
+
+
+# omit_defaults: `usage` is written only when the client asked for it
+# (stream_options.include_usage), as OpenAI does; `object` has no default, so that
+# it is always written.
+class ChatCompletionChunk(Struct, kw_only=True, omit_defaults=True):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChunkChoice]
+    usage: CompletionUsage | None = None
+
+
+class LegacyLogprobs(Struct, kw_only=True):
+    """The completions API's logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct, kw_only=True):
+    text: str
+    index: int = 0
+    logprobs: LegacyLogprobs | None
+    finish_reason: str | None
+
+
+class Completion(Struct, kw_only=True, omit_defaults=True):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage | None = None
+
+
+chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+completion_decoder = msgspec.json.Decoder(CompletionRequest)
+encoder = msgspec.json.Encoder()

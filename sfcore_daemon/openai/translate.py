@@ -1,0 +1,239 @@
+"""What maps to what: OpenAI requests to the daemon's own, its replies back to OpenAI's.
+
+A chat or completions body becomes the `ChatRequest` or `GenerateRequest` an NDJSON
+client could have sent, so both kinds of client go through the same admission,
+scheduler, prompt store and limits. A value the daemon cannot honour is an `ApiError`
+(OpenAI's error shape, with the field as `param`), never silently dropped.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Final
+
+from sfcore_daemon.openai.schema import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ChoiceLogprobs,
+    CompletionRequest,
+    CompletionUsage,
+    ErrorBody,
+    ErrorResponse,
+    LegacyLogprobs,
+    PromptTokensDetails,
+    SamplingFields,
+    TokenLogprobOut,
+    TopLogprobOut,
+)
+from sfcore_daemon.serve import protocol
+from sfcore_daemon.serve.protocol import (
+    ChatRequest,
+    DoneReply,
+    GenerateRequest,
+    Message,
+    TokenLogprob,
+)
+
+# The daemon's stop list holds 8 strings (OpenAI's 4).
+MAX_STOPS: Final = 8
+
+# error code -> (HTTP status, OpenAI error type)
+_STATUS: Final[dict[str, tuple[int, str]]] = {
+    protocol.BAD_JSON: (400, "invalid_request_error"),
+    protocol.INVALID_REQUEST: (400, "invalid_request_error"),
+    protocol.CONTEXT_OVERFLOW: (400, "invalid_request_error"),
+    protocol.GRAMMAR_DEAD_END: (400, "invalid_request_error"),
+    protocol.FORBIDDEN: (401, "authentication_error"),
+    protocol.LINE_TOO_LONG: (413, "invalid_request_error"),
+    protocol.QUEUE_FULL: (429, "rate_limit_error"),
+    protocol.TOO_MANY_CONNECTIONS: (429, "rate_limit_error"),
+    protocol.INTERNAL: (500, "server_error"),
+    protocol.SHUTTING_DOWN: (503, "server_error"),
+}
+# OpenAI's own codes where it has one for the same thing.
+_OPENAI_CODE: Final = {protocol.CONTEXT_OVERFLOW: "context_length_exceeded"}
+# The daemon's fields named in its messages, as the OpenAI field they came from.
+_FIELD_PARAM: Final = {"json_schema": "response_format", "format": "response_format",
+                       "logprobs": "top_logprobs"}
+_AT_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`")
+
+
+class ApiError(Exception):
+    """A request answered with OpenAI's error shape and an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+    @classmethod
+    def from_code(cls, code: str, message: str, param: str | None = None) -> ApiError:
+        """The daemon's error `code` (PROTOCOL.md) as an HTTP error."""
+        status, kind = _STATUS.get(code, (500, "server_error"))
+        if param is None and (match := _AT_PATH.search(message)):
+            path = match["path"]
+            head = re.split(r"[.\[]", path, maxsplit=1)[0]
+            param = _FIELD_PARAM.get(head, path) if head in _FIELD_PARAM else path or None
+        return cls(status, message, param, _OPENAI_CODE.get(code, code), kind)
+
+    @classmethod
+    def invalid(cls, message: str) -> ApiError:
+        """A body that failed decoding: msgspec's message names the field."""
+        match = _AT_PATH.search(message)
+        return cls(400, message, match["path"] if match and match["path"] else None,
+                   "invalid_request")
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorBody(message=self.message, type=self.kind,
+                                             param=self.param, code=self.code))
+
+
+# --- requests -------------------------------------------------------------------------
+
+
+def chat_request(body: ChatCompletionRequest, request_id: str) -> ChatRequest:
+    if body.tools or body.functions:
+        raise ApiError(400, "tools and functions are not supported by this daemon yet",
+                       "tools" if body.tools else "functions", "unsupported")
+    if not body.messages:
+        raise ApiError(400, "messages must hold at least one message", "messages")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    messages = [_message(index, message) for index, message in enumerate(body.messages)]
+    max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
+                  else body.max_tokens)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return ChatRequest(id=request_id, messages=messages,
+                       **_options(body, max_tokens, logprobs))
+
+
+def completion_request(body: CompletionRequest, request_id: str) -> GenerateRequest:
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise ApiError(400, "prompt must be a string or a list of one string: one request "
+                           "is one generation here (send several requests; they run in "
+                           "parallel slots), and token arrays are not taken", "prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise ApiError(400, "prompt must not be empty", "prompt")
+    if body.echo:
+        raise ApiError(400, "echo is not supported", "echo", "unsupported")
+    if body.suffix:
+        raise ApiError(400, "suffix (fill-in-the-middle) is not supported", "suffix",
+                       "unsupported")
+    if body.best_of not in (None, 1):
+        raise ApiError(400, "best_of must be 1", "best_of")
+    return GenerateRequest(id=request_id, prompt=prompt,
+                           **_options(body, body.max_tokens, body.logprobs))
+
+
+def _message(index: int, message: ChatMessage) -> Message:
+    where = f"messages[{index}]"
+    role = message.role
+    if role == "developer":  # OpenAI's newer name for system instructions
+        role = "system"
+    if role in ("tool", "function") or message.tool_calls:
+        raise ApiError(400, "tool messages and tool calls are not supported by this daemon "
+                       "yet", f"{where}.role", "unsupported")
+    if role not in ("system", "user", "assistant"):
+        raise ApiError(400, f"role {message.role!r} is not one of system, developer, user, "
+                       "assistant", f"{where}.role")
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for number, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise ApiError(400, f"content parts of type {part.type!r} are not supported: "
+                               "the model reads text only", f"{where}.content[{number}].type",
+                               "unsupported")
+            texts.append(part.text)
+        content = "\n".join(texts)
+    return Message(role=role, content=content or "")  # type: ignore[arg-type]
+
+
+def _options(body: SamplingFields, max_tokens: int | None,
+             logprobs: int | None) -> dict[str, Any]:
+    """The generation fields both requests share, checked."""
+    if body.n not in (None, 1):
+        raise ApiError(400, "n must be 1: the daemon generates one choice per request (send "
+                       "n requests; they run side by side in its slots)", "n")
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias is not supported", "logit_bias", "unsupported")
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
+    stops = [stop for stop in stops if stop]
+    if len(stops) > MAX_STOPS:
+        raise ApiError(400, f"stop holds {len(stops)} strings; at most {MAX_STOPS}", "stop")
+    options: dict[str, Any] = {
+        "stream": body.stream,
+        "max_tokens": max_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "repeat_penalty": body.repeat_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "presence_penalty": body.presence_penalty,
+        # The sampler folds any integer into its 32-bit seed range.
+        "seed": body.seed % (1 << 63) if body.seed is not None else None,
+        "stop": stops or None,
+        "logprobs": logprobs,
+    }
+    response_format = body.response_format
+    if response_format is not None and response_format.type == "json_object":
+        options["format"] = "json"
+    elif response_format is not None and response_format.type == "json_schema":
+        wrapper = response_format.json_schema
+        schema = wrapper.json_schema if wrapper is not None else None
+        if schema is None or schema is False:
+            raise ApiError(400, "response_format json_schema needs json_schema.schema (an "
+                           "object)", "response_format.json_schema.schema")
+        options["json_schema"] = {} if schema is True else schema
+    return options
+
+
+# --- replies --------------------------------------------------------------------------
+
+
+def finish_reason(done: DoneReply) -> str:
+    """OpenAI's finish_reason. A JSON document closed early to fit max_tokens is
+    "length" (it still parses); a generation cut by a stopping daemon is "length" too,
+    since OpenAI's clients know no other word for text that ended early."""
+    if done.truncated or done.finish_reason in ("length", "cancelled"):
+        return "length"
+    return "stop"
+
+
+def usage(done: DoneReply) -> CompletionUsage:
+    counts = done.usage
+    return CompletionUsage(
+        prompt_tokens=counts.prompt_tokens, completion_tokens=counts.completion_tokens,
+        total_tokens=counts.prompt_tokens + counts.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=counts.cached_tokens))
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> ChoiceLogprobs:
+    return ChoiceLogprobs(content=[
+        TokenLogprobOut(token=entry.text, logprob=entry.logprob, bytes=entry.bytes,
+                        top_logprobs=[TopLogprobOut(token=top.text, logprob=top.logprob,
+                                                    bytes=top.bytes)
+                                      for top in entry.top_logprobs])
+        for entry in entries])
+
+
+def legacy_logprobs(entries: list[TokenLogprob], offset: int) -> LegacyLogprobs:
+    """The completions API's lists; `offset`: characters of the reply before them."""
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.text)
+    return LegacyLogprobs(
+        tokens=[entry.text for entry in entries],
+        token_logprobs=[entry.logprob for entry in entries],
+        top_logprobs=[{top.text: top.logprob for top in entry.top_logprobs}
+                      for entry in entries],
+        text_offset=offsets)
