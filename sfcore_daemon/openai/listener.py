@@ -78,7 +78,8 @@ class OpenAIListener:
         routes = Routes(state)
         app = web.Application(
             client_max_size=self._config.server.max_line_bytes,
-            middlewares=[_errors, *_auth(self._config.openai.api_key)],
+            middlewares=[_errors, self._connection_limit,
+                         *_auth(self._config.openai.api_key)],
         )
         routes.add_to(app)
         self._runner = web.AppRunner(
@@ -89,6 +90,23 @@ class OpenAIListener:
         self._site = web.SockSite(self._runner, self._listening.sock, backlog=512)
         await self._site.start()
         log.info("serving the OpenAI API on %s", self.url)
+
+    @web.middleware
+    async def _connection_limit(self, request: web.Request,
+                                handler: _Handler) -> web.StreamResponse:
+        """`server.max_connections` HTTP connections at most (counted apart from the
+        NDJSON ones): one more is answered 429 and closed, so that no client can take
+        every file descriptor the daemon has."""
+        server = self._runner.server if self._runner is not None else None
+        limit = self._config.server.max_connections
+        if server is not None and len(server.connections) > limit:
+            error = ApiError.from_code(
+                protocol.TOO_MANY_CONNECTIONS,
+                f"server.max_connections ({limit}) HTTP connections are already open")
+            response = json_response(error.body(), error.status)
+            response.force_close()
+            return response
+        return await handler(request)
 
     async def stop_accepting(self) -> None:
         if self._site is not None:

@@ -174,6 +174,9 @@ class HttpReply:
         # The client hung up or stopped reading.
         self.gone = False
         self.generation: Generation | None = None
+        # The request's connection: aborted when its client stops reading, which ends
+        # a write stuck waiting for it to drain.
+        self.transport: asyncio.Transport | None = None
 
     def attach(self, generation: Generation) -> None:
         self.generation = generation

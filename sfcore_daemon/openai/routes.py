@@ -169,6 +169,7 @@ class Routes:
             raise ApiError.from_code(protocol.SHUTTING_DOWN, "the daemon is shutting down")
         reply = HttpReply(shape, daemon_request.stream,
                           state.config.server.max_output_buffer_bytes, self._stalled)
+        reply.transport = request.transport
         generation: Generation | None = None
         try:
             try:
@@ -225,6 +226,8 @@ class Routes:
         if reply.generation is not None:
             self._abandon(reply.generation)
         reply.close()
+        if reply.transport is not None:
+            reply.transport.abort()
 
     def _abandon(self, generation: Generation) -> None:
         scheduler = self.state.scheduler
