@@ -320,8 +320,8 @@ def print_table(samples: dict[str, list[dict[str, Any]]], header: str) -> list[d
     print("| target | measured | met |")
     print("|---|---|---|")
     for row in rows:
-        shown = "nan" if math.isnan(row["measured"]) else f"{row['measured']:.3f}"
-        print(f"| {row['target']} | {shown} | {'yes' if row['met'] else 'NO'} |")
+        value = "nan" if math.isnan(row["measured"]) else f"{row['measured']:.3f}"
+        print(f"| {row['target']} | {value} | {'yes' if row['met'] else 'NO'} |")
     return rows
 
 
