@@ -107,6 +107,7 @@ class HttpChat:
         started = time.perf_counter()
         writer.write(head + payload)
         first = last = 0.0
+        pieces = 0
         usage: dict[str, Any] = {}
         timings: dict[str, Any] = {}
         buffer = b""
@@ -144,13 +145,15 @@ class HttpChat:
                             if (choice.get("delta") or {}).get("content"):
                                 first = first or now
                                 last = now
+                                pieces += 1
                         usage = chunk.get("usage") or usage
                         timings = chunk.get("timings") or timings
         self.idle_since = time.monotonic()
         if ((not chunked and "content-length" not in headers)
                 or headers.get("connection", "").lower() == "close"):
             await self.close()
-        tokens = int(usage.get("completion_tokens", 0))
+        # Without usage (a server that ignores stream_options): one text event a token.
+        tokens = int(usage.get("completion_tokens", pieces))
         details = usage.get("prompt_tokens_details") or {}
         return {
             "first_token_ms": (first - started) * 1e3 if first else math.nan,
