@@ -25,6 +25,8 @@ clients on the daemon (`--slots N` sets its `[server] slots`), on llama-server
 PATH` or LLAMA_BATCHED_BENCH), plus the daemon's first token and inter-token gaps under
 load. `--only figures` or `--only concurrency` runs one section. `--only cache` runs the
 prompt-cache section (scripts/bench_cache.py; llama-server's --cache-ram beside it).
+`--only openai` runs the OpenAI-endpoint section (scripts/bench_openai.py): one client's
+decode and first token through /v1/chat/completions, NDJSON chat and llama-server.
 
     .venv/bin/python scripts/bench.py [--runs 5] [--tokens 128] [--json bench_results.json]
     .venv/bin/python scripts/bench.py --only concurrency --runs 3 [--slots 4]
@@ -692,7 +694,7 @@ def main() -> int:
     parser.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"),
                         help="path of llama.cpp's llama-bench (default: $LLAMA_BENCH)")
     parser.add_argument("--only", choices=("figures", "concurrency", "structured",
-                                           "speculative", "cache"),
+                                           "speculative", "cache", "openai"),
                         help="run one section: the single-client figures, the concurrent "
                              "clients or structured output (default: all)")
     parser.add_argument("--slots", type=int,
@@ -767,6 +769,11 @@ def main() -> int:
 
         results["cache"] = bench_cache.run(params, args.runs, args.llama_server,
                                            args.churn_rounds, runner=uvloop.run, header=header)
+    if args.only == "openai":
+        import bench_openai
+
+        results["openai"] = bench_openai.run(params, args.runs, args.llama_server,
+                                             runner=uvloop.run, header=header)
     if concurrency is not None:
         if figures:
             print()

@@ -130,6 +130,8 @@ class Daemon:
         self.process, self.workdir, self.ready_ms = process, workdir, ready_ms
         self.socket_path = str(workdir / "s")
         self.log_path: Path | None = None
+        # The READY=1 notification (its STATUS= names the OpenAI endpoint's address).
+        self.ready_status = ""
 
     @classmethod
     async def start(cls, params: dict[str, Any], log_path: Path | None = None, *,
@@ -169,7 +171,8 @@ class Daemon:
                     raise RuntimeError(f"the daemon did not start (exit "
                                        f"{process.returncode}): {tail}")
                 try:
-                    if b"READY=1" in await asyncio.wait_for(loop.sock_recv(notify, 4096), 1.0):
+                    notification = await asyncio.wait_for(loop.sock_recv(notify, 4096), 1.0)
+                    if b"READY=1" in notification:
                         break
                 except TimeoutError:
                     pass
@@ -185,6 +188,7 @@ class Daemon:
                 stderr.close()  # type: ignore[union-attr]  # the child has its own copy
         daemon = cls(process, workdir, (time.perf_counter() - started) * 1e3)
         daemon.log_path = log_path
+        daemon.ready_status = notification.decode(errors="replace")
         return daemon
 
     async def stop(self) -> str:

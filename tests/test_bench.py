@@ -85,3 +85,35 @@ def test_batched_bench_output_is_parsed_in_both_formats() -> None:
     assert module.parse_batched_bench(markdown) == {8: 120.97}
     assert module.percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0
     assert module.percentile([float(i) for i in range(1, 101)], 99) == 99.0
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(REPLY_TIMEOUT_S + 120)
+async def test_openai_section_measures_both_daemon_paths() -> None:
+    """`--only openai` without llama-server: both daemon columns filled, the two daemon
+    targets judged, the same prompt length on both paths (one rendered template)."""
+    results = Path(tempfile.mkdtemp(prefix="sfbench-")) / "results.json"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "scripts/bench.py", "--only", "openai", "--runs", "1", "--tokens", "8",
+        "--json", str(results), cwd=REPO, start_new_session=True,
+        env={**{k: v for k, v in os.environ.items() if k != "LLAMA_SERVER"},
+             "SFCORE_BENCH_TIMEOUT_S": str(REPLY_TIMEOUT_S)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        stdout, stderr = await asyncio.wait_for(process.communicate(), REPLY_TIMEOUT_S)
+    finally:
+        if process.returncode is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+    assert process.returncode == 0, stderr.decode()[-2000:]
+    table = stdout.decode()
+    assert "| daemon, NDJSON chat | daemon, /v1/chat/completions |" in table, table
+    assert "llama-server, /v1/chat/completions" not in table
+    section = json.loads(results.read_text())["openai"]
+    ndjson, http = section["samples"]["ndjson"][0], section["samples"]["http"][0]
+    for run in (ndjson, http):
+        assert run["tokens"] == 8 and run["first_token_ms"] > 0 and run["decode_tok_s"] > 0
+        assert run["cached_tokens"] < run["prompt_tokens"] // 2  # cold prompts
+    assert ndjson["prompt_tokens"] == http["prompt_tokens"]
+    assert [t["target"].split(" ")[0:2] for t in section["targets"]] == [
+        ["endpoint", "decode"], ["endpoint", "first"]]
