@@ -206,7 +206,7 @@ async def test_chat_logprobs_name_each_token_and_its_top_alternatives(tcp: Endpo
     choice = whole.choices[0]
     assert choice.logprobs is not None and choice.logprobs.content
     entries = choice.logprobs.content
-    assert len(entries) == whole.usage.completion_tokens  # type: ignore[union-attr]
+    assert whole.usage is not None and len(entries) == whole.usage.completion_tokens
     for entry in entries:
         assert entry.logprob <= 0
         assert len(entry.top_logprobs) == 3
@@ -328,9 +328,22 @@ async def test_bad_values_are_400_naming_the_field(tcp: Endpoint) -> None:
         error = await raises(client.completions.create(model=MODEL_ID, prompt=PROMPT, n=2),
                              openai.BadRequestError)
         assert error.param == "n"
+        # Refused by the daemon's own checks, past the mapping: still 400s in this shape.
+        error = await raises(chat(
+            model=MODEL_ID, messages=MESSAGES, max_tokens=4,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "x", "schema": {"type": "wizard"}}}),
+            openai.BadRequestError)
+        assert error.param == "response_format", error.body
+        error = await raises(client.completions.create(
+            model=MODEL_ID, prompt="word " * 5000, max_tokens=4), openai.BadRequestError)
+        assert error.code == "context_length_exceeded", error.body
         # Fields the daemon does not know are ignored, as OpenAI-compatible servers do.
         reply = await chat(model=MODEL_ID, messages=MESSAGES, max_tokens=2, user="x",
                            extra_body={"foo": 1, "bar": {"baz": [1]}})
+        assert reply.choices[0].message.content is not None
+        # OpenAI's range takes top_p 0 (the NDJSON one does not): the likeliest token.
+        reply = await chat(model=MODEL_ID, messages=MESSAGES, max_tokens=2, top_p=0)
         assert reply.choices[0].message.content is not None
     # Not JSON at all: 400 too, and the daemon serves on.
     async with tcp.http() as http:
@@ -370,8 +383,9 @@ async def test_ndjson_and_http_clients_at_once(tcp: Endpoint) -> None:
     expected = solo.choices[0].message.content
     assert http_reply.choices[0].message.content == expected
     assert tokens_text(ndjson_lines) == expected
+    assert http_reply.usage is not None
     assert done_of(ndjson_lines)["usage"]["completion_tokens"] == \
-        http_reply.usage.completion_tokens  # type: ignore[union-attr]
+        http_reply.usage.completion_tokens
 
 
 # --- the refusals (Unix socket, API key, one slot, no queue) ---------------------------
@@ -418,7 +432,9 @@ async def test_a_body_over_max_line_bytes_is_413(guarded: Endpoint) -> None:
 
 @module_test
 async def test_a_full_queue_is_429(guarded: Endpoint) -> None:
-    before = (await guarded.stats())["requests"]["by_outcome"]["cancelled"]
+    # The one slot is freed just after the previous reply's last byte.
+    stats = await guarded.wait_stats(lambda s: not s["slots"][0]["busy"])
+    before = stats["requests"]["by_outcome"]["cancelled"]
     async with guarded.sdk() as client:
         stream = await client.chat.completions.create(
             model=MODEL_ID, messages=COUNTING, max_tokens=400, temperature=0, stream=True)
@@ -429,7 +445,8 @@ async def test_a_full_queue_is_429(guarded: Endpoint) -> None:
             error = await raises(client.chat.completions.create(
                 model=MODEL_ID, messages=MESSAGES, max_tokens=2), openai.RateLimitError)
             assert error.status_code == 429 and error.code == "queue_full"
-    await guarded.wait_stats(lambda s: s["requests"]["by_outcome"]["cancelled"] == before + 1)
+    await guarded.wait_stats(lambda s: s["requests"]["by_outcome"]["cancelled"] == before + 1
+                             and not s["slots"][0]["busy"])
     async with guarded.sdk() as client:
         reply = await client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=2)
         assert reply.choices[0].finish_reason in ("stop", "length")
