@@ -34,7 +34,7 @@ KEY = "sekret"
 WAIT_S = 60.0
 MESSAGES: list[Any] = [{"role": "user", "content": "Name three colors of the rainbow."}]
 PROMPT = "The three primary colors are"
-# A greedy reply that runs long: the model counts on (it does not stop within 400 tokens).
+# A greedy reply that runs long: the model does not stop within 400 tokens (checked).
 COUNTING: list[Any] = [{"role": "user", "content": "Count from 1 to 1000, one number per line."}]
 PERSON = {
     "type": "object",
