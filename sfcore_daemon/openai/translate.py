@@ -53,8 +53,7 @@ _STATUS: Final[dict[str, tuple[int, str]]] = {
 # OpenAI's own codes where it has one for the same thing.
 _OPENAI_CODE: Final = {protocol.CONTEXT_OVERFLOW: "context_length_exceeded"}
 # The daemon's fields named in its messages, as the OpenAI field they came from.
-_FIELD_PARAM: Final = {"json_schema": "response_format", "format": "response_format",
-                       "logprobs": "top_logprobs"}
+_FIELD_PARAM: Final = {"json_schema": "response_format", "format": "response_format"}
 _AT_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`")
 
 
