@@ -35,7 +35,7 @@ _PROGRESS_RECORD = re.compile(r"^\d\d:\d\d:\d\d\.\d{3} (DEBUG|INFO) ")
 
 # Every reply type that ends a request (PROTOCOL.md: `done`, `error`, or an op's own reply).
 FINAL_TYPES = frozenset({"done", "error", "health", "tokens", "text", "info", "stats",
-                         "cancelled", "cache"})
+                         "cancelled", "cache", "metrics"})
 ERROR_CODES = frozenset({"bad_json", "invalid_request", "context_overflow", "queue_full",
                          "line_too_long", "too_many_connections", "forbidden",
                          "shutting_down", "internal"})

@@ -37,7 +37,7 @@ BASE_CONFIG: dict[str, Any] = {
 
 # The single or last line of a reply: everything but a streamed `token`.
 FINAL_TYPES = frozenset({"done", "error", "health", "info", "stats", "tokens", "text", "cancelled",
-                         "cache"})
+                         "cache", "metrics"})
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -49,6 +49,10 @@ class StepLoop:
         self.model = model
         # Bumped on every step and abort-callback tick (see Engine.progress).
         self.progress = 0
+        # Decodes done and the tokens (rows) they held, for /metrics' tokens per step:
+        # plain int stores, read on the event loop (Engine.step_counts).
+        self.decode_steps = 0
+        self.step_tokens = 0
         self._ctx = model.ctx
         self.n_ctx = model.n_ctx
         # Verified drafts change float summation order (rows decoded together), so
@@ -218,6 +222,8 @@ class StepLoop:
             return
         if rc != 0:
             raise RuntimeError(f"llama_decode failed (code {rc}, {n} tokens)")
+        self.decode_steps += 1
+        self.step_tokens += n
 
         now = steps.decoded(self._cells)
         rows.read(outputs, woken)

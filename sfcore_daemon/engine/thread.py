@@ -87,6 +87,13 @@ class Engine:
         loop = self._loop
         return self._load_ticks + (loop.progress if loop is not None else 0)
 
+    @property
+    def step_counts(self) -> tuple[int, int]:
+        """Decode steps so far and the tokens they held (the decode thread's plain
+        ints; a read may see one a step newer than the other)."""
+        loop = self._loop
+        return (loop.decode_steps, loop.step_tokens) if loop is not None else (0, 0)
+
     def start(self) -> concurrent.futures.Future[None]:
         """Start loading on the decode thread; the returned future says when it is ready."""
         self._thread = threading.Thread(target=self._main, name="sfcore-decode", daemon=True)

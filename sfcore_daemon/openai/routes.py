@@ -25,6 +25,7 @@ from sfcore_daemon.openai.schema import ModelCard, ModelList, encoder
 from sfcore_daemon.openai.translate import ApiError
 from sfcore_daemon.serve import protocol
 from sfcore_daemon.serve.admission import Admission, Refused
+from sfcore_daemon.serve.metrics import CONTENT_TYPE, exposition
 from sfcore_daemon.serve.output import Generation
 from sfcore_daemon.serve.protocol import GenerationRequest
 from sfcore_daemon.serve.state import ServerState
@@ -60,6 +61,7 @@ class Routes:
         router.add_get("/v1/models/{model:.+}", self.model)
         router.add_post("/v1/chat/completions", self.chat)
         router.add_post("/v1/completions", self.completions)
+        router.add_get("/metrics", self.metrics)
 
     # --- model and health ---
 
@@ -83,6 +85,12 @@ class Routes:
             "slots_busy": scheduler.busy_slots if scheduler is not None else 0,
             "queue_depth": scheduler.queue_depth if scheduler is not None else 0,
         }, 200 if status == "ok" else 503)
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        """Prometheus' scrape (serve/metrics.py); needs the API key when one is set."""
+        self._count("metrics")
+        return web.Response(body=exposition(self.state).encode(),
+                            headers={"Content-Type": CONTENT_TYPE})
 
     async def models(self, _request: web.Request) -> web.Response:
         await self._loaded()

@@ -22,6 +22,7 @@ from sfcore_daemon.llama.model import EngineClosed, TokenIdError
 from sfcore_daemon.serve import protocol
 from sfcore_daemon.serve.admission import Admission, Refused, off_loop_if_long
 from sfcore_daemon.serve.connection import Connection, GenerationReply, ReplySlot
+from sfcore_daemon.serve.metrics import exposition
 from sfcore_daemon.serve.protocol import (
     CacheReply,
     CacheRequest,
@@ -36,6 +37,8 @@ from sfcore_daemon.serve.protocol import (
     HealthRequest,
     InfoReply,
     InfoRequest,
+    MetricsReply,
+    MetricsRequest,
     ModelDescription,
     Request,
     RequestId,
@@ -129,6 +132,9 @@ class Ops:
                     stats = self.stats.reply(request_id, self.slot_uses(),
                                              engine.store if engine else None)
                     connection.reply(protocol.encode_line(stats))
+                case MetricsRequest():
+                    connection.reply(protocol.encode_line(
+                        MetricsReply(id=request_id, text=exposition(self.state))))
                 case CacheRequest():
                     slot = connection.open_slot()
                     await self.cache(connection, request, slot)

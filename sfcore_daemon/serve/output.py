@@ -148,9 +148,12 @@ class Generation:
             job.numbers.clear()
             return
         text_stream, stream, trail, sink = self._text, self.stream, self._trail, self.sink
+        gaps = self._stats.token_gap
         entries = None
         while pieces:
             piece, sampled_ns = pieces.popleft()
+            if self.completion_tokens:
+                gaps.observe_ns(sampled_ns - self._last_token_ns)
             self.completion_tokens += 1
             self._last_token_ns = sampled_ns
             if trail is None:
@@ -227,6 +230,11 @@ class Generation:
         job = self.job
         self._stats.generation_ended(outcome, len(job.prompt), job.n_cached,
                                      self.completion_tokens, self._decode_ns())
+        # Only what happened: a request answered before it ran has no queue wait.
+        if job.t_start:
+            self._stats.queue_wait.observe_ns(max(job.t_start - self.arrived_ns, 0))
+        if job.t_first:
+            self._stats.first_token.observe_ns(max(job.t_first - self.arrived_ns, 0))
         if job.grammar is not None:
             self._stats.grammar_requests += 1
             self._stats.grammar_tokens += job.grammar.tokens

@@ -126,13 +126,17 @@ class CancelRequest(_Request, tag="cancel", kw_only=True):
     target: RequestId
 
 
+class MetricsRequest(_Request, tag="metrics"):
+    pass
+
+
 class CacheRequest(_Request, tag="cache", kw_only=True):
     # list: what the prompt store holds; clear: forget all of it, RAM and files.
     action: Literal["list", "clear"] = "list"
 
 
 Request = (GenerateRequest | ChatRequest | TokenizeRequest | DetokenizeRequest | HealthRequest
-           | InfoRequest | StatsRequest | CancelRequest | CacheRequest)
+           | InfoRequest | StatsRequest | CancelRequest | CacheRequest | MetricsRequest)
 GenerationRequest = GenerateRequest | ChatRequest
 
 
@@ -383,8 +387,12 @@ class StatsReply(_Reply, tag="stats", kw_only=True):
     cache: CacheCounts
 
 
+class MetricsReply(_Reply, tag="metrics", kw_only=True):
+    text: str  # Prometheus' text exposition format 0.0.4 (serve/metrics.py)
+
+
 Reply = (TokenReply | DoneReply | ErrorReply | HealthReply | TokensReply | TextReply
-         | CancelledReply | InfoReply | StatsReply | CacheReply)
+         | CancelledReply | InfoReply | StatsReply | CacheReply | MetricsReply)
 
 
 # --- decoding -------------------------------------------------------------------------

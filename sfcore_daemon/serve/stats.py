@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from sfcore_daemon.serve import protocol
+from sfcore_daemon.serve.histogram import Histogram
 from sfcore_daemon.serve.protocol import (
     CacheCounts,
     ConnectionCounts,
@@ -57,6 +58,12 @@ class Stats:
         # The prompt store: generations by where their cached rows came from.
         self.cache_hits = {"slot": 0, "ram": 0, "disk": 0}
         self.restored_tokens = 0
+        # Latency distributions for /metrics (metrics.py), observed by `Generation`:
+        # arrival to first token and to the decode thread's start, per generation, and
+        # each token's gap after the one before it.
+        self.first_token = Histogram()
+        self.queue_wait = Histogram()
+        self.token_gap = Histogram()
 
     def generation_ended(self, outcome: str, prompt_tokens: int, cached_tokens: int,
                          completion_tokens: int, decode_ns: int) -> None:

@@ -279,6 +279,11 @@ class AsyncClient:
     async def stats(self) -> dict[str, Any]:
         return await self._final({"op": "stats", "id": new_id()})
 
+    async def metrics(self) -> str:
+        """The counters in Prometheus' text exposition format (what GET /metrics serves)."""
+        text: str = (await self._final({"op": "metrics", "id": new_id()}))["text"]
+        return text
+
     async def cache(self, *, clear: bool = False) -> dict[str, Any]:
         """The prompt store's states (most recently used first); `clear=True` forgets
         them all first, in RAM and on disk."""

@@ -85,7 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (("health", "is the daemon up, is it busy"),
                        ("info", "model, effective config, versions"),
                        ("stats", "counters since the daemon started")):
-        commands.add_parser(name, parents=[common], help=text, description=text)
+        command = commands.add_parser(name, parents=[common], help=text, description=text)
+        if name == "stats":
+            command.add_argument("--prometheus", action="store_true",
+                                 help="print them in Prometheus' text format (for "
+                                      "node_exporter's textfile collector)")
     cache = commands.add_parser(
         "cache", parents=[common], help="the prompts the daemon keeps (list or clear)",
         description="List the prompt prefixes the daemon keeps in RAM and on disk to "
@@ -135,6 +139,8 @@ def _run(client: Client, args: argparse.Namespace) -> int:
             return _generate(client, args)
         case "chat":
             return _chat(client, args)
+        case "stats" if args.prometheus:
+            sys.stdout.write(client.metrics())
         case "health" | "info" | "stats":
             reply = getattr(client, args.command)()
             print(_json(reply) if args.json else _readable(reply))

@@ -159,6 +159,11 @@ class Client:
     def stats(self) -> dict[str, Any]:
         return self._final({"op": "stats", "id": new_id()})
 
+    def metrics(self) -> str:
+        """The counters in Prometheus' text exposition format (what GET /metrics serves)."""
+        text: str = self._final({"op": "metrics", "id": new_id()})["text"]
+        return text
+
     def cache(self, *, clear: bool = False) -> dict[str, Any]:
         """The prompt store's states (most recently used first); `clear=True` forgets
         them all first, in RAM and on disk."""
