@@ -91,6 +91,24 @@ def test_cli_overrides_only_the_flags_given(tmp_path: Path) -> None:
     assert overridden.runtime.n_threads == 1
 
 
+def test_the_openai_flag_sets_the_listener_and_is_held_to_loopback(tmp_path: Path) -> None:
+    path = write(tmp_path, '[openai]\napi_key = "k"\n')
+    config = resolve_config(build_parser().parse_args(
+        ["--config", str(path), "--openai", "[::1]:8080"]))
+    assert config.openai.listen == "[::1]:8080" and config.openai.api_key == "k"
+    assert config.openai.address is not None and config.openai.address.port == 8080
+    assert resolve_config(build_parser().parse_args(["--config", str(path)])).openai.listen == ""
+    for address, message in (("0.0.0.0:8080", "allow_remote"), ("8080", "HOST:PORT"),
+                             ("unix:relative.sock", "absolute"), ("127.0.0.1:70000", "port")):
+        with pytest.raises(ConfigError, match=message):
+            resolve_config(build_parser().parse_args(
+                ["--config", str(path), "--openai", address]))
+    remote = write(tmp_path, '[openai]\nallow_remote = true\n')
+    config = resolve_config(build_parser().parse_args(
+        ["--config", str(remote), "--openai", "0.0.0.0:8080"]))
+    assert config.openai.address is not None and not config.openai.address.is_loopback
+
+
 def test_override_values_are_validated() -> None:
     with pytest.raises(ConfigError, match=r"`n_threads`"):
         apply_overrides(Config(), runtime__n_threads=-4)
