@@ -31,7 +31,7 @@ class Job:
         "n_cached", "t_start", "t_prompt_done", "t_first", "end_reason", "error",
         "slot", "evict", "exclusive", "kept", "grammar", "speculative", "drafted",
         "accepted", "draft_steps", "aligned_steps", "logit_rows", "cache_source", "restore_failed",
-        "contained", "logprobs", "numbers",
+        "contained", "logprobs", "numbers", "grammar_trigger", "grammar_live", "trigger_tail",
     )
 
     def __init__(
@@ -47,6 +47,7 @@ class Job:
         grammar: GrammarSampler | None = None,
         speculative: bool = False,
         logprobs: int | None = None,
+        grammar_trigger: bytes | None = None,
     ) -> None:
         self.prompt = prompt
         self.sampling = sampling
@@ -84,6 +85,12 @@ class Job:
         # Owned by the job: the decode thread frees it when the job ends; one that never
         # reaches the decode thread frees itself when collected.
         self.grammar = grammar
+        # With a trigger, the grammar holds the output only once the output ends with
+        # it (an "auto" tool call's marker); before, the job samples as without one.
+        # The tail of the output the decode thread watches for it.
+        self.grammar_trigger = grammar_trigger
+        self.grammar_live = grammar is not None and grammar_trigger is None
+        self.trigger_tail = b""
         # Whether the decode thread may draft tokens for this job (speculative.py), and
         # how many it drafted and how many of those were accepted; the steps that
         # verified its drafts, of those the steps whose logit rows were a multiple of

@@ -62,7 +62,9 @@ class Rows:
         numpy's argmax in place of a chain that is one, its grammar around the chain."""
         seq.sampler, penalties = make_chain(self._vocab, job.sampling, job.prompt)
         seq.argmax = job.grammar is None and is_plain_greedy(job.sampling)
-        if job.grammar is not None:  # it counts its tokens against the same limit
+        seq.penalties = penalties
+        if job.grammar_live:  # it counts its tokens against the same limit
+            assert job.grammar is not None
             job.grammar.begin(seq.limit, penalties, PENALTY_LAST_N)
 
     def read(self, outputs: list[tuple[Seq, int]], woken: list[Job]) -> None:
@@ -88,7 +90,7 @@ class Rows:
             token: int
             if seq.argmax:
                 token = argmax(self._ctx, row, self._n_vocab)
-            elif grammar is None:
+            elif grammar is None or not job.grammar_live:
                 token = C.llama_sampler_sample(seq.sampler, self._ctx, row)
             else:
                 if grammar.closer is not None:
@@ -207,14 +209,31 @@ class Rows:
         seq.n_out += 1
         if seq.drafter is not None:
             seq.drafter.append(token)
+        if not job.grammar_live and job.grammar_trigger is not None:
+            self._watch_trigger(seq, job, piece)
         if seq.n_out >= seq.limit:
             # A document its grammar would end here is whole: "stop", not "length".
             grammar = job.grammar
-            self._ender.end(seq, "stop" if grammar is not None and grammar.complete()
-                            else "length")
+            self._ender.end(seq, "stop" if grammar is not None and job.grammar_live
+                            and grammar.complete() else "length")
             return
         seq.last_token = token
         seq.generating = True
+
+    @staticmethod
+    def _watch_trigger(seq: Seq, job: Job, piece: bytes) -> None:
+        """Start the job's grammar once its output ends with the trigger (whitespace
+        after it allowed: the grammar's own start takes whitespace); it then holds the
+        rest, within what is left of the limit."""
+        trigger, grammar = job.grammar_trigger, job.grammar
+        assert trigger is not None and grammar is not None
+        tail = job.trigger_tail + piece
+        if tail.rstrip().endswith(trigger):
+            job.grammar_live = True
+            job.trigger_tail = b""
+            grammar.begin(max(seq.limit - seq.n_out, 0), seq.penalties, PENALTY_LAST_N)
+            return
+        job.trigger_tail = tail[-(len(trigger) + 8):]
 
     @staticmethod
     def wake(woken: list[Job]) -> None:

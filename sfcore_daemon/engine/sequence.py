@@ -17,7 +17,8 @@ class Seq(SeqCells):
 
     __slots__ = ("job", "sampler", "argmax", "next_prompt", "chunk_end", "n_out", "limit",
                  "generating", "last_token", "parked", "drafter", "draft", "loading",
-                 "keep_state", "keep_prefix", "prompt_kept", "boundaries", "protect_from", "cuts")
+                 "keep_state", "keep_prefix", "prompt_kept", "boundaries", "protect_from", "cuts",
+                 "penalties")
 
     def __init__(self, seq_id: int) -> None:
         super().__init__(seq_id)
@@ -33,6 +34,9 @@ class Seq(SeqCells):
         # Its next token is being drawn by a wide grammar pass on another thread; the
         # sequence sits out of the steps until then.
         self.parked: Future[int] | None = None
+        # The job's repeat-penalty sampler (in its chain), kept for a grammar that
+        # starts holding the output later (an "auto" tool call).
+        self.penalties: Any = None
         # Speculative decoding (speculative.py): None when the job does not speculate.
         self.drafter: NgramDrafter | None = None
         self.draft: list[int] = []  # the tokens after last_token in this step's batch

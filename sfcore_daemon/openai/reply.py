@@ -25,6 +25,7 @@ from sfcore_daemon.openai.schema import (
     Completion,
     CompletionChoice,
     Delta,
+    ToolCallDelta,
     encoder,
 )
 from sfcore_daemon.openai.translate import ApiError
@@ -84,8 +85,17 @@ class ChatShape(_Identity):
             finish_reason=None))
 
     def closing(self, done: DoneReply) -> bytes:
+        calls = b""
+        made = translate.tool_calls(done)
+        if made:
+            # Each call whole in one delta (OpenAI's clients join a call's deltas by index).
+            calls = self._chunk(ChatChunkChoice(
+                delta=Delta(tool_calls=[
+                    ToolCallDelta(index=index, id=call.id, function=call.function)
+                    for index, call in enumerate(made)]),
+                logprobs=None, finish_reason=None))
         # Entries no text chunk carried (tokens whose text never came out) ride here.
-        last = self._chunk(ChatChunkChoice(
+        last = calls + self._chunk(ChatChunkChoice(
             delta=Delta(), finish_reason=translate.finish_reason(done),
             logprobs=translate.chat_logprobs(done.logprobs) if done.logprobs else None))
         if self.include_usage:
@@ -100,7 +110,11 @@ class ChatShape(_Identity):
             id=self.id, created=self.created, model=self.model,
             system_fingerprint=self.fingerprint,
             choices=[ChatChoice(
-                message=AssistantMessage(content=done.text),
+                message=AssistantMessage(
+                    role="assistant",
+                    # OpenAI's answer that is only calls has no content.
+                    content=done.text if done.text or not done.tool_calls else None,
+                    tool_calls=translate.tool_calls(done)),
                 logprobs=(translate.chat_logprobs(done.logprobs)
                           if done.logprobs is not None else None),
                 finish_reason=translate.finish_reason(done))],

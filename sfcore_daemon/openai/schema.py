@@ -30,10 +30,47 @@ class ContentPart(Struct, kw_only=True):
     text: str | None = None
 
 
+ToolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionCallIn(Struct, kw_only=True):
+    name: ToolName
+    # OpenAI sends a call's arguments as a JSON text.
+    arguments: str
+
+
+class ToolCallIn(Struct, kw_only=True):
+    id: Annotated[str, Meta(min_length=1, max_length=256)]
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: Annotated[list[ToolCallIn], Meta(max_length=64)] | None = None
+    tool_call_id: Annotated[str, Meta(max_length=256)] | None = None
+
+
+class FunctionIn(Struct, kw_only=True):
+    name: ToolName
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolIn(Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionIn
+
+
+class ChosenFunctionIn(Struct, kw_only=True):
+    name: ToolName
+
+
+class ChosenToolIn(Struct, kw_only=True):
+    type: Literal["function"]
+    function: ChosenFunctionIn
 
 
 class StreamOptions(Struct, kw_only=True):
@@ -79,7 +116,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
-    tools: list[Any] | None = None
+    tools: Annotated[list[ToolIn], Meta(max_length=64)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ChosenToolIn | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
 
 
@@ -148,10 +187,30 @@ class ChoiceLogprobs(Struct, kw_only=True):
     refusal: None = None
 
 
-class AssistantMessage(Struct, kw_only=True):
-    role: str = "assistant"
-    content: str
+class FunctionCallOut(Struct, kw_only=True):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionCallOut
+
+
+class ToolCallDelta(Struct, kw_only=True):
+    index: int
+    id: str
+    type: str = "function"
+    function: FunctionCallOut
+
+
+# omit_defaults: `tool_calls` only in an answer that made calls.
+class AssistantMessage(Struct, kw_only=True, omit_defaults=True):
+    role: Literal["assistant"]
+    content: str | None
     refusal: None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(Struct, kw_only=True):
@@ -174,6 +233,7 @@ class ChatCompletion(Struct, kw_only=True):
 class Delta(Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Struct, kw_only=True):

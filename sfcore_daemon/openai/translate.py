@@ -8,6 +8,7 @@ scheduler, prompt store and limits. A value the daemon cannot honour is an `ApiE
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Final
 
@@ -15,23 +16,32 @@ from sfcore_daemon.openai.schema import (
     ChatCompletionRequest,
     ChatMessage,
     ChoiceLogprobs,
+    ChosenToolIn,
     CompletionRequest,
     CompletionUsage,
     ErrorBody,
     ErrorResponse,
+    FunctionCallOut,
     LegacyLogprobs,
     PromptTokensDetails,
     SamplingFields,
     TokenLogprobOut,
+    ToolCallOut,
     TopLogprobOut,
 )
 from sfcore_daemon.serve import protocol
 from sfcore_daemon.serve.protocol import (
     ChatRequest,
+    ChosenFunction,
+    ChosenTool,
     DoneReply,
+    FunctionCall,
+    FunctionSpec,
     GenerateRequest,
     Message,
     TokenLogprob,
+    Tool,
+    ToolCall,
 )
 
 # The daemon's stop list holds 8 strings (OpenAI's 4).
@@ -95,9 +105,9 @@ class ApiError(Exception):
 
 
 def chat_request(body: ChatCompletionRequest, request_id: str) -> ChatRequest:
-    if body.tools or body.functions:
-        raise ApiError(400, "tools and functions are not supported by this daemon yet",
-                       "tools" if body.tools else "functions", "unsupported")
+    if body.functions:
+        raise ApiError(400, "functions (OpenAI's older form) are not supported: send tools",
+                       "functions", "unsupported")
     if not body.messages:
         raise ApiError(400, "messages must hold at least one message", "messages")
     if body.top_logprobs is not None and not body.logprobs:
@@ -106,8 +116,26 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> ChatRequest:
     max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
                   else body.max_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return ChatRequest(id=request_id, messages=messages,
+    return ChatRequest(id=request_id, messages=messages, **_tool_options(body),
                        **_options(body, max_tokens, logprobs))
+
+
+def _tool_options(body: ChatCompletionRequest) -> dict[str, Any]:
+    if not body.tools:
+        if body.tool_choice not in (None, "none", "auto"):
+            raise ApiError(400, "tool_choice needs tools", "tool_choice")
+        return {}
+    choice = body.tool_choice
+    return {
+        "tools": [Tool(type="function", function=FunctionSpec(
+            name=tool.function.name, description=tool.function.description,
+            parameters=tool.function.parameters, strict=tool.function.strict))
+            for tool in body.tools],
+        "tool_choice": (ChosenTool(type="function",
+                                   function=ChosenFunction(name=choice.function.name))
+                        if isinstance(choice, ChosenToolIn) else choice),
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+    }
 
 
 def completion_request(body: CompletionRequest, request_id: str) -> GenerateRequest:
@@ -136,12 +164,22 @@ def _message(index: int, message: ChatMessage) -> Message:
     role = message.role
     if role == "developer":  # OpenAI's newer name for system instructions
         role = "system"
-    if role in ("tool", "function") or message.tool_calls:
-        raise ApiError(400, "tool messages and tool calls are not supported by this daemon "
-                       "yet", f"{where}.role", "unsupported")
-    if role not in ("system", "user", "assistant"):
+    if role == "function":
+        raise ApiError(400, "function messages (OpenAI's older form) are not supported: "
+                       "send tool messages", f"{where}.role", "unsupported")
+    if role not in ("system", "user", "assistant", "tool"):
         raise ApiError(400, f"role {message.role!r} is not one of system, developer, user, "
-                       "assistant", f"{where}.role")
+                       "assistant, tool", f"{where}.role")
+    calls = None
+    if message.tool_calls:
+        if role != "assistant":
+            raise ApiError(400, "only an assistant message carries tool_calls",
+                           f"{where}.tool_calls")
+        calls = [ToolCall(id=call.id, function=FunctionCall(
+            name=call.function.name,
+            arguments=_arguments(call.function.arguments,
+                                 f"{where}.tool_calls[{number}].function.arguments")))
+                 for number, call in enumerate(message.tool_calls)]
     content = message.content
     if isinstance(content, list):
         texts = []
@@ -152,7 +190,20 @@ def _message(index: int, message: ChatMessage) -> Message:
                                "unsupported")
             texts.append(part.text)
         content = "\n".join(texts)
-    return Message(role=role, content=content or "")  # type: ignore[arg-type]
+    return Message(role=role, content=content or "", tool_calls=calls,  # type: ignore[arg-type]
+                   tool_call_id=message.tool_call_id if role == "tool" else None)
+
+
+def _arguments(text: str, where: str) -> dict[str, Any]:
+    """An earlier call's arguments, which OpenAI sends as JSON text: an object."""
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except ValueError:
+        raise ApiError(400, "a call's arguments must be a JSON object (as text)",
+                       where) from None
+    if not isinstance(value, dict):
+        raise ApiError(400, "a call's arguments must be a JSON object (as text)", where)
+    return value
 
 
 def _options(body: SamplingFields, max_tokens: int | None,
@@ -202,9 +253,21 @@ def finish_reason(done: DoneReply) -> str:
     """OpenAI's finish_reason. A JSON document closed early to fit max_tokens is
     "length" (it still parses); a generation cut by a stopping daemon is "length" too,
     since OpenAI's clients know no other word for text that ended early."""
+    if done.tool_calls:
+        return "tool_calls"
     if done.truncated or done.finish_reason in ("length", "cancelled"):
         return "length"
     return "stop"
+
+
+def tool_calls(done: DoneReply) -> list[ToolCallOut] | None:
+    """The answer's calls in OpenAI's shape (arguments as JSON text)."""
+    if not done.tool_calls:
+        return None
+    return [ToolCallOut(id=call.id, function=FunctionCallOut(
+        name=call.function.name,
+        arguments=json.dumps(call.function.arguments, ensure_ascii=False)))
+        for call in done.tool_calls]
 
 
 def usage(done: DoneReply) -> CompletionUsage:

@@ -18,10 +18,10 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 from sfcore_daemon.engine.thread import Engine
 from sfcore_daemon.llama.model import EngineClosed
 from sfcore_daemon.llama.sampling import Sampling
-from sfcore_daemon.serve import protocol
+from sfcore_daemon.serve import protocol, tools
 from sfcore_daemon.serve.chat import ChatTemplateError
 from sfcore_daemon.serve.output import Generation, ReplySink
-from sfcore_daemon.serve.protocol import GenerateRequest, GenerationRequest
+from sfcore_daemon.serve.protocol import ChatRequest, GenerateRequest, GenerationRequest
 from sfcore_daemon.serve.scheduler import QueueFull
 from sfcore_daemon.serve.state import ServerState
 from sfcore_daemon.structured.compiler import compile_json_object, compile_schema
@@ -57,20 +57,27 @@ class ClientSink(ReplySink, Protocol):
 
 class GrammarSpec(NamedTuple):
     """What a request's output is held to: GBNF text, the field it came from, and for a
-    JSON document the shape budget-aware closing completes (None for a GBNF grammar)."""
+    JSON document the shape budget-aware closing completes (None for a GBNF grammar).
+    With a `trigger`, the grammar holds the output only from the end of that text on
+    (an "auto" tool call); before it the output is free."""
 
     text: str
     field: str
     shape: Shape | None
+    trigger: bytes | None = None
 
 
 def request_grammar(request: GenerationRequest) -> GrammarSpec | None:
     """The grammar a request asks for, or None when the request is unconstrained."""
     given = [name for name in ("json_schema", "format", "grammar")
              if getattr(request, name) is not None]
+    if isinstance(request, ChatRequest) and request.tools:
+        given.append("tools")
     if len(given) > 1:
-        raise GrammarError(f"json_schema, format and grammar exclude each other; "
+        raise GrammarError(f"json_schema, format, grammar and tools exclude each other; "
                            f"this request gives {' and '.join(given)}")
+    if isinstance(request, ChatRequest) and request.tools:
+        return _tools_grammar(request)
     if request.json_schema is not None:
         compiled = compile_schema(request.json_schema)
         return GrammarSpec(compiled.gbnf, "json_schema", compiled.shape)
@@ -81,6 +88,23 @@ def request_grammar(request: GenerationRequest) -> GrammarSpec | None:
         check_gbnf(request.grammar)
         return GrammarSpec(request.grammar, "grammar", None)
     return None
+
+
+def _tools_grammar(request: ChatRequest) -> GrammarSpec | None:
+    """The grammar of the calls a chat with tools may make (tools.py), or None."""
+    for index, tool in enumerate(request.tools or ()):
+        if tool.function.parameters:
+            try:
+                compile_schema(tool.function.parameters)
+            except GrammarError as exc:
+                raise GrammarError(str(exc).replace(
+                    "`$.json_schema", f"`$.tools[{index}].function.parameters")) from None
+    tool_plan = tools.plan(request)
+    if tool_plan is None:
+        return None
+    compiled = compile_schema(tool_plan.schema)
+    return GrammarSpec(compiled.gbnf, "tools", compiled.shape,
+                       None if tool_plan.forced else tools.CALL_MARKER.encode())
 
 
 class Admission:
@@ -154,8 +178,14 @@ class Admission:
             stats=state.stats,
             exclusive=self._exclusive(request),
             grammar=grammar,
-            speculative=request.speculative and state.speculates,
+            # Drafts are verified a run at a time: a grammar that starts holding the
+            # output inside a run (an "auto" call) would find tokens drawn without it.
+            speculative=(request.speculative and state.speculates
+                         and (spec is None or spec.trigger is None)),
             logprobs=request.logprobs,
+            grammar_trigger=spec.trigger if spec is not None else None,
+            calls=(tools.MarkerSplit(forced=spec.trigger is None)
+                   if spec is not None and spec.field == "tools" else None),
         )
         sink.attach(generation)
         try:
@@ -181,10 +211,16 @@ class Admission:
                 f"chat needs a chat template: the model ({engine.info.architecture}) has none "
                 "of its own and model.chat_template names none (set it to a llama.cpp "
                 "built-in name such as \"chatml\", or to a Jinja template)")
-        messages = [(message.role, message.content) for message in request.messages]
+        tool_plan = tools.plan(request) if request.tools else None
+        messages = (tools.render(request, tool_plan) if tools.uses_tools(request)
+                    else [(message.role, message.content) for message in request.messages])
+        # "required" or a named function: the answer starts as the call, so the marker
+        # is the prompt's last text (content: never a special token).
+        opening = tools.CALL_MARKER + "\n" if tool_plan is not None and tool_plan.forced else ""
         size = sum(len(content) for _, content in messages)
         return await off_loop_if_long(
-            size, lambda: engine.tokenize_segments(template.render(messages)))
+            size, lambda: engine.tokenize_segments(
+                [*template.render(messages), *([(opening, True)] if opening else [])]))
 
     def _exclusive(self, request: GenerationRequest) -> bool:
         """Whether a request must have the batch to itself: in reproducible mode its
@@ -201,7 +237,8 @@ def _pick(value: _T | None, default: _T) -> _T:
 def _long_grammar(request: GenerationRequest) -> bool:
     """Whether checking the request's grammar may take more than about a millisecond (a
     schema's grammar is not known before it is converted: taken as long)."""
-    return request.json_schema is not None or len(request.grammar or "") > 2048
+    return (request.json_schema is not None or len(request.grammar or "") > 2048
+            or (isinstance(request, ChatRequest) and bool(request.tools)))
 
 
 async def off_loop_if_long(size: int, function: Callable[..., _T], *args: Any) -> _T:

@@ -27,10 +27,12 @@ from sfcore_daemon.serve.protocol import (
     RequestId,
     Timings,
     TokenLogprob,
+    ToolCall,
     Usage,
 )
 from sfcore_daemon.serve.stats import Stats
 from sfcore_daemon.serve.textstream import TextStream
+from sfcore_daemon.serve.tools import CALL_MARKER, MarkerSplit, read_calls
 from sfcore_daemon.structured.grammar import GrammarDeadEnd, GrammarSampler
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,8 @@ class Generation:
         grammar: GrammarSampler | None = None,
         speculative: bool = False,
         logprobs: int | None = None,
+        grammar_trigger: bytes | None = None,
+        calls: MarkerSplit | None = None,
     ) -> None:
         self.request_id = request_id
         self.stream = stream
@@ -89,10 +93,12 @@ class Generation:
         self.job = Job(
             prompt, sampling, max_tokens, cache_prompt,
             loop=loop, on_pieces=self._drain, on_finished=self._finished, grammar=grammar,
-            speculative=speculative, logprobs=logprobs,
+            speculative=speculative, logprobs=logprobs, grammar_trigger=grammar_trigger,
         )
         self.job.exclusive = exclusive
         self._text = TextStream(stops)
+        # A chat with tools: the text after the call marker is the call (tools.py).
+        self._calls = calls
         self._parts: list[str] = []
         # Asked for logprobs: each token's entry on its way to a line (logprobs.py), and
         # those a `done` line carries (stream false: all of them).
@@ -160,6 +166,10 @@ class Generation:
                 text = text_stream.feed(piece)
             else:
                 text, entries = trail.feed(text_stream, piece)
+            if self._calls is not None and text:
+                text = self._calls.feed(text)
+                if not text and entries:  # a call's tokens: their entries go with `done`
+                    self._entries += entries
             if text:
                 if stream:
                     sink.token(text, entries)
@@ -187,6 +197,9 @@ class Generation:
                     self._fail_with(job.error)
                 else:
                     tail = self._text.finish()
+                    if self._calls is not None:
+                        tail = self._calls.feed(tail) + self._calls.finish() if tail \
+                            else self._calls.finish()
                     if tail:
                         self._emit_tail(tail)
                     # end_reason is "stop", "length" or "cancelled" here ("error" is above).
@@ -265,10 +278,32 @@ class Generation:
     def _decode_ns(self) -> int:
         return self._last_token_ns - self.job.t_first if self.completion_tokens > 1 else 0
 
+    def _tool_calls(self, reason: FinishReason) -> tuple[FinishReason, list[ToolCall] | None]:
+        """The answer's calls, if it made any: read from the text after the marker.
+        Text that does not read as whole calls (an "auto" answer cut short before its
+        grammar took hold) is given back as text."""
+        calls = self._calls
+        if calls is None or calls.call is None or reason == "cancelled":
+            return reason, None
+        text = "".join(calls.call)
+        calls.call = None
+        made = read_calls(text)
+        if made is not None:
+            return "tool_calls", made
+        self._emit_tail((CALL_MARKER if self._text_seen_marker() else "") + text)
+        return reason, None
+
+    def _text_seen_marker(self) -> bool:
+        """Whether the model wrote the marker ("auto"); a forced call's is the prompt's."""
+        return self.job.grammar_trigger is not None
+
     def _reply_done(self, reason: FinishReason) -> None:
         if self.replied:
             # A line written just before (the text up to a stop sequence, the held-back
             # tail) dropped the connection, and that counted the request as cancelled.
+            return
+        reason, tool_calls = self._tool_calls(reason)
+        if self.replied:  # giving back the call's text dropped the connection
             return
         self.replied = True
         self._record(reason)
@@ -287,6 +322,7 @@ class Generation:
             ),
             timings=self._timings(),
             logprobs=self._done_entries(),
+            tool_calls=tool_calls,
         ))
 
     def _done_entries(self) -> list[TokenLogprob] | None:

@@ -32,7 +32,7 @@ GRAMMAR_DEAD_END: Final = "grammar_dead_end"
 ERROR_CODES: Final = (BAD_JSON, INVALID_REQUEST, CONTEXT_OVERFLOW, QUEUE_FULL, LINE_TOO_LONG,
                       TOO_MANY_CONNECTIONS, FORBIDDEN, SHUTTING_DOWN, INTERNAL, GRAMMAR_DEAD_END)
 
-FinishReason = Literal["stop", "stop_sequence", "length", "cancelled"]
+FinishReason = Literal["stop", "stop_sequence", "length", "cancelled", "tool_calls"]
 FINISH_REASONS: Final = get_args(FinishReason)
 
 StopText = Annotated[str, Meta(min_length=1)]
@@ -91,13 +91,69 @@ class GenerateRequest(_GenerationOptions, tag="generate", kw_only=True):
     prompt: Annotated[str, Meta(min_length=1)]
 
 
+# A function's name as OpenAI allows it (it is also what a call must name exactly).
+ToolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+# Tools one request may offer; each is a JSON Schema compiled into the call's grammar.
+MAX_TOOLS: Final = 64
+
+
+class FunctionCall(Struct, forbid_unknown_fields=True, kw_only=True):
+    """A call of a function: its name and its arguments (a JSON object)."""
+
+    name: ToolName
+    arguments: dict[str, Any]
+
+
+class ToolCall(Struct, forbid_unknown_fields=True, kw_only=True):
+    id: Annotated[str, Meta(min_length=1, max_length=256)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(Struct, forbid_unknown_fields=True, kw_only=True):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str
+    # An assistant's earlier calls (docs/protocol.md, Tool calls).
+    tool_calls: Annotated[list[ToolCall], Meta(max_length=64)] | None = None
+    # A tool message: the call it answers.
+    tool_call_id: Annotated[str, Meta(max_length=256)] | None = None
+
+
+class FunctionSpec(Struct, forbid_unknown_fields=True, kw_only=True):
+    name: ToolName
+    description: str = ""
+    # JSON Schema of the arguments object; None: any object.
+    parameters: dict[str, Any] | None = None
+    # OpenAI's flag; the arguments always validate here, so it changes nothing.
+    strict: bool | None = None
+
+
+class Tool(Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ChosenFunction(Struct, forbid_unknown_fields=True, kw_only=True):
+    name: ToolName
+
+
+class ChosenTool(Struct, forbid_unknown_fields=True, kw_only=True):
+    """`tool_choice` naming one function: the answer is one call of it."""
+
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | ChosenTool
 
 
 class ChatRequest(_GenerationOptions, tag="chat", kw_only=True):
     messages: Annotated[list[Message], Meta(min_length=1)]
+    tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
+    # None: "auto" when tools are given.
+    tool_choice: ToolChoice | None = None
+    # false: one call at most per answer.
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Request, tag="tokenize", kw_only=True):
@@ -205,6 +261,8 @@ class DoneReply(_Reply, tag="done", kw_only=True, omit_defaults=True):
     timings: Timings
     # Asked for: every token's entry (stream false), else those no token line carried.
     logprobs: list[TokenLogprob] | None = None
+    # The calls the answer made (finish_reason "tool_calls"); `text` is what came before.
+    tool_calls: list[ToolCall] | None = None
 
 
 class ErrorReply(_Reply, tag="error", kw_only=True):
