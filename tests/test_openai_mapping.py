@@ -253,7 +253,8 @@ def test_examples_of_the_mapping() -> None:
                                                              ("user", "a\nb")]
     assert (chat.max_tokens, chat.logprobs, chat.format, chat.stop) == (9, 4, "json", ["\n"])
     refused: list[tuple[dict[str, Any], str]] = [
-        ({"n": 2}, "n"), ({"logit_bias": {"1": 1}}, "logit_bias"), ({"tools": [{}]}, "tools"),
+        ({"n": 2}, "n"), ({"logit_bias": {"1": 1}}, "logit_bias"),
+        ({"functions": [{}]}, "functions"),
         ({"stop": ["x"] * 9}, "stop"), ({"top_logprobs": 2}, "top_logprobs"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema")]
     for body, param in refused:

@@ -76,7 +76,8 @@ def request_grammar(request: GenerationRequest) -> GrammarSpec | None:
     if len(given) > 1:
         raise GrammarError(f"json_schema, format, grammar and tools exclude each other; "
                            f"this request gives {' and '.join(given)}")
-    if isinstance(request, ChatRequest) and request.tools:
+    if isinstance(request, ChatRequest) and (
+            request.tools or request.tool_choice not in (None, "none", "auto")):
         return _tools_grammar(request)
     if request.json_schema is not None:
         compiled = compile_schema(request.json_schema)

@@ -1,0 +1,250 @@
+"""Tool calls: the calls a chat answers with parse and validate, over NDJSON and OpenAI's API.
+
+The live tests run the real daemon and model: with `tool_choice` "required" or a named
+function every answer is a call whose name is one of the tools and whose arguments are
+valid against that tool's parameters, at temperature 1.0 over many seeds and at a
+max_tokens that leaves no room to spare (budget-aware closing ends the call in time).
+The pure parts (the marker split of streamed text, the plan, reading calls) get
+property tests.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sfcore_daemon.serve.protocol import ChatRequest, FunctionSpec, Message, Tool
+from sfcore_daemon.serve.tools import CALL_MARKER, MarkerSplit, plan, read_calls, render
+from sfcore_daemon.structured.grammar import GrammarError
+from tests.harness import REPLY_TIMEOUT_S, running_daemon
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "The sum of two integers",
+    "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"], "additionalProperties": False}}}
+TOOLS = [WEATHER, ADD]
+PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
+# The shortest call of these tools takes 15 tokens: 16 leaves one to spare.
+TIGHT = 16
+SEEDS = range(12)
+
+
+def assert_valid_calls(calls: list[dict[str, Any]], names: set[str]) -> None:
+    assert calls
+    for call in calls:
+        assert call["id"].startswith("call_") and call["type"] == "function"
+        function = call["function"]
+        assert function["name"] in names
+        jsonschema.validate(function["arguments"], PARAMETERS[function["name"]])
+
+
+async def answers(client: Any, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Send all, pipelined; the final line of each, by id."""
+    await client.send(*requests)
+    finals = {}
+    for _ in requests:
+        reply = await client.recv(timeout=REPLY_TIMEOUT_S * 2)
+        assert reply is not None
+        while reply["type"] == "token":
+            reply = await client.recv(timeout=REPLY_TIMEOUT_S * 2)
+            assert reply is not None
+        finals[reply["id"]] = reply
+    return [finals[request["id"]] for request in requests]
+
+
+def chat(seed: int, choice: Any, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {"op": "chat", "id": seed, "messages": QUESTION, "tools": TOOLS,
+            "tool_choice": choice, "max_tokens": max_tokens, "temperature": 1.0,
+            "seed": seed, "stream": False, **extra}
+
+
+@pytest.mark.asyncio
+async def test_forced_calls_always_parse_and_validate_over_ndjson() -> None:
+    async with running_daemon({"server": {"slots": 8}}) as daemon, daemon.client() as client:
+        for max_tokens in (TIGHT, 64):
+            required = await answers(client, [chat(seed, "required", max_tokens)
+                                              for seed in SEEDS])
+            for done in required:
+                assert done["type"] == "done", done
+                assert done["finish_reason"] == "tool_calls", done
+                assert_valid_calls(done["tool_calls"], {"get_weather", "add"})
+                assert done["usage"]["completion_tokens"] <= max_tokens
+        named = {"type": "function", "function": {"name": "add"}}
+        for done in await answers(client, [chat(seed, named, TIGHT) for seed in SEEDS]):
+            assert done["finish_reason"] == "tool_calls", done
+            assert len(done["tool_calls"]) == 1
+            assert_valid_calls(done["tool_calls"], {"add"})
+        one = await answers(client, [chat(seed, "required", 64, parallel_tool_calls=False)
+                                     for seed in range(4)])
+        assert all(len(done["tool_calls"]) == 1 for done in one)
+        # "auto": text, or calls that validate; "none": text only.
+        for done in await answers(client, [chat(seed, "auto", 48) for seed in range(6)]):
+            assert done["type"] == "done"
+            if done["finish_reason"] == "tool_calls":
+                assert_valid_calls(done["tool_calls"], {"get_weather", "add"})
+            else:
+                assert "tool_calls" not in done
+        for done in await answers(client, [chat(seed, "none", 16) for seed in range(2)]):
+            assert "tool_calls" not in done and done["finish_reason"] != "tool_calls"
+        # A conversation with a call and its result is taken, and answered.
+        history = [*QUESTION,
+                   {"role": "assistant", "content": "", "tool_calls": [
+                       {"id": "call_1", "function": {"name": "add",
+                                                     "arguments": {"a": 2, "b": 3}}}]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+        done = await client.final({"op": "chat", "messages": history, "tools": TOOLS,
+                                   "max_tokens": 24, "temperature": 0})
+        assert done["type"] == "done" and done["finish_reason"] in ("stop", "length",
+                                                                     "tool_calls")
+
+
+@pytest.mark.asyncio
+async def test_tools_that_cannot_be_offered_are_refused_with_the_field() -> None:
+    bad_schema = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "strin"}}}}}
+    cases = [
+        ({"tools": [bad_schema]}, "$.tools[0].function.parameters.properties.x.type"),
+        ({"tools": [ADD, ADD]}, "$.tools[1].function.name"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "$.tool_choice.function.name"),
+        ({"tool_choice": "required"}, "$.tool_choice"),
+        ({"tools": TOOLS, "format": "json"}, "exclude each other"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+         "$.tools[0].function.name"),
+    ]
+    async with running_daemon() as daemon, daemon.client() as client:
+        for fields, where in cases:
+            reply = await client.final({"op": "chat", "messages": QUESTION, **fields})
+            assert reply["type"] == "error" and reply["code"] == "invalid_request", reply
+            assert where in reply["message"], reply
+        done = await client.final(chat(1, "required", TIGHT))
+        assert done["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.asyncio
+async def test_the_openai_endpoint_calls_streams_and_takes_results() -> None:
+    async with running_daemon({"openai": {"listen": "127.0.0.1:0"}}) as daemon:
+        ready = next(note for note in daemon.notifications if note.startswith("READY=1"))
+        url = ready.split("OpenAI API on ")[1].strip()
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=REPLY_TIMEOUT_S) as api:
+            asked: dict[str, Any] = {"model": "m", "messages": QUESTION, "tools": TOOLS,
+                                     "tool_choice": "required", "max_tokens": 48,
+                                     "temperature": 0}
+            whole = await api.chat.completions.create(**asked)
+            choice = whole.choices[0]
+            assert choice.finish_reason == "tool_calls"
+            assert choice.message.content is None and choice.message.tool_calls
+            for call in choice.message.tool_calls:
+                assert call.type == "function"
+                jsonschema.validate(json.loads(call.function.arguments),
+                                    PARAMETERS[call.function.name])
+            # Streamed deltas join to the same calls (greedy: the same answer).
+            joined: dict[int, dict[str, str]] = {}
+            finish = None
+            async with await api.chat.completions.create(**asked, stream=True) as stream:
+                async for chunk in stream:
+                    if not chunk.choices:
+                        continue
+                    for delta in chunk.choices[0].delta.tool_calls or []:
+                        entry = joined.setdefault(delta.index, {"name": "", "arguments": ""})
+                        assert delta.function is not None
+                        entry["name"] += delta.function.name or ""
+                        entry["arguments"] += delta.function.arguments or ""
+                    finish = chunk.choices[0].finish_reason or finish
+            assert finish == "tool_calls"
+            assert [joined[index] for index in sorted(joined)] == [
+                {"name": call.function.name, "arguments": call.function.arguments}
+                for call in choice.message.tool_calls]
+            # The round trip: the call and its result go back; the answer is accepted.
+            first = choice.message.tool_calls[0]
+            history = [*QUESTION, {"role": "assistant", "content": None,
+                                   "tool_calls": [first.model_dump()]},
+                       {"role": "tool", "tool_call_id": first.id, "content": "21 C, sunny"}]
+            final = await api.chat.completions.create(
+                model="m", messages=history, tools=TOOLS, max_tokens=24, temperature=0)
+            assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+            # A call's arguments that are not a JSON object: 400 naming them.
+            broken = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c", "type": "function",
+                 "function": {"name": "add", "arguments": "[1, 2]"}}]}]
+            with pytest.raises(openai.BadRequestError) as caught:
+                await api.chat.completions.create(model="m", messages=broken,
+                                                  tools=TOOLS, max_tokens=4)
+            assert caught.value.body is not None
+            assert "tool_calls[0].function.arguments" in json.dumps(caught.value.body)
+
+
+# --- the pure parts -------------------------------------------------------------------
+
+
+def tool(name: str) -> Tool:
+    return Tool(type="function", function=FunctionSpec(name=name))
+
+
+@settings(max_examples=300, deadline=None)
+@given(before=st.text(max_size=40), after=st.text(max_size=40), cuts=st.lists(
+    st.integers(min_value=0, max_value=100), max_size=8), marked=st.booleans())
+def test_the_marker_split_gives_back_all_text_and_cuts_at_the_marker(
+        before: str, after: str, cuts: list[int], marked: bool) -> None:
+    text = before + (CALL_MARKER + after if marked else "")
+    pieces, last = [], 0
+    for cut in sorted(cut % (len(text) + 1) for cut in cuts):
+        pieces.append(text[last:cut])
+        last = cut
+    pieces.append(text[last:])
+    split = MarkerSplit()
+    shown = "".join(split.feed(piece) for piece in pieces) + split.finish()
+    at = text.find(CALL_MARKER)
+    if at < 0:
+        assert shown == text and split.call is None
+    else:
+        assert shown == text[:at]
+        assert split.call is not None and "".join(split.call) == text[at + len(CALL_MARKER):]
+
+
+def test_a_forced_split_takes_everything_as_the_call() -> None:
+    split = MarkerSplit(forced=True)
+    assert split.feed('[{"name"') == "" and split.finish() == ""
+    assert split.call == ['[{"name"']
+
+
+def test_reading_calls() -> None:
+    calls = read_calls('[{"name": "add", "arguments": {"a": 1, "b": 2}}]\n')
+    assert calls is not None and calls[0].function.arguments == {"a": 1, "b": 2}
+    assert len({call.id for call in read_calls('[{"name": "a", "arguments": {}}, '
+                                               '{"name": "b", "arguments": {}}]') or []}) == 2
+    for broken in ('[{"name": "add", "arguments":', "[]", '{"name": "a"}', "x"):
+        assert read_calls(broken) is None
+
+
+def test_the_plan_and_the_rendering() -> None:
+    request = ChatRequest(messages=[Message(role="system", content="Be brief."),
+                                    Message(role="tool", content="1", tool_call_id="a"),
+                                    Message(role="tool", content="2", tool_call_id="b")],
+                          tools=[tool("a"), tool("b")])
+    made = plan(request)
+    assert made is not None and not made.forced
+    assert made.schema["maxItems"] > 1 and len(made.schema["items"]["anyOf"]) == 2
+    rendered = render(request, made)
+    # The tools join the system message; two results in a row are one user turn.
+    assert [role for role, _ in rendered] == ["system", "user"]
+    assert rendered[0][1].startswith("Be brief.") and '"name": "b"' in rendered[0][1]
+    assert rendered[1][1].count("<tool_response>") == 2
+    with pytest.raises(GrammarError, match="two tools"):
+        plan(ChatRequest(messages=[], tools=[tool("a"), tool("a")]))
+    assert plan(ChatRequest(messages=[], tools=[tool("a")], tool_choice="none")) is None
+
