@@ -404,3 +404,125 @@ async def test_structured_example_surfaces_a_refused_schema_as_invalid_request(
     assert (code, out) == (1, ""), both
     assert re.fullmatch(r"sfcore-structured: invalid_request: .*exclude each other.*\n",
                         err), err
+
+
+# --- logprobs and metrics ---
+
+LOGPROBS_PROGRAM = """package main
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+
+	"sfcore.local/sfcore"
+)
+
+func must(err error) {
+	if err != nil {
+		panic(err)
+	}
+}
+
+type top struct {
+	Token   int
+	Text    string
+	Bytes   []int
+	Logprob float64
+}
+
+type entry struct {
+	top
+	TopLogprobs []top
+}
+
+func ints(b []byte) []int {
+	out := make([]int, len(b))
+	for i, c := range b {
+		out[i] = int(c)
+	}
+	return out
+}
+
+// plain: the Result's text, completion tokens, the entries' bytes joined, and the entries
+// with their bytes as lists of ints.
+func plain(res *sfcore.Result) map[string]any {
+	var joined []byte
+	entries := []entry{}
+	for _, e := range res.Logprobs {
+		joined = append(joined, e.Bytes...)
+		tops := []top{}
+		for _, t := range e.TopLogprobs {
+			tops = append(tops, top{t.Token, t.Text, ints(t.Bytes), t.Logprob})
+		}
+		entries = append(entries, entry{top{e.Token, e.Text, ints(e.Bytes), e.Logprob}, tops})
+	}
+	return map[string]any{"text": res.Text, "completionTokens": res.Usage.CompletionTokens,
+		"joined": string(joined), "entries": entries, "nil": res.Logprobs == nil}
+}
+
+func main() {
+	ctx := context.Background()
+	c, err := sfcore.Dial(ctx, os.Args[1])
+	must(err)
+	greedy := &sfcore.Options{MaxTokens: sfcore.Int(16), Temperature: sfcore.Float(0),
+		Seed: sfcore.Int64(7), CachePrompt: sfcore.Bool(false), Logprobs: sfcore.Int(3)}
+	out := map[string]any{}
+	whole, err := c.Generate(ctx, os.Args[2], greedy)
+	must(err)
+	out["whole"] = plain(whole)
+	streamed, err := c.StreamGenerate(ctx, os.Args[2], greedy, func(string) error { return nil })
+	must(err)
+	out["streamed"] = plain(streamed)
+	without, err := c.Generate(ctx, os.Args[2], &sfcore.Options{MaxTokens: sfcore.Int(2)})
+	must(err)
+	out["withoutNil"] = without.Logprobs == nil
+	out["metrics"], err = c.Metrics(ctx)
+	must(err)
+	must(c.Close())
+	must(json.NewEncoder(os.Stdout).Encode(out))
+}
+"""
+
+
+def python_client_logprobs(path: str, prompt: str) -> list[tuple[int, float]]:
+    with sfcore_client.Client(path, timeout=60) as client:
+        result = client.generate(prompt, max_tokens=16, temperature=0, seed=7,
+                                 cache_prompt=False, logprobs=3)
+    assert result.logprobs is not None
+    return [(entry.token, entry.logprob) for entry in result.logprobs]
+
+
+@pytest.mark.asyncio
+async def test_library_logprobs_and_metrics(go: Go, tmp_path: Path) -> None:
+    program = tmp_path / "logprobs"
+    program.mkdir()
+    (program / "go.mod").write_text(LIBRARY_GO_MOD % {"module": MODULE})
+    (program / "main.go").write_text(LOGPROBS_PROGRAM)
+    binary = go.build(".", tmp_path / "logprobs-bin", cwd=program)
+    async with running_daemon() as daemon:
+        code, out, err = await run(binary, daemon.socket_path, PROMPT)
+        assert code == 0, err
+        expected = await asyncio.wait_for(asyncio.to_thread(
+            python_client_logprobs, daemon.socket_path, PROMPT), RUN_TIMEOUT_S)
+    result = json.loads(out)
+
+    for reply in (result["whole"], result["streamed"]):
+        entries = reply["entries"]
+        # Greedy, no stop sequence: one entry per completion token, whose bytes are the text.
+        assert reply["nil"] is False
+        assert len(entries) == reply["completionTokens"] > 0
+        assert reply["joined"] == reply["text"]
+        for entry in entries:
+            tops = entry.pop("TopLogprobs")
+            assert entry["Logprob"] <= 0 and len(tops) == 3, entry
+            assert tops[0] == entry, (entry, tops)
+            assert [top["Logprob"] for top in tops] == sorted(
+                (top["Logprob"] for top in tops), reverse=True), tops
+        assert [(entry["Token"], entry["Logprob"]) for entry in entries] == expected
+    assert result["streamed"]["text"] == result["whole"]["text"]
+    assert any(ord(char) > 127 for char in result["whole"]["text"])
+    assert result["withoutNil"] is True
+    assert "# TYPE sfcore_generated_tokens_total counter" in result["metrics"]
+    generated = re.search(r"^sfcore_generated_tokens_total (\d+)", result["metrics"], re.M)
+    assert generated is not None and int(generated.group(1)) >= 2 * len(expected)

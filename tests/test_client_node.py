@@ -364,3 +364,71 @@ async def test_structured_example_surfaces_a_refused_schema_as_invalid_request(
     code, out, err = both
     assert (code, out) == (1, ""), both
     assert re.fullmatch(r"structured: invalid_request: .*exclude each other.*\n", err), err
+
+
+# --- logprobs and metrics ---
+
+LOGPROBS_SCRIPT = """
+import { connect } from %(index)s;
+
+const client = await connect(process.argv[2]);
+const greedy = { max_tokens: 16, temperature: 0, seed: 7, cache_prompt: false, logprobs: 3 };
+const plain = (result) => ({
+  text: result.text, completionTokens: result.usage.completionTokens,
+  joined: Buffer.concat(result.logprobs.map((entry) => entry.bytes)).toString(),
+  typed: result.logprobs.every((entry) => entry.bytes instanceof Uint8Array &&
+    entry.topLogprobs.every((top) => top.bytes instanceof Uint8Array)),
+  entries: result.logprobs.map((entry) => ({ ...entry, bytes: [...entry.bytes],
+    topLogprobs: entry.topLogprobs.map((top) => ({ ...top, bytes: [...top.bytes] })) })),
+});
+const out = {};
+out.whole = plain(await client.generate(process.argv[3], greedy));
+const stream = client.streamGenerate(process.argv[3], greedy);
+for await (const piece of stream) void piece;
+out.streamed = plain(stream.result);
+out.without = (await client.generate(process.argv[3], { max_tokens: 2 })).logprobs;
+out.metrics = await client.metrics();
+await client.close();
+console.log(JSON.stringify(out));
+"""
+
+
+def python_client_logprobs(path: str, prompt: str) -> list[tuple[int, float]]:
+    with sfcore_client.Client(path, timeout=60) as client:
+        result = client.generate(prompt, max_tokens=16, temperature=0, seed=7,
+                                 cache_prompt=False, logprobs=3)
+    assert result.logprobs is not None
+    return [(entry.token, entry.logprob) for entry in result.logprobs]
+
+
+@pytest.mark.asyncio
+async def test_library_logprobs_and_metrics(tmp_path: Path) -> None:
+    script = tmp_path / "logprobs.mjs"
+    script.write_text(LOGPROBS_SCRIPT % {"index": json.dumps((CLIENT / "index.js").as_uri())})
+    async with running_daemon() as daemon:
+        code, out, err = await run(node(), str(script), daemon.socket_path, PROMPT)
+        assert code == 0, err
+        expected = await asyncio.wait_for(asyncio.to_thread(
+            python_client_logprobs, daemon.socket_path, PROMPT), RUN_TIMEOUT_S)
+    result = json.loads(out)
+
+    for reply in (result["whole"], result["streamed"]):
+        entries = reply["entries"]
+        assert reply["typed"] is True
+        # Greedy, no stop sequence: one entry per completion token, whose bytes are the text.
+        assert len(entries) == reply["completionTokens"] > 0
+        assert reply["joined"] == reply["text"]
+        for entry in entries:
+            assert set(entry) == {"token", "text", "bytes", "logprob", "topLogprobs"}, entry
+            assert entry["logprob"] <= 0 and len(entry["topLogprobs"]) == 3, entry
+            assert entry["topLogprobs"][0] == {key: entry[key] for key in
+                                               ("token", "text", "bytes", "logprob")}, entry
+            assert [top["logprob"] for top in entry["topLogprobs"]] == sorted(
+                (top["logprob"] for top in entry["topLogprobs"]), reverse=True), entry
+        assert [(entry["token"], entry["logprob"]) for entry in entries] == expected
+    assert result["streamed"]["text"] == result["whole"]["text"]
+    assert any(ord(char) > 127 for char in result["whole"]["text"])
+    assert result["without"] is None
+    assert "# TYPE sfcore_generated_tokens_total counter" in result["metrics"]
+    generated = re.search(r"^sfcore_generated_tokens_total (\d+)", result["metrics"], re.M)
+    assert generated is not None and int(generated.group(1)) >= 2 * len(expected)

@@ -101,7 +101,8 @@ def build() -> Iterator[dict[str, Any]]:
         lockfile = (crate / "Cargo.lock").read_text()
     examples = CACHE / "target" / "debug" / "examples"
     yield {"generate": examples / "generate", "ops": examples / "ops",
-           "structured": examples / "structured", "cache": examples / "cache", "lock": lockfile,
+           "structured": examples / "structured", "cache": examples / "cache",
+           "logprobs": examples / "logprobs", "lock": lockfile,
            "build": built.stderr, "test": tested.stdout}
 
 
@@ -350,3 +351,46 @@ async def test_structured_example_surfaces_a_refused_schema_as_invalid_request(
     assert (both.returncode, both.stdout) == (1, ""), both
     assert re.fullmatch(r"structured: invalid_request: .*exclude each other.*\n",
                         both.stderr), both
+
+
+# --- logprobs and metrics: examples/logprobs.rs ---
+
+LOGPROBS_PROMPT = "日本の首都は"
+
+
+def python_logprobs(socket_path: str) -> list[tuple[int, float]]:
+    with Client(socket_path, timeout=60) as client:
+        result = client.generate(LOGPROBS_PROMPT, max_tokens=16, temperature=0, seed=7,
+                                 cache_prompt=False, logprobs=3)
+    assert result.logprobs is not None
+    return [(entry.token, entry.logprob) for entry in result.logprobs]
+
+
+async def test_logprobs_example_types_the_entries_and_reads_metrics(
+        build: dict[str, Any]) -> None:
+    async with running_daemon() as daemon:
+        result = await run_async(build["logprobs"], daemon.socket_path, LOGPROBS_PROMPT, "3")
+        assert result.returncode == 0, result.stderr
+        expected = await asyncio.wait_for(asyncio.to_thread(
+            python_logprobs, daemon.socket_path), 120)
+    out = json.loads(result.stdout)
+
+    for completion in (out["whole"], out["streamed"]):
+        entries = completion["logprobs"]
+        # Greedy, no stop sequence: one entry per completion token, whose bytes are the text.
+        assert len(entries) == completion["usage"]["completion_tokens"] > 0
+        assert bytes(b for entry in entries for b in entry["bytes"]).decode() == \
+            completion["text"]
+        for entry in entries:
+            tops = entry.pop("top_logprobs")
+            assert entry["logprob"] <= 0 and len(tops) == 3, entry
+            assert tops[0] == entry, (entry, tops)
+            assert [top["logprob"] for top in tops] == sorted(
+                (top["logprob"] for top in tops), reverse=True), tops
+        assert [(entry["token"], entry["logprob"]) for entry in entries] == expected
+    assert out["streamed"]["text"] == out["whole"]["text"]
+    assert any(ord(char) > 127 for char in out["whole"]["text"])
+    assert out["without"] is None
+    assert "# TYPE sfcore_generated_tokens_total counter" in out["metrics"]
+    generated = re.search(r"^sfcore_generated_tokens_total (\d+)", out["metrics"], re.M)
+    assert generated is not None and int(generated.group(1)) >= 2 * len(expected)

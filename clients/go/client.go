@@ -92,11 +92,18 @@ type Options struct {
 	TopP          *float64 `json:"top_p,omitempty"`
 	MinP          *float64 `json:"min_p,omitempty"`
 	RepeatPenalty *float64 `json:"repeat_penalty,omitempty"`
-	Seed          *int64   `json:"seed,omitempty"`
-	Stop          []string `json:"stop,omitempty"`
-	CachePrompt   *bool    `json:"cache_prompt,omitempty"`
+	// OpenAI's penalties, -2 to 2 (0 disables): subtracted from the logit of each token
+	// among the last 64, once per occurrence (frequency) or once (presence).
+	FrequencyPenalty *float64 `json:"frequency_penalty,omitempty"`
+	PresencePenalty  *float64 `json:"presence_penalty,omitempty"`
+	Seed             *int64   `json:"seed,omitempty"`
+	Stop             []string `json:"stop,omitempty"`
+	CachePrompt      *bool    `json:"cache_prompt,omitempty"`
 	// Speculative set to Bool(false) stops the daemon from drafting tokens for the request.
 	Speculative *bool `json:"speculative,omitempty"`
+	// Logprobs N (0 to 20): Result.Logprobs gets each generated token's log-probability
+	// and its N likeliest alternatives.
+	Logprobs *int `json:"logprobs,omitempty"`
 
 	// Structured output: set at most one of JSONSchema, Format and Grammar (the daemon
 	// answers invalid_request to more). JSONSchema is a JSON Schema object, sent as is:
@@ -144,6 +151,26 @@ type Timings struct {
 	CacheSource string `json:"cache_source"`
 }
 
+// TopLogprob is one of a token's likeliest alternatives under the model. Bytes are the
+// token's true bytes (a list of ints on the wire; Text replaces an incomplete character
+// with U+FFFD). Marshalled again, Bytes is base64, as any []byte in encoding/json.
+type TopLogprob struct {
+	Token   int     `json:"token"`
+	Text    string  `json:"text"`
+	Bytes   []byte  `json:"bytes"`
+	Logprob float64 `json:"logprob"` // natural log of its probability, <= 0
+}
+
+// TokenLogprob is a generated token, its log-probability under the model and (Logprobs
+// N > 0) its N likeliest alternatives, best first.
+type TokenLogprob struct {
+	Token       int          `json:"token"`
+	Text        string       `json:"text"`
+	Bytes       []byte       `json:"bytes"`
+	Logprob     float64      `json:"logprob"`
+	TopLogprobs []TopLogprob `json:"top_logprobs"`
+}
+
 // Result is a finished generation.
 type Result struct {
 	ID           int64
@@ -155,6 +182,9 @@ type Result struct {
 	Truncated bool
 	Usage     Usage
 	Timings   Timings
+	// Logprobs: one entry per completion token, in order, when the request asked for
+	// them (a stop sequence drops those of tokens wholly inside it); nil when it did not.
+	Logprobs []TokenLogprob
 }
 
 // Health is the `health` reply.
@@ -267,7 +297,9 @@ type line struct {
 	Timings      Timings         `json:"timings"`
 	Code         string          `json:"code"`
 	Message      string          `json:"message"`
-	raw          []byte
+	// Token and done lines of a request that asked for logprobs; nil when absent.
+	Logprobs []TokenLogprob `json:"logprobs"`
+	raw      []byte
 }
 
 // envelope is what every reply line has.
@@ -505,6 +537,7 @@ type Stream struct {
 	streaming bool
 	piece     string
 	text      strings.Builder
+	entries   []TokenLogprob // the token lines' logprobs entries, for the Result
 	res       *Result
 	err       error
 	done      bool
@@ -530,6 +563,7 @@ func (s *Stream) Next() bool {
 			s.piece = l.Text
 			if s.streaming {
 				s.text.WriteString(l.Text)
+				s.entries = append(s.entries, l.Logprobs...)
 			}
 			return true
 		case "done":
@@ -542,6 +576,11 @@ func (s *Stream) Next() bool {
 			if l.StopSequence != nil {
 				s.res.StopSequence = *l.StopSequence
 			}
+			if l.Logprobs != nil { // the done line holds the entries no token line took
+				s.res.Logprobs = append(append(make([]TokenLogprob, 0,
+					len(s.entries)+len(l.Logprobs)), s.entries...), l.Logprobs...)
+			}
+			s.entries = nil
 			s.end(nil)
 		case "error":
 			s.end(&Error{Code: l.Code, Message: l.Message, ID: l.ID})
@@ -609,6 +648,16 @@ func (c *Client) Stats(ctx context.Context) (*Stats, error) {
 		return nil, err
 	}
 	return &st, nil
+}
+
+// Metrics returns the counters, latency histograms and memory in Prometheus' text
+// exposition format (the text GET /metrics serves on the OpenAI listener).
+func (c *Client) Metrics(ctx context.Context) (string, error) {
+	var reply struct {
+		Text string `json:"text"`
+	}
+	err := c.decode(ctx, map[string]any{"op": "metrics"}, "metrics", &reply)
+	return reply.Text, err
 }
 
 // Cache lists the states of the daemon's prompt store; with clear it first forgets all

@@ -172,6 +172,79 @@ func TestStructuredOutputFieldsAndTruncated(t *testing.T) {
 	}
 }
 
+func TestLogprobsEntriesAndMetrics(t *testing.T) {
+	entry := func(token int, bytes []int, logprob float64) map[string]any {
+		top := map[string]any{"token": token, "text": "x", "bytes": bytes, "logprob": logprob}
+		return map[string]any{"token": token, "text": "x", "bytes": bytes, "logprob": logprob,
+			"top_logprobs": []any{top}}
+	}
+	first, second, third := entry(5, []int{0xe6, 0x97}, -0.5), entry(6, []int{0xa5}, -0.25),
+		entry(7, []int{0x21}, 0)
+	requests := make(chan map[string]any, 4)
+	path := fakeDaemon(t, func(req map[string]any, w *bufio.Writer) bool {
+		requests <- req
+		id := req["id"]
+		done := map[string]any{"type": "done", "id": id, "text": "日!", "finish_reason": "stop"}
+		switch {
+		case req["op"] == "metrics":
+			reply(w, map[string]any{"type": "metrics", "id": id, "text": "# TYPE a counter\na 1\n"})
+			return true
+		case req["stream"] == true:
+			reply(w, map[string]any{"type": "token", "id": id, "text": "日",
+				"logprobs": []any{first, second}})
+			reply(w, map[string]any{"type": "token", "id": id, "text": "!", "logprobs": []any{third}})
+			done["text"], done["logprobs"] = "", []any{}
+		case req["logprobs"] != nil:
+			done["logprobs"] = []any{first, second, third}
+		}
+		reply(w, done)
+		return true
+	})
+	c := mustDial(t, path)
+	ctx := context.Background()
+	streamed, err := c.StreamGenerate(ctx, "p", &Options{Logprobs: Int(1),
+		FrequencyPenalty: Float(0.5)}, func(string) error { return nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	if req := <-requests; req["logprobs"] != 1.0 || req["frequency_penalty"] != 0.5 {
+		t.Fatalf("stream request: %v", req)
+	}
+	whole, err := c.Chat(ctx, []Message{{Role: "user", Content: "c"}}, &Options{Logprobs: Int(1),
+		PresencePenalty: Float(-1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if req := <-requests; req["presence_penalty"] != -1.0 {
+		t.Fatalf("chat request: %v", req)
+	}
+	for _, res := range []*Result{streamed, whole} {
+		var joined []byte
+		var tokens []int
+		for _, e := range res.Logprobs {
+			joined = append(joined, e.Bytes...)
+			tokens = append(tokens, e.Token)
+		}
+		if string(joined) != "日!" || fmt.Sprint(tokens) != "[5 6 7]" ||
+			res.Logprobs[0].TopLogprobs[0].Logprob != -0.5 ||
+			string(res.Logprobs[1].TopLogprobs[0].Bytes) != "\xa5" {
+			t.Fatalf("logprobs: %+v", res.Logprobs)
+		}
+	}
+	plain, err := c.Generate(ctx, "p", nil)
+	if err != nil || plain.Logprobs != nil {
+		t.Fatalf("no logprobs asked: %+v %v", plain, err)
+	}
+	<-requests
+	text, err := c.Metrics(ctx)
+	if err != nil || text != "# TYPE a counter\na 1\n" {
+		t.Fatalf("metrics: %q %v", text, err)
+	}
+	if req := <-requests; req["op"] != "metrics" || len(req) != 2 {
+		t.Fatalf("metrics request: %v", req)
+	}
+}
+
 func TestStreamErrorAndPipelinedReplies(t *testing.T) {
 	path := fakeDaemon(t, func(req map[string]any, w *bufio.Writer) bool {
 		switch req["op"] {

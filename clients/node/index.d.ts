@@ -40,10 +40,19 @@ export interface GenerationOptions {
   minP?: number | null;
   repeat_penalty?: number | null;
   repeatPenalty?: number | null;
+  /** OpenAI's penalties, -2 to 2 (0 disables): subtracted from the logit of each token
+   * among the last 64, once per occurrence (frequency) or once (presence). */
+  frequency_penalty?: number | null;
+  frequencyPenalty?: number | null;
+  presence_penalty?: number | null;
+  presencePenalty?: number | null;
   seed?: number | null;
   stop?: string | string[] | null;
   cache_prompt?: boolean | null;
   cachePrompt?: boolean | null;
+  /** 0 to 20: each generated token's log-probability and its N likeliest alternatives
+   * (`Result.logprobs`). */
+  logprobs?: number | null;
   /** false: the daemon drafts no tokens for this request (speculative decoding). */
   speculative?: boolean | null;
   /** Structured output (at most one of json_schema, format and grammar; the daemon
@@ -92,6 +101,23 @@ export interface Timings {
   totalMs: number;
 }
 
+/** One of a token's likeliest alternatives under the model. */
+export interface TopLogprob {
+  /** The token's id. */
+  token: number;
+  /** Its bytes as UTF-8 (an incomplete character replaced by U+FFFD; `bytes` has the truth). */
+  text: string;
+  bytes: Uint8Array;
+  /** Natural log of its probability, <= 0. */
+  logprob: number;
+}
+
+/** A generated token, its log-probability under the model and (logprobs N > 0) its N
+ * likeliest alternatives, best first. */
+export interface TokenLogprob extends TopLogprob {
+  topLogprobs: TopLogprob[];
+}
+
 export interface Result {
   /** The request's id. */
   id: RequestId;
@@ -105,6 +131,9 @@ export interface Result {
   truncated: boolean;
   usage: Usage;
   timings: Timings;
+  /** One entry per completion token (in order) when the request asked for `logprobs`
+   * (a stop sequence drops those of tokens wholly inside it); null when it did not. */
+  logprobs: TokenLogprob[] | null;
 }
 
 /** A streamed generation: `for await (const piece of stream)`. Leaving the loop early
@@ -230,6 +259,8 @@ export declare class Client {
   health(): Promise<HealthReply>;
   info(): Promise<InfoReply>;
   stats(): Promise<StatsReply>;
+  /** The counters in Prometheus' text exposition format (what GET /metrics serves). */
+  metrics(): Promise<string>;
   /** What the prompt store holds; `clear: true` first forgets all of it (RAM and disk). */
   cache(options?: { clear?: boolean }): Promise<CacheReply>;
   tokenize(text: string, options?: { addSpecial?: boolean; add_special?: boolean }): Promise<number[]>;

@@ -104,7 +104,24 @@ function camelize(object) {
   return out;
 }
 
-function toResult(done, text) {
+// A logprobs entry of a token or done line, typed: `bytes` as a Uint8Array (the wire has a
+// list of ints), `top_logprobs` as `topLogprobs`.
+function toTokenLogprob(entry) {
+  return {
+    token: entry.token,
+    text: entry.text,
+    bytes: Uint8Array.from(entry.bytes),
+    logprob: entry.logprob,
+    topLogprobs: (entry.top_logprobs ?? []).map((top) => ({
+      token: top.token, text: top.text, bytes: Uint8Array.from(top.bytes), logprob: top.logprob,
+    })),
+  };
+}
+
+// `streamed`: the logprobs entries the request's token lines carried; the done line holds
+// the rest (all of them when not streamed). null when the request did not ask for them.
+function toResult(done, text, streamed = []) {
+  const entries = done.logprobs;
   return {
     id: done.id,
     text,
@@ -114,6 +131,8 @@ function toResult(done, text) {
     truncated: done.truncated === true,
     usage: camelize(done.usage),
     timings: camelize(done.timings),
+    logprobs: entries === undefined || entries === null ? null
+      : [...streamed, ...entries].map(toTokenLogprob),
   };
 }
 
@@ -158,6 +177,7 @@ export class Stream {
   #abandoned = false;
   #completed = null;
   #settle = null;
+  #entries = []; // the token lines' logprobs entries, for the Result
 
   constructor(id, abandon) {
     this.id = id;
@@ -233,8 +253,9 @@ export class Stream {
 
   // --- fed by the Client -----------------------------------------------------------------
 
-  _token(text) {
+  _token(text, entries) {
     this.text += text;
+    if (entries) for (const entry of entries) this.#entries.push(entry);
     if (this.#abandoned) return;
     if (this.#waiter !== null) {
       const waiter = this.#waiter;
@@ -246,7 +267,8 @@ export class Stream {
   }
 
   _done(line) {
-    this.result = toResult(line, this.text);
+    this.result = toResult(line, this.text, this.#entries);
+    this.#entries = [];
     this.#finished = true;
     if (this.#waiter !== null) {
       const waiter = this.#waiter;
@@ -334,6 +356,12 @@ export class Client {
   /** The `stats` line: {uptime_s, requests, tokens, errors, connections, decode_tok_s, ...}. */
   async stats() {
     return this.#expect(await this.#request({ op: "stats" }), "stats");
+  }
+
+  /** The counters, latency histograms and memory in Prometheus' text exposition format
+   * (the text GET /metrics serves on the OpenAI listener). */
+  async metrics() {
+    return this.#expect(await this.#request({ op: "metrics" }), "metrics").text;
   }
 
   /** The `cache` line: what the prompt store holds, {enabled, dir, states: [{tokens, bytes,
@@ -519,7 +547,7 @@ export class Client {
     const detach = () => signal?.removeEventListener("abort", onAbort);
     call.line = (line) => {
       if (line.type === "token") {
-        stream._token(line.text);
+        stream._token(line.text, line.logprobs);
         return;
       }
       call.ended = true;

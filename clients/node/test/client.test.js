@@ -161,6 +161,47 @@ test("cache() lists or clears the prompt store; the reply is the line as sent", 
   await client.close();
 });
 
+test("logprobs entries are typed and gathered from the token lines and the done line", async () => {
+  const entry = (token, bytes, logprob) => ({ token, text: Buffer.from(bytes).toString(), bytes,
+    logprob, top_logprobs: [{ token, text: "x", bytes, logprob }] });
+  const first = entry(5, [0xe6, 0x97], -0.5);
+  const second = entry(6, [0xa5], -0.25);
+  const third = entry(7, [0x21], 0);
+  const { socketPath, state } = await fakeDaemon((request, socket) => {
+    if (request.op === "metrics") {
+      socket.write(line({ type: "metrics", id: request.id, text: "# TYPE a counter\na 1\n" }));
+    } else if (request.stream) {
+      socket.write(line({ type: "token", id: request.id, text: "日", logprobs: [first, second] }) +
+        line({ type: "token", id: request.id, text: "!", logprobs: [third] }) +
+        done(request.id, { logprobs: [] }));
+    } else if (request.logprobs !== undefined) {
+      socket.write(done(request.id, { text: "日!", logprobs: [first, second, third] }));
+    } else {
+      socket.write(done(request.id, { text: "日!" }));
+    }
+  });
+  const client = await connect(socketPath);
+  const stream = client.streamGenerate("p", { logprobs: 1, frequencyPenalty: 0.5 });
+  for await (const piece of stream) void piece;
+  const whole = await client.chat([{ role: "user", content: "c" }], { logprobs: 1,
+    presence_penalty: -1 });
+  const plain = await client.generate("p");
+  assert.equal(await client.metrics(), "# TYPE a counter\na 1\n");
+  for (const result of [stream.result, whole]) {
+    assert.deepEqual(result.logprobs.map((e) => e.token), [5, 6, 7]);
+    assert.ok(result.logprobs[0].bytes instanceof Uint8Array);
+    assert.deepEqual([...result.logprobs[1].bytes], [0xa5]);
+    assert.deepEqual(Buffer.concat(result.logprobs.map((e) => e.bytes)).toString(), "日!");
+    assert.deepEqual(result.logprobs[0].topLogprobs, [{ token: 5, text: "x",
+      bytes: Uint8Array.from([0xe6, 0x97]), logprob: -0.5 }]);
+  }
+  assert.equal(plain.logprobs, null);
+  assert.equal(state.requests[0].frequency_penalty, 0.5);
+  assert.equal(state.requests[1].presence_penalty, -1);
+  assert.deepEqual(state.requests[3], { op: "metrics", id: 4 });
+  await client.close();
+});
+
 test("leaving an iteration early sends cancel for the request", async () => {
   const { socketPath, state } = await fakeDaemon((request, socket) => {
     if (request.op === "generate") {

@@ -270,6 +270,12 @@ pub struct Options {
     pub min_p: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub repeat_penalty: Option<f64>,
+    /// OpenAI's penalties, -2 to 2 (0 disables): subtracted from the logit of each token
+    /// among the last 64, once per occurrence (frequency) or once (presence).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub frequency_penalty: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub presence_penalty: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
     /// Up to 8 stop strings; empty: none.
@@ -280,6 +286,10 @@ pub struct Options {
     /// `Some(false)`: the daemon drafts no tokens for this request.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub speculative: Option<bool>,
+    /// 0 to 20: [`Completion::logprobs`] gets each generated token's log-probability and
+    /// its N likeliest alternatives.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<u32>,
     /// Structured output: set at most one of `json_schema`, `format` and `grammar` (the
     /// daemon answers `invalid_request` to more). A JSON Schema object, sent as is: the
     /// output is a JSON document valid against it, its properties in the schema's order
@@ -320,6 +330,18 @@ impl Options {
     }
     pub fn repeat_penalty(mut self, penalty: f64) -> Self {
         self.repeat_penalty = Some(penalty);
+        self
+    }
+    pub fn frequency_penalty(mut self, penalty: f64) -> Self {
+        self.frequency_penalty = Some(penalty);
+        self
+    }
+    pub fn presence_penalty(mut self, penalty: f64) -> Self {
+        self.presence_penalty = Some(penalty);
+        self
+    }
+    pub fn logprobs(mut self, n: u32) -> Self {
+        self.logprobs = Some(n);
         self
     }
     pub fn seed(mut self, seed: u64) -> Self {
@@ -486,6 +508,30 @@ pub struct Timings {
     pub total_ms: f64,
 }
 
+/// One of a token's likeliest alternatives under the model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TopLogprob {
+    /// The token's id.
+    pub token: u32,
+    /// Its bytes as UTF-8, an incomplete character replaced by U+FFFD (`bytes` has the truth).
+    pub text: String,
+    pub bytes: Vec<u8>,
+    /// The natural log of its probability, <= 0.
+    pub logprob: f64,
+}
+
+/// A generated token, its log-probability under the model and (`logprobs` N > 0) its N
+/// likeliest alternatives, best first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub text: String,
+    pub bytes: Vec<u8>,
+    pub logprob: f64,
+    #[serde(default)]
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
 /// A finished generation (the daemon's `done` line).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Completion {
@@ -501,13 +547,23 @@ pub struct Completion {
     pub truncated: bool,
     pub usage: Usage,
     pub timings: Timings,
+    /// One entry per completion token, in order, when the request asked for `logprobs` (a
+    /// stop sequence drops those of tokens wholly inside it); `None` when it did not. For
+    /// a streamed request this client puts the token lines' entries before the `done`
+    /// line's.
+    pub logprobs: Option<Vec<TokenLogprob>>,
 }
 
 /// One parsed reply line. Token text borrows the line when it holds no escapes.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Reply<'a> {
-    /// A `token` line: the next piece of a streamed generation.
-    Token { id: Id<'a>, text: Cow<'a, str> },
+    /// A `token` line: the next piece of a streamed generation, and the logprobs entries
+    /// it carries (empty unless the request asked for them).
+    Token {
+        id: Id<'a>,
+        text: Cow<'a, str>,
+        logprobs: Vec<TokenLogprob>,
+    },
     /// A `done` line.
     Done(Completion),
     /// An `error` line.
@@ -564,6 +620,8 @@ struct RawLine<'a> {
     code: Cow<'a, str>,
     #[serde(borrow, default)]
     message: Cow<'a, str>,
+    #[serde(default)]
+    logprobs: Option<Vec<TokenLogprob>>,
 }
 
 /// Parses one reply line (without or with its trailing newline).
@@ -575,6 +633,7 @@ pub fn parse_reply(line: &[u8]) -> Result<Reply<'_>, Error> {
                 .id
                 .ok_or_else(|| Error::Unexpected("token line without id".into()))?,
             text: raw.text,
+            logprobs: raw.logprobs.unwrap_or_default(),
         },
         "done" => Reply::Done(Completion {
             id: raw.id.map_or(Id::Str(Cow::Borrowed("")), Id::into_owned),
@@ -584,6 +643,7 @@ pub fn parse_reply(line: &[u8]) -> Result<Reply<'_>, Error> {
             truncated: raw.truncated,
             usage: raw.usage.unwrap_or_default(),
             timings: raw.timings.unwrap_or_default(),
+            logprobs: raw.logprobs,
         }),
         "error" => Reply::Error {
             id: raw.id,
@@ -973,6 +1033,7 @@ impl Client {
             client: self,
             id,
             text: String::new(),
+            entries: Vec::new(),
             completion: None,
             finished: false,
         })
@@ -991,6 +1052,13 @@ impl Client {
     /// The `stats` line: counters since the daemon started.
     pub fn stats(&mut self) -> Result<Value, Error> {
         self.single(serde_json::json!({"op": "stats"}), "stats")
+    }
+
+    /// The counters, latency histograms and memory in Prometheus' text exposition format
+    /// (the text `GET /metrics` serves on the OpenAI listener).
+    pub fn metrics(&mut self) -> Result<String, Error> {
+        let mut line = self.single(serde_json::json!({"op": "metrics"}), "metrics")?;
+        Ok(serde_json::from_value(line["text"].take())?)
     }
 
     /// The `cache` line: what the prompt store holds (`enabled`, `dir`, and `states`, most
@@ -1051,6 +1119,8 @@ pub struct Stream<'c> {
     client: &'c mut Client,
     id: String,
     text: String,
+    /// The token lines' logprobs entries, for the completion.
+    entries: Vec<TokenLogprob>,
     completion: Option<Completion>,
     finished: bool,
 }
@@ -1104,13 +1174,19 @@ impl<'c> Stream<'c> {
             .ok_or(Error::Closed)
             .and_then(|conn| conn.read_for(id));
         match reply {
-            Ok(Reply::Token { text, .. }) => {
+            Ok(Reply::Token { text, logprobs, .. }) => {
                 self.text.push_str(&text);
+                self.entries.extend(logprobs);
                 Ok(Step::Piece(on_piece(&text)))
             }
             Ok(Reply::Done(mut completion)) => {
                 if completion.text.is_empty() {
                     completion.text = std::mem::take(&mut self.text);
+                }
+                if let Some(rest) = completion.logprobs.take() {
+                    let mut entries = std::mem::take(&mut self.entries);
+                    entries.extend(rest);
+                    completion.logprobs = Some(entries);
                 }
                 self.completion = Some(completion);
                 self.finished = true;
@@ -1224,7 +1300,7 @@ mod tests {
     fn token_text_borrows_the_line_unless_escaped() {
         let line = br#"{"type":"token","id":"rs-1","text":" dengan"}"#;
         match parse_reply(line).unwrap() {
-            Reply::Token { id, text } => {
+            Reply::Token { id, text, .. } => {
                 assert!(id.is_str("rs-1"));
                 assert!(matches!(text, Cow::Borrowed(" dengan")));
             }
@@ -1232,7 +1308,7 @@ mod tests {
         }
         let line = br#"{"type":"token","id":7,"text":"\u65e5\u672c \ud83d\ude00 \"q\"\n"}"#;
         match parse_reply(line).unwrap() {
-            Reply::Token { id, text } => {
+            Reply::Token { id, text, .. } => {
                 assert_eq!(id, Id::Num(7));
                 assert_eq!(text, "日本 😀 \"q\"\n");
             }
@@ -1565,6 +1641,81 @@ mod tests {
         assert_eq!(cleared["removed_bytes"], 843776);
         // A line of another type is not the reply: the connection is out of step.
         assert!(matches!(client.cache(false), Err(Error::Unexpected(_))));
+        daemon.join().unwrap();
+    }
+
+    #[test]
+    fn logprobs_entries_are_gathered_and_metrics_is_the_text() {
+        let entry = |token: u32, bytes: &str, logprob: f64| {
+            format!(
+                "{{\"token\":{token},\"text\":\"x\",\"bytes\":{bytes},\"logprob\":{logprob},\
+                 \"top_logprobs\":[{{\"token\":{token},\"text\":\"x\",\"bytes\":{bytes},\"logprob\":{logprob}}}]}}"
+            )
+        };
+        let (first, second, third) = (
+            entry(5, "[230,151]", -0.5),
+            entry(6, "[165]", -0.25),
+            entry(7, "[33]", 0.0),
+        );
+        let script = vec![
+            (
+                r#""frequency_penalty":0.5,"presence_penalty":-1.0,"seed":7,"logprobs":1"#,
+                format!(
+                    "{{\"type\":\"token\",\"id\":\"rs-1\",\"text\":\"日\",\"logprobs\":[{first},{second}]}}\n\
+                     {{\"type\":\"token\",\"id\":\"rs-1\",\"text\":\"!\"}}\n\
+                     {{\"type\":\"done\",\"id\":\"rs-1\",\"text\":\"\",\"finish_reason\":\"stop\",\"logprobs\":[{third}]}}\n"
+                ),
+            ),
+            (
+                r#""stream":false"#,
+                format!(
+                    "{{\"type\":\"done\",\"id\":\"rs-2\",\"text\":\"日!\",\"finish_reason\":\"stop\",\
+                     \"logprobs\":[{first},{second},{third}]}}\n"
+                ),
+            ),
+            (
+                r#""stream":false"#,
+                "{\"type\":\"done\",\"id\":\"rs-3\",\"text\":\"x\",\"finish_reason\":\"stop\"}\n"
+                    .to_string(),
+            ),
+            (
+                r#"{"op":"metrics","id":"rs-4"}"#,
+                "{\"type\":\"metrics\",\"id\":\"rs-4\",\"text\":\"# TYPE a counter\\na 1\\n\"}\n"
+                    .to_string(),
+            ),
+        ];
+        let (mut client, daemon) = fake_daemon(script);
+        let options = Options::new()
+            .frequency_penalty(0.5)
+            .presence_penalty(-1.0)
+            .seed(7)
+            .logprobs(1);
+        let streamed = client.stream_generate("p", &options, |_: &str| ()).unwrap();
+        let whole = client.generate("p", &options).unwrap();
+        for done in [&streamed, &whole] {
+            let entries = done.logprobs.as_ref().unwrap();
+            assert_eq!(
+                entries.iter().map(|e| e.token).collect::<Vec<_>>(),
+                [5, 6, 7]
+            );
+            let joined: Vec<u8> = entries.iter().flat_map(|e| e.bytes.clone()).collect();
+            assert_eq!(String::from_utf8(joined).unwrap(), "日!");
+            assert_eq!(
+                entries[0].top_logprobs,
+                [TopLogprob {
+                    token: 5,
+                    text: "x".into(),
+                    bytes: vec![230, 151],
+                    logprob: -0.5
+                }]
+            );
+        }
+        assert_eq!(streamed.text, "日!");
+        assert_eq!(
+            client.generate("p", &Options::new()).unwrap().logprobs,
+            None
+        );
+        assert_eq!(client.metrics().unwrap(), "# TYPE a counter\na 1\n");
         daemon.join().unwrap();
     }
 
