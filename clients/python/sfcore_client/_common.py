@@ -191,8 +191,6 @@ def generation_request(op: str, field: str, value: Any, stream: bool,
     for key, option in options.items():
         if option is not None:
             request[key] = option
-    if "tools" in request:
-        request["tools"] = [dict(tool) for tool in request["tools"]]
     choice = request.get("tool_choice")
     if isinstance(choice, str) and choice not in TOOL_CHOICE_MODES:
         request["tool_choice"] = {"type": "function", "function": {"name": choice}}
