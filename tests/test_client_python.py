@@ -27,7 +27,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sfcore_client import (
     AsyncClient,
     Client,
@@ -35,7 +38,12 @@ from sfcore_client import (
     SfcoreConnectionError,
     SfcoreError,
     SfcoreTimeoutError,
+    ToolCall,
+    assistant_message,
+    function_tool,
+    tool_message,
 )
+from sfcore_client._common import chat_messages, generation_request, result_of
 
 from tests.harness import REPO, running_daemon
 
@@ -872,3 +880,143 @@ async def test_logprobs_through_the_client_against_the_real_daemon() -> None:
                 assert client.generate("Hi", max_tokens=2).logprobs is None
 
         await in_thread(ask)
+
+
+# --- tool calls ---
+
+WEATHER_PARAMETERS = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city"], "additionalProperties": False}
+ADD_PARAMETERS = {"type": "object", "properties": {
+    "a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"], "additionalProperties": False}
+TOOLS = [function_tool("get_weather", "The weather in a city now", WEATHER_PARAMETERS),
+         {"type": "function", "function": {"name": "add", "description": "The sum of two "
+                                           "integers", "parameters": ADD_PARAMETERS}}]
+PARAMETERS = {"get_weather": WEATHER_PARAMETERS, "add": ADD_PARAMETERS}
+TOOL_QUESTION = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
+TOOL_SEEDS = range(3)
+# Room for a call or two of these tools (the shortest takes 15 tokens).
+TOOL_MAX_TOKENS = 40
+
+
+def assert_valid_calls(result: Result, names: set[str]) -> None:
+    assert result.finish_reason == "tool_calls", result
+    assert result.tool_calls, result
+    for call in result.tool_calls:
+        assert isinstance(call, ToolCall) and call.id.startswith("call_")
+        assert call.name in names
+        jsonschema.validate(call.arguments, PARAMETERS[call.name])
+
+
+def run_the_function(call: ToolCall) -> str:
+    if call.name == "add":
+        return str(call.arguments["a"] + call.arguments["b"])
+    return f"21 C, sunny in {call.arguments['city']}"
+
+
+def answered(first: Result) -> list[dict[str, Any]]:
+    """The conversation sent back: the question, the assistant's calls, their results."""
+    return [*TOOL_QUESTION, assistant_message(first),
+            *(tool_message(call, run_the_function(call)) for call in first.tool_calls)]
+
+
+def tool_round_trip(path: str) -> None:
+    with Client(path, timeout=LONG_REPLY_TIMEOUT_S) as client:
+        for seed in TOOL_SEEDS:
+            forced = client.chat(TOOL_QUESTION, tools=TOOLS, tool_choice="required",
+                                 temperature=1.0, seed=seed, max_tokens=TOOL_MAX_TOKENS)
+            assert_valid_calls(forced, {"get_weather", "add"})
+        # A function's name: exactly one call of it; streamed, the call is in the result.
+        stream = client.stream_chat(TOOL_QUESTION, tools=TOOLS, tool_choice="add",
+                                    parallel_tool_calls=False, temperature=1.0, seed=7,
+                                    max_tokens=TOOL_MAX_TOKENS)
+        assert "".join(stream) == ""
+        assert stream.result is not None
+        assert_valid_calls(stream.result, {"add"})
+        assert len(stream.result.tool_calls) == 1
+        final = client.chat(answered(stream.result), tools=TOOLS, temperature=0,
+                            max_tokens=12)
+        assert final.finish_reason in ("stop", "length", "tool_calls")
+        # No tools, no calls.
+        plain = client.chat(TOOL_QUESTION, max_tokens=4, temperature=0)
+        assert plain.tool_calls == () and plain.finish_reason != "tool_calls"
+        with pytest.raises(SfcoreError) as error:
+            client.chat(TOOL_QUESTION, tools=TOOLS, tool_choice="nope")
+        assert error.value.code == "invalid_request"
+        assert "$.tool_choice.function.name" in error.value.message
+
+
+@pytest.mark.asyncio
+async def test_tool_calls_round_trip_with_both_clients() -> None:
+    """Forced calls at temperature 1.0 name a tool and validate against its parameters;
+    the assistant's calls and the tools' results go back and get an answer."""
+    async with running_daemon({"server": {"slots": 4}}) as daemon:
+        await in_thread(tool_round_trip, daemon.socket_path, timeout=LONG_REPLY_TIMEOUT_S * 2)
+        async with AsyncClient(daemon.socket_path, timeout=LONG_REPLY_TIMEOUT_S) as client:
+            forced = await asyncio.gather(*(
+                client.chat(TOOL_QUESTION, tools=TOOLS, tool_choice="required",
+                            temperature=1.0, seed=seed, max_tokens=TOOL_MAX_TOKENS)
+                for seed in TOOL_SEEDS))
+            for result in forced:
+                assert_valid_calls(result, {"get_weather", "add"})
+            named = await client.chat(TOOL_QUESTION, tools=TOOLS, tool_choice="get_weather",
+                                      temperature=1.0, seed=3, max_tokens=TOOL_MAX_TOKENS)
+            assert_valid_calls(named, {"get_weather"})
+            assert len(named.tool_calls) == 1
+            final = await client.chat(answered(named), tools=TOOLS, temperature=0,
+                                      max_tokens=12)
+            assert final.finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_tool_options_and_messages_on_the_wire() -> None:
+    chat = generation_request("chat", "messages", [], False, {
+        "tools": TOOLS, "tool_choice": "add", "parallel_tool_calls": False})
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "add"}}
+    assert chat["tools"][0] == {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city now",
+        "parameters": WEATHER_PARAMETERS}}
+    assert chat["parallel_tool_calls"] is False
+    for mode in ("auto", "required", "none"):
+        assert generation_request("chat", "messages", [], False,
+                                  {"tool_choice": mode})["tool_choice"] == mode
+    with pytest.raises(TypeError, match="tools"):
+        generation_request("generate", "prompt", "x", False, {"tools": TOOLS})
+    assert function_tool("f") == {"type": "function",
+                                  "function": {"name": "f", "description": ""}}
+    call = ToolCall(id="call_1", name="add", arguments={"a": 2, "b": 3})
+    sent = chat_messages([{"role": "assistant", "content": "", "tool_calls": [call]},
+                          tool_message("call_1", "5")])
+    assert sent == [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=3),
+    max_leaves=8)
+
+
+@settings(max_examples=100, deadline=None)
+@given(calls=st.lists(st.tuples(
+    st.text(min_size=1, max_size=20), st.from_regex(r"[A-Za-z0-9_.-]{1,64}", fullmatch=True),
+    st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=4)), max_size=4),
+    text=st.text(max_size=20))
+def test_a_done_lines_calls_go_back_as_they_came(
+        calls: list[tuple[str, str, dict[str, Any]]], text: str) -> None:
+    """result_of reads any `tool_calls` the daemon sends, and assistant_message gives the
+    same calls back on the wire (through JSON, as the client sends them)."""
+    wire = [{"id": call_id, "type": "function",
+             "function": {"name": name, "arguments": arguments}}
+            for call_id, name, arguments in calls]
+    done = json.loads(done_line(1, text))
+    if wire:
+        done["tool_calls"], done["finish_reason"] = wire, "tool_calls"
+    result = result_of(done, text)
+    assert [(call.id, call.name, call.arguments) for call in result.tool_calls] == calls
+    message = json.loads(json.dumps(chat_messages([assistant_message(result)])))[0]
+    assert message["content"] == text
+    assert message.get("tool_calls", []) == wire

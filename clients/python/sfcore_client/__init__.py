@@ -14,8 +14,12 @@ from ._common import (
     SfcoreTimeoutError,
     Timings,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     Usage,
+    assistant_message,
+    function_tool,
+    tool_message,
 )
 from .aio import AsyncClient, AsyncStream
 from .client import Client, Stream
@@ -23,4 +27,5 @@ from .client import Client, Stream
 __version__ = "0.2.0"
 __all__ = ["DEFAULT_SOCKET", "AsyncClient", "AsyncStream", "Client", "Result",
            "SfcoreConnectionError", "SfcoreError", "SfcoreTimeoutError", "Stream", "Timings",
-           "TokenLogprob", "TopLogprob", "Usage"]
+           "TokenLogprob", "ToolCall", "TopLogprob", "Usage", "assistant_message",
+           "function_tool", "tool_message"]

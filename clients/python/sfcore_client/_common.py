@@ -24,6 +24,9 @@ GENERATION_OPTIONS = frozenset({"max_tokens", "temperature", "top_k", "top_p", "
                                 "repeat_penalty", "seed", "stop", "cache_prompt",
                                 "json_schema", "format", "grammar", "speculative",
                                 "logprobs"})
+# Chat only: the functions the model may call (docs/protocol.md, Tool calls).
+CHAT_OPTIONS = GENERATION_OPTIONS | {"tools", "tool_choice", "parallel_tool_calls"}
+TOOL_CHOICE_MODES = frozenset({"auto", "required", "none"})
 # Error codes after which the daemon closes the connection (PROTOCOL.md).
 CLOSING_CODES = frozenset({"line_too_long", "too_many_connections", "forbidden",
                            "shutting_down"})
@@ -106,6 +109,21 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call of one of the chat's tools: the daemon's id for it, the function's name, and
+    its arguments (a JSON object, valid against the tool's `parameters`)."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+    def to_message(self) -> dict[str, Any]:
+        """The call as an assistant message's `tool_calls` entry carries it."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True, slots=True)
 class Result:
     """A finished generation: the whole text and the figures of the daemon's `done` line."""
 
@@ -120,6 +138,8 @@ class Result:
     # One entry per token when the request asked for `logprobs` (a stop sequence drops
     # those of tokens wholly inside it); None when it did not.
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # The calls the answer made (finish_reason "tool_calls"); `text` is what came before.
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 def resolve_socket_path(path: str | os.PathLike[str] | None) -> str:
@@ -163,18 +183,56 @@ def new_id() -> int:
 def generation_request(op: str, field: str, value: Any, stream: bool,
                        options: dict[str, Any]) -> dict[str, Any]:
     """A generate/chat request; options that are None are left out (the daemon's default)."""
-    if not options.keys() <= GENERATION_OPTIONS:
-        unknown = ", ".join(sorted(options.keys() - GENERATION_OPTIONS))
-        raise TypeError(f"unknown generation option(s): {unknown}")
+    known = CHAT_OPTIONS if op == "chat" else GENERATION_OPTIONS
+    if not options.keys() <= known:
+        unknown = ", ".join(sorted(options.keys() - known))
+        raise TypeError(f"unknown {op} option(s): {unknown}")
     request = {"op": op, "id": new_id(), field: value, "stream": stream}
     for key, option in options.items():
         if option is not None:
             request[key] = option
+    choice = request.get("tool_choice")
+    if isinstance(choice, str) and choice not in TOOL_CHOICE_MODES:
+        request["tool_choice"] = {"type": "function", "function": {"name": choice}}
     return request
 
 
-def chat_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
-    return [dict(message) for message in messages]
+def chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as the wire carries them (ToolCall entries of `tool_calls` as dicts)."""
+    wire = []
+    for message in messages:
+        entry = dict(message)
+        calls = entry.get("tool_calls")
+        if calls is not None:
+            entry["tool_calls"] = [call.to_message() if isinstance(call, ToolCall) else call
+                                   for call in calls]
+        wire.append(entry)
+    return wire
+
+
+def function_tool(name: str, description: str = "",
+                  parameters: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A chat tool in OpenAI's shape: a function `name` (1-64 of A-Z a-z 0-9 _ . -), what
+    it does, and a JSON Schema of its arguments object (None: any object)."""
+    function: dict[str, Any] = {"name": name, "description": description}
+    if parameters is not None:
+        function["parameters"] = dict(parameters)
+    return {"type": "function", "function": function}
+
+
+def assistant_message(result: Result) -> dict[str, Any]:
+    """The assistant's turn of `result` for the conversation sent back: its text, and its
+    calls when it made any."""
+    message: dict[str, Any] = {"role": "assistant", "content": result.text}
+    if result.tool_calls:
+        message["tool_calls"] = [call.to_message() for call in result.tool_calls]
+    return message
+
+
+def tool_message(call: ToolCall | str, content: str) -> dict[str, Any]:
+    """A tool's result for the call it answers (a ToolCall, or its id)."""
+    call_id = call.id if isinstance(call, ToolCall) else call
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
 
 
 def result_of(done: Mapping[str, Any], text: str,
@@ -188,6 +246,10 @@ def result_of(done: Mapping[str, Any], text: str,
         truncated=bool(done.get("truncated", False)),
         logprobs=None if entries is None else tuple(
             token_logprob(entry) for entry in (*streamed, *entries)),
+        tool_calls=tuple(
+            ToolCall(id=call["id"], name=call["function"]["name"],
+                     arguments=call["function"]["arguments"])
+            for call in done.get("tool_calls") or ()),
     )
 
 

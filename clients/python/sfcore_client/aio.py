@@ -311,7 +311,7 @@ class AsyncClient:
                                                     options))
         return result_of(done, done["text"])
 
-    async def chat(self, messages: Sequence[Mapping[str, str]], **options: Any) -> Result:
+    async def chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> Result:
         done = await self._final(generation_request("chat", "messages",
                                                     chat_messages(messages), False, options))
         return result_of(done, done["text"])
@@ -320,7 +320,7 @@ class AsyncClient:
         return AsyncStream(self, generation_request("generate", "prompt", prompt, True,
                                                     options))
 
-    def stream_chat(self, messages: Sequence[Mapping[str, str]],
+    def stream_chat(self, messages: Sequence[Mapping[str, Any]],
                     **options: Any) -> AsyncStream[str]:
         return AsyncStream(self, generation_request("chat", "messages",
                                                     chat_messages(messages), True, options))

@@ -126,7 +126,8 @@ class Client:
     `socket_path`: the argument, else $SFCORE_SOCKET, else /tmp/sfcore-ai.sock.
     `timeout`: seconds to wait for the connection and for each reply line (None: forever).
     Generation options (max_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
-    seed, stop, cache_prompt) are keyword arguments; None leaves the daemon's default.
+    seed, stop, cache_prompt, ...; chat also tools, tool_choice, parallel_tool_calls) are
+    keyword arguments; None leaves the daemon's default.
     """
 
     def __init__(self, socket_path: str | os.PathLike[str] | None = None, *,
@@ -195,7 +196,7 @@ class Client:
         done = self._final(generation_request("generate", "prompt", prompt, False, options))
         return result_of(done, done["text"])
 
-    def chat(self, messages: Sequence[Mapping[str, str]], **options: Any) -> Result:
+    def chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> Result:
         done = self._final(generation_request("chat", "messages", chat_messages(messages),
                                               False, options))
         return result_of(done, done["text"])
@@ -204,7 +205,7 @@ class Client:
         """Iterate for text pieces as they are generated; `.result` once it has ended."""
         return Stream(self, generation_request("generate", "prompt", prompt, True, options))
 
-    def stream_chat(self, messages: Sequence[Mapping[str, str]], **options: Any) -> Stream[str]:
+    def stream_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> Stream[str]:
         return Stream(self, generation_request("chat", "messages", chat_messages(messages),
                                                True, options))
 
