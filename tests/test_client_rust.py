@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 
 from tests.harness import REPO, running_daemon
@@ -102,7 +103,7 @@ def build() -> Iterator[dict[str, Any]]:
     examples = CACHE / "target" / "debug" / "examples"
     yield {"generate": examples / "generate", "ops": examples / "ops",
            "structured": examples / "structured", "cache": examples / "cache",
-           "logprobs": examples / "logprobs", "lock": lockfile,
+           "logprobs": examples / "logprobs", "tools": examples / "tools", "lock": lockfile,
            "build": built.stderr, "test": tested.stdout}
 
 
@@ -394,3 +395,89 @@ async def test_logprobs_example_types_the_entries_and_reads_metrics(
     assert "# TYPE sfcore_generated_tokens_total counter" in out["metrics"]
     generated = re.search(r"^sfcore_generated_tokens_total (\d+)", out["metrics"], re.M)
     assert generated is not None and int(generated.group(1)) >= 2 * len(expected)
+
+
+# --- tool calls: examples/tools.rs makes the round trip (call, result, answer) ---
+
+TOOLS_QUESTION = "What is the weather in Paris, and what is 2 + 3?"
+TOOL_NAMES = {"get_weather", "add"}
+
+
+def tool_steps(result: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    """The example's JSON lines by step (results as a list), after checking its exit."""
+    assert (result.returncode, result.stderr) == (0, ""), result
+    steps: dict[str, Any] = {"result": []}
+    for line in result.stdout.splitlines():
+        step = json.loads(line)
+        if step["step"] == "result":
+            steps["result"].append(step)
+        else:
+            assert step["step"] not in steps, result.stdout
+            steps[step["step"]] = step
+    return steps
+
+
+def assert_round_trip(steps: dict[str, Any], names: set[str]) -> list[dict[str, Any]]:
+    """The calls name offered tools, their arguments validate against that tool's
+    parameters, each got its result, and the answer to the results came."""
+    parameters = {tool["function"]["name"]: tool["function"]["parameters"]
+                  for tool in steps["tools"]["tools"]}
+    assert set(parameters) == TOOL_NAMES, steps["tools"]
+    call = steps["call"]
+    assert call["finish_reason"] == "tool_calls", call
+    calls = call["tool_calls"]
+    assert calls, call
+    for made in calls:
+        assert made["id"].startswith("call_") and made["type"] == "function", made
+        assert made["function"]["name"] in names, made
+        jsonschema.validate(made["function"]["arguments"], parameters[made["function"]["name"]])
+    assert [(result["tool_call_id"], result["name"]) for result in steps["result"]] == \
+        [(made["id"], made["function"]["name"]) for made in calls], steps
+    answer = steps["answer"]
+    assert answer["finish_reason"] in ("stop", "length", "tool_calls"), answer
+    assert (answer["tool_calls"] is not None) == (answer["finish_reason"] == "tool_calls")
+    # The answer may call again (the tools stay offered): those calls hold too.
+    for again in answer["tool_calls"] or []:
+        assert again["function"]["name"] in TOOL_NAMES, again
+        jsonschema.validate(again["function"]["arguments"],
+                            parameters[again["function"]["name"]])
+    return list(calls)
+
+
+async def test_tools_example_round_trip_with_calls_that_validate(build: dict[str, Any]) -> None:
+    seeds = range(4)
+    async with running_daemon() as daemon:
+        flags = ["--socket", daemon.socket_path, "--temperature", "1.0", "--max-tokens", "64"]
+        # Pipelined by the daemon: the four examples run at once.
+        required = await asyncio.gather(*(
+            run_async(build["tools"], *flags, "--choice", "required", "--seed", str(seed),
+                      TOOLS_QUESTION) for seed in seeds))
+        named = await asyncio.gather(*(
+            run_async(build["tools"], *flags, "--choice", "add", "--seed", str(seed),
+                      TOOLS_QUESTION) for seed in seeds))
+    for result in required:
+        assert_round_trip(tool_steps(result), TOOL_NAMES)
+    for result in named:
+        calls = assert_round_trip(tool_steps(result), {"add"})
+        assert len(calls) == 1, calls
+        # The local function ran on the validated arguments (in 64 bits, as the example adds).
+        a, b = calls[0]["function"]["arguments"]["a"], calls[0]["function"]["arguments"]["b"]
+        content = tool_steps(result)["result"][0]["content"]
+        if all(-2**63 <= n < 2**63 for n in (a, b, a + b)):
+            assert content == str(a + b), (a, b, content)
+        else:
+            assert content.startswith("error:"), (a, b, content)
+
+
+async def test_tools_example_surfaces_an_unknown_function_and_bad_flags(
+        build: dict[str, Any]) -> None:
+    async with running_daemon() as daemon:
+        unknown = await run_async(build["tools"], "--socket", daemon.socket_path,
+                                  "--choice", "multiply", TOOLS_QUESTION)
+    # The offered tools come first; then the daemon's refusal naming the field.
+    assert unknown.returncode == 1, unknown
+    assert [json.loads(line)["step"] for line in unknown.stdout.splitlines()] == ["tools"]
+    assert re.fullmatch(r"tools: invalid_request: .*tool_choice.*\n", unknown.stderr), unknown
+    usage = await run_async(build["tools"], "--seed", "x", TOOLS_QUESTION)
+    assert (usage.returncode, usage.stdout) == (2, ""), usage
+    assert "usage" in usage.stderr, usage

@@ -302,6 +302,17 @@ pub struct Options {
     /// GBNF text (llama.cpp's format; the start rule is `root`): the output matches it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grammar: Option<String>,
+    /// Functions the model may call (chat only; up to 64, unique names). Not together with
+    /// `json_schema`, `format` or `grammar`. A call's arguments always validate against
+    /// its function's `parameters`; the calls come in [`Completion::tool_calls`].
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tools: Vec<Tool>,
+    /// `None`: [`ToolChoice::Auto`] when `tools` are given.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_choice: Option<ToolChoice>,
+    /// `Some(false)`: one call at most per answer (the daemon's default is several).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parallel_tool_calls: Option<bool>,
 }
 
 impl Options {
@@ -373,6 +384,178 @@ impl Options {
         self.grammar = Some(grammar.into());
         self
     }
+    /// Offers these functions (replacing any given before).
+    pub fn tools(mut self, tools: impl IntoIterator<Item = Tool>) -> Self {
+        self.tools = tools.into_iter().collect();
+        self
+    }
+    pub fn tool_choice(mut self, choice: ToolChoice) -> Self {
+        self.tool_choice = Some(choice);
+        self
+    }
+    pub fn parallel_tool_calls(mut self, parallel: bool) -> Self {
+        self.parallel_tool_calls = Some(parallel);
+        self
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Tool calls
+
+/// A function the model may call, in OpenAI's form: `{"type": "function", "function": ...}`.
+///
+/// ```
+/// use sfcore_client::{Options, Tool, ToolChoice};
+/// let weather = Tool::function(
+///     "get_weather",
+///     "The weather in a city now",
+///     serde_json::json!({"type": "object", "properties": {"city": {"type": "string"}},
+///                        "required": ["city"]}),
+/// );
+/// let options = Options::new().tools([weather]).tool_choice(ToolChoice::Required);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tool {
+    /// Always `"function"`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionSpec,
+}
+
+impl Tool {
+    pub fn function(
+        name: impl Into<String>,
+        description: impl Into<String>,
+        parameters: Value,
+    ) -> Self {
+        Tool {
+            kind: "function".into(),
+            function: FunctionSpec {
+                name: name.into(),
+                description: description.into(),
+                parameters,
+                strict: None,
+            },
+        }
+    }
+}
+
+/// A function's name (1-64 of `A-Z a-z 0-9 _ . -`), what it does, and the JSON Schema of
+/// its arguments object (the structured output subset; `Value::Null`: any object).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FunctionSpec {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub description: String,
+    #[serde(default, skip_serializing_if = "Value::is_null")]
+    pub parameters: Value,
+    /// OpenAI's flag; accepted, and the arguments always validate anyway.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strict: Option<bool>,
+}
+
+/// Which calls the answer makes. On the wire: `"auto"`, `"required"`, `"none"`, or
+/// `{"type": "function", "function": {"name": ...}}`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum ToolChoice {
+    /// Text, or calls once the model starts one (the default with tools).
+    Auto,
+    /// One or more calls.
+    Required,
+    /// Text only; the model is not shown the tools.
+    None,
+    /// Exactly one call, of the function of this name (one of the tools).
+    Function(String),
+}
+
+impl ToolChoice {
+    pub fn function(name: impl Into<String>) -> Self {
+        ToolChoice::Function(name.into())
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct ChosenFunction<'a> {
+    #[serde(borrow)]
+    name: Cow<'a, str>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct ChosenTool<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Cow<'a, str>,
+    #[serde(borrow)]
+    function: ChosenFunction<'a>,
+}
+
+impl Serialize for ToolChoice {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            ToolChoice::Auto => serializer.serialize_str("auto"),
+            ToolChoice::Required => serializer.serialize_str("required"),
+            ToolChoice::None => serializer.serialize_str("none"),
+            ToolChoice::Function(name) => ChosenTool {
+                kind: Cow::Borrowed("function"),
+                function: ChosenFunction {
+                    name: Cow::Borrowed(name),
+                },
+            }
+            .serialize(serializer),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for ToolChoice {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Wire<'a> {
+            Word(Cow<'a, str>),
+            #[serde(borrow)]
+            Chosen(ChosenTool<'a>),
+        }
+        match Wire::deserialize(deserializer)? {
+            Wire::Word(word) => match &*word {
+                "auto" => Ok(ToolChoice::Auto),
+                "required" => Ok(ToolChoice::Required),
+                "none" => Ok(ToolChoice::None),
+                other => Err(de::Error::unknown_variant(
+                    other,
+                    &["auto", "required", "none"],
+                )),
+            },
+            Wire::Chosen(chosen) if chosen.kind == "function" => {
+                Ok(ToolChoice::Function(chosen.function.name.into_owned()))
+            }
+            Wire::Chosen(chosen) => Err(de::Error::invalid_value(
+                de::Unexpected::Str(&chosen.kind),
+                &"\"function\"",
+            )),
+        }
+    }
+}
+
+/// A call the model made: `{"id": "call_...", "type": "function", "function": ...}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// What a [`Message::tool`] result names in `tool_call_id`.
+    pub id: String,
+    /// Always `"function"`.
+    #[serde(rename = "type", default = "function_kind")]
+    pub kind: String,
+    pub function: FunctionCall,
+}
+
+fn function_kind() -> String {
+    "function".into()
+}
+
+/// A function's name and its arguments: a JSON object valid against the function's
+/// `parameters` (`serde_json::from_value` turns it into your own type).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FunctionCall {
+    pub name: String,
+    pub arguments: Value,
 }
 
 /// A chat message's role.
@@ -382,6 +565,8 @@ pub enum Role {
     System,
     User,
     Assistant,
+    /// A function's result ([`Message::tool`]).
+    Tool,
 }
 
 /// One chat message.
@@ -389,6 +574,12 @@ pub enum Role {
 pub struct Message {
     pub role: Role,
     pub content: String,
+    /// An assistant's calls ([`Message::assistant_calls`]); empty: none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// A tool message: the id of the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl Message {
@@ -396,6 +587,23 @@ impl Message {
         Message {
             role,
             content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+        }
+    }
+    /// The assistant's turn that made these calls (send it back before their results);
+    /// `content` is what it wrote before them ([`Completion::text`], usually empty).
+    pub fn assistant_calls(content: impl Into<String>, calls: Vec<ToolCall>) -> Self {
+        Message {
+            tool_calls: calls,
+            ..Self::new(Role::Assistant, content)
+        }
+    }
+    /// The result of the call with id `tool_call_id`, as text (often JSON).
+    pub fn tool(tool_call_id: impl Into<String>, content: impl Into<String>) -> Self {
+        Message {
+            tool_call_id: Some(tool_call_id.into()),
+            ..Self::new(Role::Tool, content)
         }
     }
     pub fn system(content: impl Into<String>) -> Self {
@@ -442,6 +650,8 @@ pub enum FinishReason {
     Length,
     /// Cancelled (cancel op, client gone, or daemon shutdown).
     Cancelled,
+    /// The answer is calls: [`Completion::tool_calls`].
+    ToolCalls,
     /// A reason this client does not know yet.
     Other(String),
 }
@@ -453,6 +663,7 @@ impl FinishReason {
             FinishReason::StopSequence => "stop_sequence",
             FinishReason::Length => "length",
             FinishReason::Cancelled => "cancelled",
+            FinishReason::ToolCalls => "tool_calls",
             FinishReason::Other(other) => other,
         }
     }
@@ -463,6 +674,7 @@ impl FinishReason {
             "stop_sequence" => FinishReason::StopSequence,
             "length" => FinishReason::Length,
             "cancelled" => FinishReason::Cancelled,
+            "tool_calls" => FinishReason::ToolCalls,
             other => FinishReason::Other(other.to_owned()),
         }
     }
@@ -552,6 +764,9 @@ pub struct Completion {
     /// a streamed request this client puts the token lines' entries before the `done`
     /// line's.
     pub logprobs: Option<Vec<TokenLogprob>>,
+    /// The calls the answer made ([`FinishReason::ToolCalls`]); `text` is what the model
+    /// wrote before them. `None` when it made none.
+    pub tool_calls: Option<Vec<ToolCall>>,
 }
 
 /// One parsed reply line. Token text borrows the line when it holds no escapes.
@@ -622,6 +837,8 @@ struct RawLine<'a> {
     message: Cow<'a, str>,
     #[serde(default)]
     logprobs: Option<Vec<TokenLogprob>>,
+    #[serde(default)]
+    tool_calls: Option<Vec<ToolCall>>,
 }
 
 /// Parses one reply line (without or with its trailing newline).
@@ -644,6 +861,7 @@ pub fn parse_reply(line: &[u8]) -> Result<Reply<'_>, Error> {
             usage: raw.usage.unwrap_or_default(),
             timings: raw.timings.unwrap_or_default(),
             logprobs: raw.logprobs,
+            tool_calls: raw.tool_calls,
         }),
         "error" => Reply::Error {
             id: raw.id,
@@ -1733,6 +1951,151 @@ mod tests {
         ));
         // No path to reconnect to: the next call says the connection is gone.
         assert!(matches!(client.health(), Err(Error::Closed)));
+        daemon.join().unwrap();
+    }
+
+    fn weather() -> Tool {
+        Tool::function(
+            "get_weather",
+            "The weather in a city now",
+            serde_json::json!({"type": "object", "properties": {"city": {"type": "string"}},
+                               "required": ["city"]}),
+        )
+    }
+
+    #[test]
+    fn a_requests_tool_fields_on_the_wire() {
+        let options = Options::new()
+            .tools([weather(), Tool::function("now", "", Value::Null)])
+            .tool_choice(ToolChoice::Required)
+            .parallel_tool_calls(false);
+        let call = ToolCall {
+            id: "call_1".into(),
+            kind: "function".into(),
+            function: FunctionCall {
+                name: "get_weather".into(),
+                arguments: serde_json::json!({"city": "Paris"}),
+            },
+        };
+        let messages = [
+            Message::user("Weather in Paris?"),
+            Message::assistant_calls("", vec![call]),
+            Message::tool("call_1", "21 C, sunny"),
+        ];
+        let request = GenerationRequest {
+            op: "chat",
+            id: "rs-1",
+            prompt: None,
+            messages: Some(&messages),
+            stream: false,
+            options: &options,
+        };
+        assert_eq!(
+            serde_json::to_string(&request).unwrap(),
+            concat!(
+                r#"{"op":"chat","id":"rs-1","messages":["#,
+                r#"{"role":"user","content":"Weather in Paris?"},"#,
+                r#"{"role":"assistant","content":"","tool_calls":[{"id":"call_1","type":"function","function":{"name":"get_weather","arguments":{"city":"Paris"}}}]},"#,
+                r#"{"role":"tool","content":"21 C, sunny","tool_call_id":"call_1"}],"#,
+                r#""stream":false,"tools":["#,
+                r#"{"type":"function","function":{"name":"get_weather","description":"The weather in a city now","parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}},"#,
+                r#"{"type":"function","function":{"name":"now"}}],"#,
+                r#""tool_choice":"required","parallel_tool_calls":false}"#
+            )
+        );
+        // A message read back is the one sent; a plain one carries neither field.
+        let back: Vec<Message> =
+            serde_json::from_str(&serde_json::to_string(&messages).unwrap()).unwrap();
+        assert_eq!(back, messages);
+        assert_eq!(
+            serde_json::to_string(&Message::assistant("hi")).unwrap(),
+            r#"{"role":"assistant","content":"hi"}"#
+        );
+        // No tools: none of the three fields is sent.
+        assert_eq!(serde_json::to_string(&Options::new()).unwrap(), "{}");
+    }
+
+    #[test]
+    fn tool_choice_takes_the_wires_four_forms() {
+        let cases = [
+            (ToolChoice::Auto, r#""auto""#),
+            (ToolChoice::Required, r#""required""#),
+            (ToolChoice::None, r#""none""#),
+            (
+                ToolChoice::function("add"),
+                r#"{"type":"function","function":{"name":"add"}}"#,
+            ),
+        ];
+        for (choice, wire) in cases {
+            assert_eq!(serde_json::to_string(&choice).unwrap(), wire);
+            assert_eq!(serde_json::from_str::<ToolChoice>(wire).unwrap(), choice);
+        }
+        assert!(serde_json::from_str::<ToolChoice>(r#""always""#).is_err());
+        assert!(
+            serde_json::from_str::<ToolChoice>(r#"{"type":"tool","function":{"name":"add"}}"#)
+                .is_err()
+        );
+        let escaped = r#"{"type":"function","function":{"name":"a\u0062"}}"#;
+        assert_eq!(
+            serde_json::from_str::<ToolChoice>(escaped).unwrap(),
+            ToolChoice::function("ab")
+        );
+    }
+
+    #[test]
+    fn a_done_line_with_tool_calls() {
+        let line = br#"{"type":"done","id":"rs-3","text":"","finish_reason":"tool_calls","tool_calls":[{"id":"call_5f0c","type":"function","function":{"name":"get_weather","arguments":{"city":"Paris","unit":"c"}}},{"id":"call_77","type":"function","function":{"name":"add","arguments":{"a":2,"b":3}}}],"usage":{"prompt_tokens":90,"completion_tokens":30}}"#;
+        let Reply::Done(done) = parse_reply(line).unwrap() else {
+            panic!()
+        };
+        assert_eq!(done.finish_reason, FinishReason::ToolCalls);
+        assert_eq!(done.finish_reason.as_str(), "tool_calls");
+        let calls = done.tool_calls.as_deref().unwrap();
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[0].id, "call_5f0c");
+        assert_eq!(calls[0].kind, "function");
+        assert_eq!(calls[0].function.name, "get_weather");
+        assert_eq!(calls[0].function.arguments["city"], "Paris");
+        assert_eq!(
+            calls[1].function.arguments,
+            serde_json::json!({"a": 2, "b": 3})
+        );
+        // Written back as the done line had it.
+        let written = serde_json::to_value(&done).unwrap();
+        let original: Value = serde_json::from_slice(line).unwrap();
+        assert_eq!(written["tool_calls"], original["tool_calls"]);
+        assert_eq!(written["finish_reason"], "tool_calls");
+        // A done line without calls: None.
+        let line = br#"{"type":"done","id":"x","text":"hi","finish_reason":"stop"}"#;
+        let Reply::Done(done) = parse_reply(line).unwrap() else {
+            panic!()
+        };
+        assert_eq!(done.tool_calls, None);
+    }
+
+    #[test]
+    fn a_streamed_chat_keeps_the_calls_of_its_done_line() {
+        let script = vec![(
+            r#""tool_choice":{"type":"function","function":{"name":"get_weather"}}"#,
+            concat!(
+                "{\"type\":\"token\",\"id\":\"rs-1\",\"text\":\"Sure\"}\n",
+                "{\"type\":\"done\",\"id\":\"rs-1\",\"text\":\"\",\"finish_reason\":\"tool_calls\",",
+                "\"tool_calls\":[{\"id\":\"call_1\",\"type\":\"function\",",
+                "\"function\":{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Oslo\"}}}]}\n"
+            )
+            .to_string(),
+        )];
+        let (mut client, daemon) = fake_daemon(script);
+        let options = Options::new()
+            .tools([weather()])
+            .tool_choice(ToolChoice::function("get_weather"));
+        let done = client
+            .stream_chat(&[Message::user("Oslo?")], &options, |_: &str| ())
+            .unwrap();
+        assert_eq!(done.text, "Sure");
+        assert_eq!(done.finish_reason, FinishReason::ToolCalls);
+        let calls = done.tool_calls.unwrap();
+        assert_eq!(calls[0].function.arguments["city"], "Oslo");
         daemon.join().unwrap();
     }
 }
