@@ -276,7 +276,8 @@ def run(params: dict[str, Any], seeds: int, llama_server: str | None, *,
     log(f"[tools] daemon{' and llama-server' if llama_server else ''}, {seeds} seeds ...")
     section = runner(measure(params, seeds, llama_server))
     section["seeds"] = seeds
-    print_table(section, header_of(params))
+    section["header"] = header_of(params)
+    print_table(section, section["header"])
     return section
 
 
