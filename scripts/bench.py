@@ -27,6 +27,8 @@ load. `--only figures` or `--only concurrency` runs one section. `--only cache` 
 prompt-cache section (scripts/bench_cache.py; llama-server's --cache-ram beside it).
 `--only openai` runs the OpenAI-endpoint section (scripts/bench_openai.py): one client's
 decode and first token through /v1/chat/completions, NDJSON chat and llama-server.
+`--only tools` runs the tool-call section (scripts/bench_tools.py, `--seeds N`): how many
+forced calls validate, on the daemon and on llama-server.
 
     .venv/bin/python scripts/bench.py [--runs 5] [--tokens 128] [--json bench_results.json]
     .venv/bin/python scripts/bench.py --only concurrency --runs 3 [--slots 4]
@@ -694,7 +696,7 @@ def main() -> int:
     parser.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"),
                         help="path of llama.cpp's llama-bench (default: $LLAMA_BENCH)")
     parser.add_argument("--only", choices=("figures", "concurrency", "structured",
-                                           "speculative", "cache", "openai"),
+                                           "speculative", "cache", "openai", "tools"),
                         help="run one section: the single-client figures, the concurrent "
                              "clients or structured output (default: all)")
     parser.add_argument("--slots", type=int,
@@ -716,6 +718,8 @@ def main() -> int:
                         help="skip the structured-output section when running all")
     parser.add_argument("--churn-rounds", type=int, default=3,
                         help="measured rounds of the cache section's churn (default 3)")
+    parser.add_argument("--seeds", type=int, default=20,
+                        help="seeds per prompt and row of the tools section (default 20)")
     parser.add_argument("--ceiling-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ceiling_worker:
@@ -774,6 +778,11 @@ def main() -> int:
 
         results["openai"] = bench_openai.run(params, args.runs, args.llama_server,
                                              runner=uvloop.run, header=header)
+    if args.only == "tools":
+        import bench_tools
+
+        results["tools"] = bench_tools.run(params, args.seeds, args.llama_server,
+                                           runner=uvloop.run)
     if concurrency is not None:
         if figures:
             print()

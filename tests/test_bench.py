@@ -117,3 +117,42 @@ async def test_openai_section_measures_both_daemon_paths() -> None:
     assert ndjson["prompt_tokens"] == http["prompt_tokens"]
     assert [t["target"].split(" ")[0:2] for t in section["targets"]] == [
         ["endpoint", "decode"], ["endpoint", "first"]]
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(REPLY_TIMEOUT_S + 120)
+async def test_tools_section_counts_every_answer_and_forced_calls_validate() -> None:
+    """`--only tools --seeds 2` without llama-server: one table row per (tool_choice,
+    temperature, max_tokens), its counts add up to its requests, and every forced call
+    of the daemon validates (tight budgets and temperature 1.0 included)."""
+    results = Path(tempfile.mkdtemp(prefix="sfbench-")) / "results.json"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "scripts/bench.py", "--only", "tools", "--seeds", "2",
+        "--json", str(results), cwd=REPO, start_new_session=True,
+        env={**{k: v for k, v in os.environ.items() if k != "LLAMA_SERVER"},
+             "SFCORE_BENCH_TIMEOUT_S": str(REPLY_TIMEOUT_S)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        stdout, stderr = await asyncio.wait_for(process.communicate(), REPLY_TIMEOUT_S)
+    finally:
+        if process.returncode is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+    assert process.returncode == 0, stderr.decode()[-2000:]
+    table = stdout.decode()
+    assert table.startswith("Tool calls: ") and "\nvalid: " in table, table
+    rows = [[cell.strip() for cell in line.strip("|").split("|")]
+            for line in table.splitlines() if line.startswith("| daemon |")]
+    assert "llama-server" not in table.split("\n\n", 1)[1]
+    # 2 choices x 2 temperatures x 3 max_tokens; 3 prompts x 2 seeds each.
+    assert {(row[1], row[2], row[3]) for row in rows} == {
+        (choice, temperature, max_tokens) for choice in ("required", "function add")
+        for temperature in ("0", "1") for max_tokens in ("16", "24", "128")}
+    for row in rows:
+        requests, valid, invalid, no_call = (int(cell) for cell in row[4:8])
+        assert requests == 6 and valid + invalid + no_call == requests, row
+        assert valid == requests and row[8] == "100.0", row
+    section = json.loads(results.read_text())["tools"]
+    assert section["seeds"] == 2 and len(section["rows"]) == len(rows)
+    assert all(row["valid"] == row["requests"] == 6 and row["errors"] == 0
+               for row in section["rows"])
