@@ -44,7 +44,7 @@ def assert_round_trip(out: str, names: set[str], *, single: bool = False) -> dic
     valid against that tool's parameters, one call if `single`), each call was run and its
     result sent back, and the final answer is a done of its own."""
     assert out.endswith("\n") and out.count("\n") == 1, out
-    trip = json.loads(out)
+    trip: dict[str, Any] = json.loads(out)
     assert trip["tools"] == TOOLS
     assert trip["first"]["finishReason"] == "tool_calls", trip
     calls = trip["calls"]
