@@ -27,6 +27,9 @@ from tests.person_document import (
     assert_person,
     python_client_document,
 )
+from tests.tool_round_trip import FLAGS as TOOL_FLAGS
+from tests.tool_round_trip import SEEDS as TOOL_SEEDS
+from tests.tool_round_trip import assert_round_trip
 
 sys.path.insert(0, str(REPO / "clients" / "python"))
 import sfcore_client
@@ -76,6 +79,11 @@ def example(go: Go) -> str:
 @pytest.fixture(scope="module")
 def structured(go: Go) -> str:
     return go.build("./cmd/sfcore-structured", go.root / "sfcore-structured")
+
+
+@pytest.fixture(scope="module")
+def tools_example(go: Go) -> str:
+    return go.build("./cmd/sfcore-tools-example", go.root / "sfcore-tools-example")
 
 
 async def run(*command: str, env: dict[str, str] | None = None,
@@ -526,3 +534,31 @@ async def test_library_logprobs_and_metrics(go: Go, tmp_path: Path) -> None:
     assert "# TYPE sfcore_generated_tokens_total counter" in result["metrics"]
     generated = re.search(r"^sfcore_generated_tokens_total (\d+)", result["metrics"], re.M)
     assert generated is not None and int(generated.group(1)) >= 2 * len(expected)
+
+
+# --- tool calls: sfcore-tools-example offers two functions, runs the calls, sends results ---
+
+
+@pytest.mark.asyncio
+async def test_tools_example_round_trip_calls_validate(tools_example: str) -> None:
+    flags = [flag.replace("--", "-") for flag in TOOL_FLAGS]
+    async with running_daemon({"server": {"slots": 4}}) as daemon:
+        base = [tools_example, "-socket", daemon.socket_path, *flags]
+        required = await asyncio.gather(*(
+            run(*base, "-seed", str(seed), "-tool-choice", "required") for seed in TOOL_SEEDS))
+        named = await asyncio.gather(*(
+            run(*base, "-seed", str(seed), "-tool-choice", "add") for seed in range(2)))
+        single = await run(*base, "-seed", "9", "-tool-choice", "required", "-no-parallel")
+        refused = await run(tools_example, "-socket", daemon.socket_path, "-max-tokens", "0")
+    for code, out, err in required:
+        assert (code, err) == (0, ""), (code, out, err)
+        assert_round_trip(out, {"get_weather", "add"})
+    for code, out, err in named:
+        assert (code, err) == (0, ""), (code, out, err)
+        assert_round_trip(out, {"add"}, single=True)
+    code, out, err = single
+    assert (code, err) == (0, ""), single
+    assert_round_trip(out, {"get_weather", "add"}, single=True)
+    code, out, err = refused
+    assert (code, out) == (1, ""), refused
+    assert re.fullmatch(r"sfcore-tools-example: invalid_request: .*max_tokens.*\n", err), err

@@ -79,8 +79,99 @@ var ErrStreamClosed = errors.New("sfcore: stream closed before its reply ended")
 
 // Message is one chat message.
 type Message struct {
-	Role    string `json:"role"` // "system", "user" or "assistant"
+	Role    string `json:"role"` // "system", "user", "assistant" or "tool"
 	Content string `json:"content"`
+	// ToolCalls are an assistant's calls (Result.ToolCalls as they came), sent back with
+	// the conversation together with a "tool" message per result.
+	ToolCalls []ToolCall `json:"tool_calls,omitempty"`
+	// ToolCallID is, in a "tool" message, the ID of the call whose result Content is.
+	ToolCallID string `json:"tool_call_id,omitempty"`
+}
+
+// Tool is a function the model may call, in OpenAI's shape. An empty Type is sent as
+// "function", the only kind.
+type Tool struct {
+	Type     string       `json:"type"`
+	Function FunctionSpec `json:"function"`
+}
+
+// MarshalJSON sends an empty Type as "function".
+func (t Tool) MarshalJSON() ([]byte, error) {
+	type plain Tool // without this method
+	if t.Type == "" {
+		t.Type = "function"
+	}
+	return json.Marshal(plain(t))
+}
+
+// FunctionSpec describes a function: Name (1-64 of A-Z a-z 0-9 _ . -, unique among the
+// tools), what it does, and Parameters, a JSON Schema of its arguments object (the
+// structured-output subset; nil: any object).
+type FunctionSpec struct {
+	Name        string         `json:"name"`
+	Description string         `json:"description,omitempty"`
+	Parameters  map[string]any `json:"parameters,omitempty"`
+	// Strict is OpenAI's flag; accepted, and the arguments always validate anyway.
+	Strict *bool `json:"strict,omitempty"`
+}
+
+// ToolChoice says whether and which functions an answer calls: Mode "auto" (the default
+// with tools: text, or calls once the model starts one), "required" (one or more calls),
+// "none" (text), or Function, a function's name: exactly one call of it. Use
+// ToolChoiceAuto, ToolChoiceRequired, ToolChoiceNone or CallFunction.
+type ToolChoice struct {
+	Mode     string
+	Function string
+}
+
+// The tool choices without a function (shared values: do not modify them).
+var (
+	ToolChoiceAuto     = &ToolChoice{Mode: "auto"}
+	ToolChoiceRequired = &ToolChoice{Mode: "required"}
+	ToolChoiceNone     = &ToolChoice{Mode: "none"}
+)
+
+// CallFunction is the ToolChoice of exactly one call of the function name.
+func CallFunction(name string) *ToolChoice { return &ToolChoice{Function: name} }
+
+// MarshalJSON writes the protocol's form: the Mode's string, or {"type": "function",
+// "function": {"name": Function}}.
+func (t ToolChoice) MarshalJSON() ([]byte, error) {
+	if t.Function == "" {
+		return json.Marshal(t.Mode)
+	}
+	type name struct {
+		Name string `json:"name"`
+	}
+	return json.Marshal(struct {
+		Type     string `json:"type"`
+		Function name   `json:"function"`
+	}{"function", name{t.Function}})
+}
+
+// ToolCall is a call the model made (Result.ToolCalls): the function's name, one of the
+// request's tools, and its arguments, valid against that tool's Parameters.
+type ToolCall struct {
+	ID       string       `json:"id"` // "call_...": a "tool" message answers it by this ID
+	Type     string       `json:"type,omitempty"`
+	Function FunctionCall `json:"function"`
+}
+
+// FunctionCall is the function a ToolCall calls. Arguments is the JSON object the daemon
+// sent (not JSON text as in OpenAI's API); its numbers are float64, as encoding/json
+// decodes them into any. Decode reads them into a struct of yours instead.
+type FunctionCall struct {
+	Name      string         `json:"name"`
+	Arguments map[string]any `json:"arguments"`
+}
+
+// Decode stores the arguments in the value v points to, as json.Unmarshal would.
+func (f FunctionCall) Decode(v any) error {
+	b, err := json.Marshal(f.Arguments)
+	if err != nil {
+		return err
+	}
+	return json.Unmarshal(b, v)
 }
 
 // Options are the protocol's generation fields. A nil field means the daemon's default;
@@ -113,6 +204,15 @@ type Options struct {
 	Format string `json:"format,omitempty"`
 	// Grammar is GBNF text (llama.cpp's format; the start rule is root).
 	Grammar string `json:"grammar,omitempty"`
+
+	// Tool calls, for Chat and its streaming forms only (Generate answers invalid_request):
+	// the functions the model may call (up to 64; not with JSONSchema, Format or
+	// Grammar), whether and which it calls (nil: "auto"), and ParallelToolCalls
+	// Bool(false) for one call at most. An answer that called ends with FinishReason
+	// "tool_calls" and Result.ToolCalls.
+	Tools             []Tool      `json:"tools,omitempty"`
+	ToolChoice        *ToolChoice `json:"tool_choice,omitempty"`
+	ParallelToolCalls *bool       `json:"parallel_tool_calls,omitempty"`
 }
 
 // Int returns a pointer to n, for Options.
@@ -173,9 +273,11 @@ type TokenLogprob struct {
 
 // Result is a finished generation.
 type Result struct {
-	ID           int64
-	Text         string // the whole completion, streamed or not
-	FinishReason string // "stop", "stop_sequence", "length" or "cancelled"
+	ID   int64
+	Text string // the whole completion, streamed or not
+	// FinishReason is "stop", "stop_sequence", "length", "cancelled", or "tool_calls"
+	// (the answer called functions: ToolCalls; Text is what came before, usually "").
+	FinishReason string
 	StopSequence string // the stop string that matched, else ""
 	// Truncated: the daemon closed a JSON document (JSONSchema, Format) early because
 	// max_tokens was near; false when the done line does not say so.
@@ -185,6 +287,9 @@ type Result struct {
 	// Logprobs: one entry per completion token, in order, when the request asked for
 	// them (a stop sequence drops those of tokens wholly inside it); nil when it did not.
 	Logprobs []TokenLogprob
+	// ToolCalls are the calls of an answer that called (FinishReason "tool_calls"), each
+	// valid against its tool's Parameters; nil otherwise.
+	ToolCalls []ToolCall
 }
 
 // Health is the `health` reply.
@@ -299,7 +404,9 @@ type line struct {
 	Message      string          `json:"message"`
 	// Token and done lines of a request that asked for logprobs; nil when absent.
 	Logprobs []TokenLogprob `json:"logprobs"`
-	raw      []byte
+	// The done line of an answer that called.
+	ToolCalls []ToolCall `json:"tool_calls"`
+	raw       []byte
 }
 
 // envelope is what every reply line has.
@@ -572,7 +679,8 @@ func (s *Stream) Next() bool {
 				text = s.text.String()
 			}
 			s.res = &Result{ID: s.cl.id, Text: text, FinishReason: l.FinishReason,
-				Truncated: l.Truncated, Usage: l.Usage, Timings: l.Timings}
+				Truncated: l.Truncated, Usage: l.Usage, Timings: l.Timings,
+				ToolCalls: l.ToolCalls}
 			if l.StopSequence != nil {
 				s.res.StopSequence = *l.StopSequence
 			}

@@ -172,6 +172,87 @@ func TestStructuredOutputFieldsAndTruncated(t *testing.T) {
 	}
 }
 
+func TestToolCallFieldsAndTypedCalls(t *testing.T) {
+	// On the wire: the tools in OpenAI's shape (an empty Type is "function"), a named
+	// choice as an object, the messages' calls and the id a tool result answers.
+	call := ToolCall{ID: "call_1", Type: "function", Function: FunctionCall{Name: "add",
+		Arguments: map[string]any{"a": 2.0, "b": 3.0}}}
+	b, err := json.Marshal(genRequest{Op: "chat", ID: 1, Messages: []Message{
+		{Role: "assistant", Content: "", ToolCalls: []ToolCall{call}},
+		{Role: "tool", Content: "5", ToolCallID: "call_1"}}, Options: &Options{
+		Tools: []Tool{{Function: FunctionSpec{Name: "add", Parameters: map[string]any{
+			"type": "object", "properties": map[string]any{"someNumber": map[string]any{"type": "integer"}}}}}},
+		ToolChoice: CallFunction("add"), ParallelToolCalls: Bool(false)}})
+	want := `{"op":"chat","id":1,"messages":[` +
+		`{"role":"assistant","content":"","tool_calls":[{"id":"call_1","type":"function","function":{"name":"add","arguments":{"a":2,"b":3}}}]},` +
+		`{"role":"tool","content":"5","tool_call_id":"call_1"}],"stream":false,` +
+		`"tools":[{"type":"function","function":{"name":"add","parameters":{"properties":{"someNumber":{"type":"integer"}},"type":"object"}}}],` +
+		`"tool_choice":{"type":"function","function":{"name":"add"}},"parallel_tool_calls":false}`
+	if err != nil || string(b) != want {
+		t.Fatalf("request:\n%s\n%v", b, err)
+	}
+	for choice, want := range map[*ToolChoice]string{ToolChoiceAuto: `"auto"`,
+		ToolChoiceRequired: `"required"`, ToolChoiceNone: `"none"`} {
+		if b, err := json.Marshal(choice); err != nil || string(b) != want {
+			t.Fatalf("%+v: %s %v", choice, b, err)
+		}
+	}
+
+	requests := make(chan map[string]any, 3)
+	path := fakeDaemon(t, func(req map[string]any, w *bufio.Writer) bool {
+		requests <- req
+		done := map[string]any{"type": "done", "id": req["id"], "text": "", "finish_reason": "stop"}
+		if req["tools"] != nil {
+			done["finish_reason"] = "tool_calls"
+			done["tool_calls"] = []any{map[string]any{"id": "call_9", "type": "function",
+				"function": map[string]any{"name": "get_weather",
+					"arguments": map[string]any{"city": "Paris", "days": 3}}}}
+		}
+		reply(w, done)
+		return true
+	})
+	c := mustDial(t, path)
+	ctx := context.Background()
+	tools := []Tool{{Type: "function", Function: FunctionSpec{Name: "get_weather"}}}
+	user := []Message{{Role: "user", Content: "Weather?"}}
+	res, err := c.Chat(ctx, user, &Options{Tools: tools, ToolChoice: ToolChoiceRequired})
+	if err != nil {
+		t.Fatal(err)
+	}
+	streamed, err := c.StreamChat(ctx, user, &Options{Tools: tools}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range []*Result{res, streamed} {
+		if r.FinishReason != "tool_calls" || len(r.ToolCalls) != 1 {
+			t.Fatalf("result: %+v", r)
+		}
+		got := r.ToolCalls[0]
+		if got.ID != "call_9" || got.Type != "function" || got.Function.Name != "get_weather" ||
+			got.Function.Arguments["city"] != "Paris" || got.Function.Arguments["days"] != 3.0 {
+			t.Fatalf("call: %+v", got)
+		}
+		var args struct {
+			City string `json:"city"`
+			Days int    `json:"days"`
+		}
+		if err := got.Function.Decode(&args); err != nil || args.City != "Paris" || args.Days != 3 {
+			t.Fatalf("decoded: %+v %v", args, err)
+		}
+	}
+	if req := <-requests; req["tool_choice"] != "required" || req["parallel_tool_calls"] != nil ||
+		fmt.Sprint(req["tools"]) != "[map[function:map[name:get_weather] type:function]]" {
+		t.Fatalf("chat request: %v", req)
+	}
+	if req := <-requests; req["tool_choice"] != nil || req["stream"] != true {
+		t.Fatalf("streamed request: %v", req)
+	}
+	if plain, err := c.Chat(ctx, user, nil); err != nil || plain.ToolCalls != nil ||
+		plain.FinishReason != "stop" {
+		t.Fatalf("without tools: %+v %v", plain, err)
+	}
+}
+
 func TestLogprobsEntriesAndMetrics(t *testing.T) {
 	entry := func(token int, bytes []int, logprob float64) map[string]any {
 		top := map[string]any{"token": token, "text": "x", "bytes": bytes, "logprob": logprob}

@@ -26,6 +26,44 @@ export declare class SfcoreConnectionError extends SfcoreError {
  * daemon supports; any other is refused with invalid_request). */
 export type JsonSchema = { [keyword: string]: unknown };
 
+/** A function the model may call (OpenAI's shape): its `name` (1-64 of A-Z a-z 0-9 _ . -,
+ * unique among the tools), what it does, and a JSON Schema of its arguments object (the
+ * structured-output subset; absent: any object). */
+export interface FunctionSpec {
+  name: string;
+  description?: string;
+  parameters?: JsonSchema;
+  /** OpenAI's flag; accepted, and the arguments always validate anyway. */
+  strict?: boolean;
+}
+
+export interface Tool {
+  type: "function";
+  function: FunctionSpec;
+}
+
+/** "auto" (the default with tools): text, or calls once the model starts one;
+ * "required": one or more calls; "none": text; a named function: exactly one call of it. */
+export type ToolChoice =
+  | "auto"
+  | "required"
+  | "none"
+  | { type: "function"; function: { name: string } };
+
+/** A call the model made: the function's name (one of the request's tools) and its
+ * arguments, a JSON object valid against that tool's `parameters`. */
+export interface FunctionCall {
+  name: string;
+  arguments: { [name: string]: unknown };
+}
+
+export interface ToolCall {
+  /** "call_..."; a tool message answers it by this id. */
+  id: string;
+  type: "function";
+  function: FunctionCall;
+}
+
 /** The protocol's generation fields; snake_case or camelCase. Undefined or null: the
  * daemon's default. Any other field is sent as is (the daemon rejects unknown ones). */
 export interface GenerationOptions {
@@ -64,6 +102,14 @@ export interface GenerationOptions {
   format?: "json" | null;
   /** The output matches this GBNF grammar (llama.cpp's format; the start rule is `root`). */
   grammar?: string | null;
+  /** Chat only: functions the model may call (up to 64; not with json_schema, format or
+   * grammar). Sent as given. */
+  tools?: Tool[] | null;
+  tool_choice?: ToolChoice | null;
+  toolChoice?: ToolChoice | null;
+  /** false: one call at most per answer (default true). */
+  parallel_tool_calls?: boolean | null;
+  parallelToolCalls?: boolean | null;
   /** The request's id (default: a number counting up on this connection). */
   id?: RequestId;
   /** Aborting sends `cancel` for the request; the call rejects (or the iteration throws)
@@ -77,10 +123,33 @@ export interface CallbackOptions extends GenerationOptions {
   onToken?: (piece: string) => void;
 }
 
-export interface ChatMessage {
-  role: "system" | "user" | "assistant";
+/** A call as a message may carry it: `type` defaults to "function", and `arguments` may
+ * also be JSON text (as OpenAI's API has it); it is sent as the object it encodes. */
+export interface ToolCallInput {
+  id: string;
+  type?: "function";
+  function: { name: string; arguments: { [name: string]: unknown } | string };
+}
+
+export interface SystemOrUserMessage {
+  role: "system" | "user";
   content: string;
 }
+
+/** An assistant's turn; one that called carries its calls (`result.toolCalls` as given). */
+export interface AssistantMessage {
+  role: "assistant";
+  content: string;
+  toolCalls?: ToolCallInput[];
+  tool_calls?: ToolCallInput[];
+}
+
+/** A function's result, answering the call of that id. */
+export type ToolMessage =
+  | { role: "tool"; content: string; toolCallId: string }
+  | { role: "tool"; content: string; tool_call_id: string };
+
+export type ChatMessage = SystemOrUserMessage | AssistantMessage | ToolMessage;
 
 export interface Usage {
   promptTokens: number;
@@ -123,7 +192,9 @@ export interface Result {
   id: RequestId;
   /** The whole completion (streamed or not). */
   text: string;
-  finishReason: "stop" | "stop_sequence" | "length" | "cancelled";
+  /** "tool_calls": the answer called functions (`toolCalls`; `text` is what came before,
+   * usually ""). */
+  finishReason: "stop" | "stop_sequence" | "length" | "cancelled" | "tool_calls";
   /** The stop string that matched, else null. */
   stopSequence: string | null;
   /** true when the daemon closed a JSON document (json_schema, format) early because
@@ -134,6 +205,9 @@ export interface Result {
   /** One entry per completion token (in order) when the request asked for `logprobs`
    * (a stop sequence drops those of tokens wholly inside it); null when it did not. */
   logprobs: TokenLogprob[] | null;
+  /** The calls of an answer that called (finishReason "tool_calls"), each valid against
+   * its tool's parameters; empty otherwise. */
+  toolCalls: ToolCall[];
 }
 
 /** A streamed generation: `for await (const piece of stream)`. Leaving the loop early

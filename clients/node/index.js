@@ -118,6 +118,51 @@ function toTokenLogprob(entry) {
   };
 }
 
+// A call of the done line's `tool_calls`, typed: `arguments` is the JSON object the daemon
+// sent (valid against the tool's parameters), not JSON text as in OpenAI's API.
+function toToolCall(call) {
+  return {
+    id: call.id,
+    type: call.type ?? "function",
+    function: { name: call.function.name, arguments: call.function.arguments },
+  };
+}
+
+// Messages as the protocol has them: `toolCalls`/`toolCallId` may be camelCase, and a
+// call's `arguments` may be JSON text (as OpenAI's API and its client libraries hold
+// them): it goes out as the object it encodes. Text that is not JSON goes out as is, for
+// the daemon to refuse naming the field.
+function toWireMessages(messages) {
+  if (!Array.isArray(messages)) return messages;
+  return messages.map((message) => {
+    if (message === null || typeof message !== "object") return message;
+    const out = {};
+    for (const key of Object.keys(message)) {
+      const value = message[key];
+      if (value === undefined) continue;
+      if (key === "toolCalls" || key === "tool_calls") out.tool_calls = wireCalls(value);
+      else if (key === "toolCallId") out.tool_call_id = value;
+      else out[key] = value;
+    }
+    return out;
+  });
+}
+
+function wireCalls(calls) {
+  if (!Array.isArray(calls)) return calls;
+  return calls.map((call) => {
+    const args = call?.function?.arguments;
+    if (typeof args !== "string") return call;
+    let parsed;
+    try {
+      parsed = JSON.parse(args);
+    } catch {
+      return call;
+    }
+    return { ...call, function: { ...call.function, arguments: parsed } };
+  });
+}
+
 // `streamed`: the logprobs entries the request's token lines carried; the done line holds
 // the rest (all of them when not streamed). null when the request did not ask for them.
 function toResult(done, text, streamed = []) {
@@ -133,6 +178,8 @@ function toResult(done, text, streamed = []) {
     timings: camelize(done.timings),
     logprobs: entries === undefined || entries === null ? null
       : [...streamed, ...entries].map(toTokenLogprob),
+    // The calls of an answer that called (finishReason "tool_calls"); else empty.
+    toolCalls: (done.tool_calls ?? []).map(toToolCall),
   };
 }
 
@@ -148,7 +195,7 @@ function unexpected(line, want) {
 // Options of ours, not sent: `signal` (an AbortSignal), `onToken` (callback form),
 // `stream` (each method decides). The rest are the protocol's fields, in snake_case or
 // camelCase (maxTokens -> max_tokens); undefined and null mean "the daemon's default".
-// Only the names are converted: a `json_schema` value goes out exactly as given.
+// Only the names are converted: a `json_schema` or `tools` value goes out exactly as given.
 function splitOptions(options) {
   const fields = {};
   let signal;
@@ -327,9 +374,11 @@ export class Client {
     return this.#generation({ op: "generate", prompt }, options);
   }
 
-  /** Generate the assistant's turn after `messages` ({role, content}); resolves to a Result. */
+  /** Generate the assistant's turn after `messages` ({role, content}; an assistant's
+   * `toolCalls`, a tool result's `toolCallId`); resolves to a Result. With `options.tools`
+   * the answer may call them (`result.toolCalls`, finishReason "tool_calls"). */
   chat(messages, options = {}) {
-    return this.#generation({ op: "chat", messages }, options);
+    return this.#generation({ op: "chat", messages: toWireMessages(messages) }, options);
   }
 
   /** Stream a completion: an async iterator of text pieces (see Stream). */
@@ -338,7 +387,7 @@ export class Client {
   }
 
   streamChat(messages, options = {}) {
-    return this.#stream({ op: "chat", messages }, options);
+    return this.#stream({ op: "chat", messages: toWireMessages(messages) }, options);
   }
 
   // --- single-line requests ------------------------------------------------------------

@@ -202,6 +202,60 @@ test("logprobs entries are typed and gathered from the token lines and the done 
   await client.close();
 });
 
+test("tool fields go out as the protocol has them; a done's tool_calls are typed", async () => {
+  const call = { id: "call_1", type: "function", function: { name: "add",
+    arguments: { a: 2, b: 3 } } };
+  const { socketPath, state } = await fakeDaemon((request, socket) => {
+    if (request.tools === undefined) {
+      socket.write(done(request.id, { text: "5" }));
+      return;
+    }
+    const calls = { text: "", finish_reason: "tool_calls", tool_calls: [call] };
+    if (request.stream) socket.write(done(request.id, calls));
+    else socket.write(done(request.id, { ...calls, text: "Let me add. " }));
+  });
+  const tools = [{ type: "function", function: { name: "add", description: "a + b",
+    parameters: { type: "object", properties: { someNumber: { type: "integer" } } } } }];
+  const choice = { type: "function", function: { name: "add" } };
+  const client = await connect(socketPath);
+  // Closed whatever happens: an open connection keeps the test runner waiting.
+  after(() => client.close());
+  const user = { role: "user", content: "2 + 3?" };
+  const result = await client.chat([user], { tools, toolChoice: choice,
+    parallelToolCalls: false });
+  const stream = client.streamChat([user], { tools, tool_choice: "required" });
+  for await (const piece of stream) void piece;
+  // The result's calls go back as they are; OpenAI-style JSON text arguments become objects.
+  const answer = await client.chat([user,
+    { role: "assistant", content: result.text, toolCalls: result.toolCalls },
+    { role: "assistant", content: "", tool_calls: [{ id: "call_2",
+      function: { name: "add", arguments: '{"a": 1, "b": 1}' } }] },
+    { role: "assistant", content: "", toolCalls: [{ id: "call_3",
+      function: { name: "add", arguments: "not json" } }] },
+    { role: "tool", toolCallId: "call_1", content: "5" },
+    { role: "tool", tool_call_id: "call_2", content: "2" }]);
+
+  for (const got of [result, stream.result]) {
+    assert.equal(got.finishReason, "tool_calls");
+    assert.deepEqual(got.toolCalls, [call]);
+  }
+  assert.equal(result.text, "Let me add. ");
+  assert.deepEqual(answer.toolCalls, []);
+  assert.equal(answer.finishReason, "stop");
+  // The tools and their schemas' keys are sent as given; only the option names change.
+  assert.deepEqual(state.requests[0], { op: "chat", messages: [user], tools, tool_choice: choice,
+    parallel_tool_calls: false, id: 1, stream: false });
+  assert.equal(state.requests[1].tool_choice, "required");
+  assert.deepEqual(state.requests[2].messages, [user,
+    { role: "assistant", content: "Let me add. ", tool_calls: [call] },
+    { role: "assistant", content: "", tool_calls: [{ id: "call_2",
+      function: { name: "add", arguments: { a: 1, b: 1 } } }] },
+    { role: "assistant", content: "", tool_calls: [{ id: "call_3",
+      function: { name: "add", arguments: "not json" } }] },
+    { role: "tool", tool_call_id: "call_1", content: "5" },
+    { role: "tool", tool_call_id: "call_2", content: "2" }]);
+});
+
 test("leaving an iteration early sends cancel for the request", async () => {
   const { socketPath, state } = await fakeDaemon((request, socket) => {
     if (request.op === "generate") {
