@@ -19,7 +19,7 @@ from sfcore_daemon.engine.thread import Engine
 from sfcore_daemon.llama.model import EngineClosed
 from sfcore_daemon.llama.sampling import Sampling
 from sfcore_daemon.serve import protocol, tools
-from sfcore_daemon.serve.chat import ChatTemplateError
+from sfcore_daemon.serve.chat import ChatTemplateError, Segment
 from sfcore_daemon.serve.output import Generation, ReplySink
 from sfcore_daemon.serve.protocol import ChatRequest, GenerateRequest, GenerationRequest
 from sfcore_daemon.serve.scheduler import QueueFull
@@ -67,8 +67,10 @@ class GrammarSpec(NamedTuple):
     trigger: bytes | None = None
 
 
-def request_grammar(request: GenerationRequest) -> GrammarSpec | None:
-    """The grammar a request asks for, or None when the request is unconstrained."""
+def request_grammar(request: GenerationRequest, native_tools: bool = False,
+                    ) -> GrammarSpec | None:
+    """The grammar a request asks for, or None when the request is unconstrained.
+    `native_tools`: the chat template renders tools itself (tools.plan)."""
     given = [name for name in ("json_schema", "format", "grammar")
              if getattr(request, name) is not None]
     if isinstance(request, ChatRequest) and request.tools:
@@ -78,7 +80,7 @@ def request_grammar(request: GenerationRequest) -> GrammarSpec | None:
                            f"this request gives {' and '.join(given)}")
     if isinstance(request, ChatRequest) and (
             request.tools or request.tool_choice not in (None, "none", "auto")):
-        return _tools_grammar(request)
+        return _tools_grammar(request, native_tools)
     if request.json_schema is not None:
         compiled = compile_schema(request.json_schema)
         return GrammarSpec(compiled.gbnf, "json_schema", compiled.shape)
@@ -91,7 +93,7 @@ def request_grammar(request: GenerationRequest) -> GrammarSpec | None:
     return None
 
 
-def _tools_grammar(request: ChatRequest) -> GrammarSpec | None:
+def _tools_grammar(request: ChatRequest, native: bool) -> GrammarSpec | None:
     """The grammar of the calls a chat with tools may make (tools.py), or None."""
     for index, tool in enumerate(request.tools or ()):
         if tool.function.parameters:
@@ -100,7 +102,7 @@ def _tools_grammar(request: ChatRequest) -> GrammarSpec | None:
             except GrammarError as exc:
                 raise GrammarError(str(exc).replace(
                     "`$.json_schema", f"`$.tools[{index}].function.parameters")) from None
-    tool_plan = tools.plan(request)
+    tool_plan = tools.plan(request, native)
     if tool_plan is None:
         return None
     compiled = compile_schema(tool_plan.schema)
@@ -129,8 +131,10 @@ class Admission:
         try:
             # Checking and converting take about a millisecond per 2 KB of grammar (a
             # second for a schema of a megabyte): a worker thread, unless it is small.
-            spec = (await asyncio.to_thread(request_grammar, request)
-                    if _long_grammar(request) else request_grammar(request))
+            template = state.chat_template
+            native = template is not None and template.tool_renderer is not None
+            spec = (await asyncio.to_thread(request_grammar, request, native)
+                    if _long_grammar(request) else request_grammar(request, native))
             engine = await state.loaded_engine()
             prompt = await self._prompt(engine, request)
             grammar = (GrammarSampler.create(engine.loaded_model(), spec.text, spec.field,
@@ -212,16 +216,26 @@ class Admission:
                 f"chat needs a chat template: the model ({engine.info.architecture}) has none "
                 "of its own and model.chat_template names none (set it to a llama.cpp "
                 "built-in name such as \"chatml\", or to a Jinja template)")
-        tool_plan = tools.plan(request) if request.tools else None
-        messages = (tools.render(request, tool_plan) if tools.uses_tools(request)
-                    else [(message.role, message.content) for message in request.messages])
+        native = template.tool_renderer is not None
+        tool_plan = tools.plan(request, native) if request.tools else None
         # "required" or a named function: the answer starts as the call, so the marker
         # is the prompt's last text (content: never a special token).
         opening = tools.CALL_MARKER + "\n" if tool_plan is not None and tool_plan.forced else ""
+        if native and tools.uses_tools(request):
+            messages, extras, definitions = tools.native_render(request, tool_plan)
+
+            def render() -> list[Segment]:
+                return template.render(messages, extras, definitions)
+        else:
+            messages = (tools.render(request, tool_plan) if tools.uses_tools(request)
+                        else [(message.role, message.content) for message in request.messages])
+
+            def render() -> list[Segment]:
+                return template.render(messages)
         size = sum(len(content) for _, content in messages)
         return await off_loop_if_long(
             size, lambda: engine.tokenize_segments(
-                [*template.render(messages), *([(opening, True)] if opening else [])]))
+                [*render(), *([(opening, True)] if opening else [])]))
 
     def _exclusive(self, request: GenerationRequest) -> bool:
         """Whether a request must have the batch to itself: in reproducible mode its

@@ -64,17 +64,40 @@ def builtin_template_names() -> frozenset[str]:
     return frozenset(name.decode() for name in names if name)
 
 
+# A Jinja template that renders tools itself: (messages, each message's other fields
+# (tool_calls, tool_call_id), the tools) -> text.
+ToolRenderer = Callable[[Sequence[ChatMessage], Sequence[dict[str, Any]], list[dict[str, Any]]],
+                        str]
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     # "model" (the GGUF's own), a built-in name, or "jinja" (configured text).
     label: str
     render_text: Callable[[Sequence[ChatMessage]], str]
+    # Set for a Jinja template that takes `tools` and writes calls as `<tool_call>`
+    # blocks (the Hermes format: Qwen, Hermes and others): tools.py renders through it.
+    tool_renderer: ToolRenderer | None = None
 
-    def render(self, messages: Sequence[ChatMessage]) -> list[Segment]:
-        """Render `messages` followed by the opening of the assistant's turn."""
+    def render(self, messages: Sequence[ChatMessage],
+               extras: Sequence[dict[str, Any]] | None = None,
+               tools: list[dict[str, Any]] | None = None) -> list[Segment]:
+        """Render `messages` followed by the opening of the assistant's turn; with
+        `tools`, through the template's own tool rendering (`extras`: each message's
+        tool_calls or tool_call_id). Calls and tool definitions are the template's
+        markup; message content stays content."""
+        render_text = self.render_text
+        tool_renderer = self.tool_renderer
+        if tools is not None and tool_renderer is not None:
+            fields = list(extras or [{} for _ in messages])
+            definitions = tools
+
+            def render_text(chat: Sequence[ChatMessage]) -> str:
+                return tool_renderer(chat, fields, definitions)
+
         placeholders = [(role, _PLACEHOLDER.format(i)) for i, (role, _) in enumerate(messages)]
-        skeleton = self.render_text(placeholders)
-        real = self.render_text(messages)
+        skeleton = render_text(placeholders)
+        real = render_text(messages)
         parts = _PLACEHOLDER_RE.split(skeleton)
         # parts: markup, index, markup, index, ..., markup
         for transform in _CONTENT_TRANSFORMS:
@@ -117,13 +140,13 @@ def resolve_template(
     builtins = builtin_template_names()
     if model_template:
         try:
-            return ChatTemplate("model", _jinja_renderer(model_template, bos_token, eos_token))
+            return ChatTemplate("model", *_jinja_renderers(model_template, bos_token, eos_token))
         except ChatTemplateError as exc:
             log.warning("ignoring the model's own chat template: %s", exc)
     if configured:
         if configured in builtins:
             return ChatTemplate(configured, _builtin_renderer(configured))
-        return ChatTemplate("jinja", _jinja_renderer(configured, bos_token, eos_token))
+        return ChatTemplate("jinja", *_jinja_renderers(configured, bos_token, eos_token))
     for prefix_len in (len(architecture), *range(len(architecture) - 1, 0, -1)):
         name = _BUILTIN_FOR_ARCHITECTURE.get(architecture[:prefix_len])
         if name is not None and name in builtins:
@@ -153,8 +176,14 @@ def _builtin_renderer(name: str) -> Callable[[Sequence[ChatMessage]], str]:
     return render
 
 
-def _jinja_renderer(source: str, bos_token: str,
-                    eos_token: str) -> Callable[[Sequence[ChatMessage]], str]:
+def takes_tools(source: str) -> bool:
+    """Whether a Jinja template renders `tools` and writes calls in `<tool_call>` blocks,
+    the one call format tools.py reads (others get the generic format)."""
+    return "tools" in source and "<tool_call>" in source
+
+
+def _jinja_renderers(source: str, bos_token: str, eos_token: str,
+                     ) -> tuple[Callable[[Sequence[ChatMessage]], str], ToolRenderer | None]:
     # jinja2 only when a Jinja template is in use: never on the startup path otherwise.
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -172,8 +201,21 @@ def _jinja_renderer(source: str, bos_token: str,
         raise ChatTemplateError(f"the chat template does not parse: {exc}") from None
 
     def render(messages: Sequence[ChatMessage]) -> str:
-        context: dict[str, Any] = {
+        # `tools` as Hugging Face passes it when there are none: templates test it.
+        return render_context({
             "messages": [{"role": role, "content": content} for role, content in messages],
+            "tools": None})
+
+    def render_tools(messages: Sequence[ChatMessage], extras: Sequence[dict[str, Any]],
+                     tools: list[dict[str, Any]]) -> str:
+        return render_context({
+            "messages": [{"role": role, "content": content, **fields}
+                         for (role, content), fields in zip(messages, extras, strict=True)],
+            "tools": tools})
+
+    def render_context(fields: dict[str, Any]) -> str:
+        context: dict[str, Any] = {
+            **fields,
             "add_generation_prompt": True,
             "bos_token": bos_token,
             "eos_token": eos_token,
@@ -188,4 +230,4 @@ def _jinja_renderer(source: str, bos_token: str,
             raise ChatTemplateError(
                 f"the chat template failed: {type(exc).__name__}: {exc}") from None
 
-    return render
+    return render, render_tools if takes_tools(source) else None

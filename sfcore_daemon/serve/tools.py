@@ -1,9 +1,11 @@
 """Tool calls: how tools reach the prompt, what grammar a call is held to, and reading it.
 
-The model is told about the tools in a system message, in one generic format (the
-default model's template takes no tools): a call is the marker `<tool_call>` followed
-by a JSON array of `{"name": ..., "arguments": {...}}`. Earlier calls and tool results
-in the conversation render in the same format, so the model sees its own convention.
+A chat template that renders tools itself in the Hermes format (chat.takes_tools) gets
+them as Hugging Face passes them, and a call is one `{"name", "arguments"}` object per
+`<tool_call>` block. Any other template (the default model's takes no tools) gets one
+generic format, described in a system message: a call is the marker `<tool_call>`
+followed by a JSON array of `{"name": ..., "arguments": {...}}`. Earlier calls and tool
+results in the conversation render in the same format, so the model sees one convention.
 
 The call is decoded under a JSON Schema built from the tools (an array of objects, each
 naming one tool and holding arguments valid against its parameters), through the same
@@ -49,9 +51,10 @@ class ToolPlan(NamedTuple):
     forced: bool
 
 
-def plan(request: ChatRequest) -> ToolPlan | None:
+def plan(request: ChatRequest, native: bool = False) -> ToolPlan | None:
     """The call's schema and how it starts; None when no call may be made. GrammarError
-    (invalid_request) for tools that cannot be offered."""
+    (invalid_request) for tools that cannot be offered. `native`: the model's template
+    renders the tools, and its format is one call object per `<tool_call>` block."""
     tools = request.tools or []
     names = [tool.function.name for tool in tools]
     seen: set[str] = set()
@@ -67,20 +70,23 @@ def plan(request: ChatRequest) -> ToolPlan | None:
             raise GrammarError('tool_choice "required" needs tools - at `$.tool_choice`')
         if choice == "none" or not tools:
             return None
-        return ToolPlan(calls_schema(tools, most), forced=choice == "required")
+        return ToolPlan(calls_schema(tools, most, native), forced=choice == "required")
     if choice is None:
-        return ToolPlan(calls_schema(tools, most), forced=False) if tools else None
+        return ToolPlan(calls_schema(tools, most, native), forced=False) if tools else None
     chosen = [tool for tool in tools if tool.function.name == choice.function.name]
     if not chosen:
         raise GrammarError(f"tool_choice names {choice.function.name!r}, which is not among "
                            "the tools - at `$.tool_choice.function.name`")
-    return ToolPlan(calls_schema(chosen, 1), forced=True)
+    return ToolPlan(calls_schema(chosen, 1, native), forced=True)
 
 
-def calls_schema(tools: Sequence[Tool], max_calls: int) -> dict[str, Any]:
-    """A JSON array of 1 to `max_calls` calls, each of one of `tools`."""
+def calls_schema(tools: Sequence[Tool], max_calls: int, one: bool = False) -> dict[str, Any]:
+    """A JSON array of 1 to `max_calls` calls, each of one of `tools`; with `one`, a
+    single call object (the Hermes format's block)."""
     alternatives = [_call_schema(tool) for tool in tools]
     item = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+    if one:
+        return item
     return {"type": "array", "items": item, "minItems": 1, "maxItems": max_calls}
 
 
@@ -131,22 +137,49 @@ def _generic(message: Message) -> tuple[str, str]:
     return message.role, message.content
 
 
+def native_render(request: ChatRequest, tool_plan: ToolPlan | None,
+                  ) -> tuple[list[tuple[str, str]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The messages, their tool fields and the tools, for a template that renders tools
+    itself (chat.ChatTemplate.render); "none" shows the template no tools."""
+    messages: list[tuple[str, str]] = []
+    extras: list[dict[str, Any]] = []
+    for message in request.messages:
+        fields: dict[str, Any] = {}
+        if message.tool_calls:
+            fields["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name,
+                              "arguments": call.function.arguments}}
+                for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            fields["tool_call_id"] = message.tool_call_id
+        messages.append((message.role, message.content))
+        extras.append(fields)
+    definitions = [{"type": "function", "function": {
+        "name": tool.function.name, "description": tool.function.description,
+        "parameters": tool.function.parameters or {"type": "object", "properties": {}}}}
+        for tool in request.tools or ()]
+    return messages, extras, definitions if tool_plan is not None else []
+
+
 def uses_tools(request: ChatRequest) -> bool:
     """Whether rendering the request needs this module (tools, calls or results)."""
     return bool(request.tools) or any(
         message.role == "tool" or message.tool_calls for message in request.messages)
 
 
-_calls_decoder = msgspec.json.Decoder(list[FunctionCall])
+_calls_decoder = msgspec.json.Decoder(list[FunctionCall] | FunctionCall)
 
 
 def read_calls(text: str) -> list[ToolCall] | None:
-    """The calls in `text` (what followed the marker), each given an id; None when it is
-    not a whole call array (an "auto" answer cut before its grammar could close it)."""
+    """The calls in `text` (what followed the marker: an array of calls, or one call in
+    the Hermes format), each given an id; None when it is not whole calls (an "auto"
+    answer cut before its grammar could close it)."""
     try:
-        calls = _calls_decoder.decode(text.strip().removesuffix(CALL_END).strip())
+        read = _calls_decoder.decode(text.strip().removesuffix(CALL_END).strip())
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+    calls = [read] if isinstance(read, FunctionCall) else read
     if not calls:
         return None
     return [ToolCall(id="call_" + secrets.token_hex(12), function=call) for call in calls]
