@@ -222,9 +222,9 @@ class Rows:
 
     @staticmethod
     def _watch_trigger(seq: Seq, job: Job, piece: bytes) -> None:
-        """Start the job's grammar once its output ends with the trigger (whitespace
-        after it allowed: the grammar's own start takes whitespace); it then holds the
-        rest, within what is left of the limit."""
+        """Start the job's grammar once its output ends with the trigger (or the trigger
+        and whitespace, already written, which JSON allows before the call); it then
+        holds the rest, within what is left of the limit."""
         trigger, grammar = job.grammar_trigger, job.grammar
         assert trigger is not None and grammar is not None
         tail = job.trigger_tail + piece

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import socket
 from collections.abc import Awaitable, Callable
 
@@ -27,7 +26,7 @@ from sfcore_daemon.openai.routes import Routes, json_response
 from sfcore_daemon.openai.translate import ApiError
 from sfcore_daemon.serve import protocol
 from sfcore_daemon.serve.state import ServerState
-from sfcore_daemon.system.socketfile import ListeningSocket, StartupError, bind_socket
+from sfcore_daemon.system.socketfile import ListeningSocket, StartupError, listening_at
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +39,7 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def open_http_socket(address: ListenAddress, socket_mode: int) -> ListeningSocket:
     """Bind the listener's socket; StartupError (one line for the user) if it can't."""
     if address.unix_path:
-        sock = bind_socket(address.unix_path, socket_mode)
-        info = os.stat(address.unix_path)
-        return ListeningSocket(sock, address.unix_path, (info.st_dev, info.st_ino))
+        return listening_at(address.unix_path, socket_mode)
     host = "127.0.0.1" if address.host == "localhost" else address.host
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:

@@ -11,6 +11,7 @@ generation is abandoned, as a stalled NDJSON client's is. `ChatShape` and
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -54,11 +55,14 @@ class ReplyShape(Protocol):
 
 
 class _Identity:
-    """What every chunk and body of one reply repeats."""
+    """What every chunk and body of one reply repeats; `id` is also the request's id
+    in the daemon (its log lines)."""
 
-    def __init__(self, prefix: str, model: str, fingerprint: str, include_usage: bool,
-                 completion_id: str) -> None:
-        self.id = completion_id or prefix
+    # OpenAI's id prefix for the object this API answers with.
+    prefix = ""
+
+    def __init__(self, model: str, fingerprint: str, include_usage: bool) -> None:
+        self.id = f"{self.prefix}-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.model = model
         self.fingerprint = fingerprint
@@ -67,6 +71,8 @@ class _Identity:
 
 class ChatShape(_Identity):
     """/v1/chat/completions: `chat.completion` and `chat.completion.chunk` objects."""
+
+    prefix = "chatcmpl"
 
     def _chunk(self, choice: ChatChunkChoice) -> bytes:
         return event(encoder.encode(ChatCompletionChunk(
@@ -124,9 +130,10 @@ class ChatShape(_Identity):
 class CompletionShape(_Identity):
     """/v1/completions: `text_completion` objects, streamed and whole."""
 
-    def __init__(self, prefix: str, model: str, fingerprint: str, include_usage: bool,
-                 completion_id: str) -> None:
-        super().__init__(prefix, model, fingerprint, include_usage, completion_id)
+    prefix = "cmpl"
+
+    def __init__(self, model: str, fingerprint: str, include_usage: bool) -> None:
+        super().__init__(model, fingerprint, include_usage)
         # Characters streamed so far: the next token's text_offset.
         self._offset = 0
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
 import time
 from typing import Any
 
@@ -77,7 +76,7 @@ class Routes:
 
     async def health(self, _request: web.Request) -> web.Response:
         state, scheduler = self.state, self.state.scheduler
-        status = "draining" if state.draining else "ok" if state.ready.is_set() else "loading"
+        status = state.status
         return json_response({
             "status": status,
             "model": self.model_id,
@@ -117,37 +116,33 @@ class Routes:
     # --- generations ---
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        arrived_ns = time.perf_counter_ns()
-        body = await self._decode(request, schema.chat_decoder)
-        completion_id = "chatcmpl-" + secrets.token_hex(12)
-        self._count("chat")
-        daemon_request = self._mapped(translate.chat_request, body, completion_id)
-        shape = ChatShape("chatcmpl", self.model_id, self._fingerprint(),
-                          _include_usage(body), completion_id)
-        return await self._generate(request, daemon_request, shape, arrived_ns)
+        return await self._completion(request, schema.chat_decoder, translate.chat_request,
+                                      ChatShape, "chat")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._completion(request, schema.completion_decoder,
+                                      translate.completion_request, CompletionShape,
+                                      "generate")
+
+    async def _completion(self, request: web.Request, decoder: msgspec.json.Decoder[Any],
+                          mapping: Any, shape_type: type[ChatShape | CompletionShape],
+                          op: str) -> web.StreamResponse:
+        """Decode, map to the daemon's own request (`op`), and generate."""
         arrived_ns = time.perf_counter_ns()
-        body = await self._decode(request, schema.completion_decoder)
-        completion_id = "cmpl-" + secrets.token_hex(12)
-        self._count("generate")
-        daemon_request = self._mapped(translate.completion_request, body, completion_id)
-        shape = CompletionShape("cmpl", self.model_id, self._fingerprint(),
-                                _include_usage(body), completion_id)
+        body = await self._decode(request, decoder)
+        self._count(op)
+        shape = shape_type(self.model_id, self._fingerprint(), _include_usage(body))
+        try:
+            daemon_request: GenerationRequest = mapping(body, shape.id)
+        except ApiError:
+            self.state.stats.errors[protocol.INVALID_REQUEST] += 1
+            raise
         return await self._generate(request, daemon_request, shape, arrived_ns)
 
     def _count(self, op: str) -> None:
         stats = self.state.stats
         stats.requests_total += 1
         stats.by_op[op] += 1
-
-    def _mapped(self, mapping: Any, body: Any, completion_id: str) -> GenerationRequest:
-        try:
-            mapped: GenerationRequest = mapping(body, completion_id)
-        except ApiError:
-            self.state.stats.errors[protocol.INVALID_REQUEST] += 1
-            raise
-        return mapped
 
     async def _decode(self, request: web.Request, decoder: msgspec.json.Decoder[Any]) -> Any:
         data = await request.read()

@@ -150,10 +150,9 @@ class Ops:
 
     def health(self, request_id: RequestId) -> HealthReply:
         state, scheduler = self.state, self.scheduler
-        status = "draining" if state.draining else "ok" if state.ready.is_set() else "loading"
         return HealthReply(
             id=request_id,
-            status=status,  # type: ignore[arg-type]
+            status=state.status,  # type: ignore[arg-type]
             model=state.engine.info.name if state.engine is not None else "",
             busy=scheduler.busy if scheduler is not None else False,
             queue_depth=scheduler.queue_depth if scheduler is not None else 0,

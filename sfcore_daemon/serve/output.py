@@ -198,8 +198,7 @@ class Generation:
                 else:
                     tail = self._text.finish()
                     if self._calls is not None:
-                        tail = self._calls.feed(tail) + self._calls.finish() if tail \
-                            else self._calls.finish()
+                        tail = self._calls.feed(tail) + self._calls.finish()
                     if tail:
                         self._emit_tail(tail)
                     # end_reason is "stop", "length" or "cancelled" here ("error" is above).
@@ -290,12 +289,9 @@ class Generation:
         made = read_calls(text)
         if made is not None:
             return "tool_calls", made
-        self._emit_tail((CALL_MARKER if self._text_seen_marker() else "") + text)
+        # The model wrote the marker of an "auto" call; a forced call's is the prompt's.
+        self._emit_tail(("" if calls.forced else CALL_MARKER) + text)
         return reason, None
-
-    def _text_seen_marker(self) -> bool:
-        """Whether the model wrote the marker ("auto"); a forced call's is the prompt's."""
-        return self.job.grammar_trigger is not None
 
     def _reply_done(self, reason: FinishReason) -> None:
         if self.replied:

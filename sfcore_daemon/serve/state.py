@@ -44,6 +44,12 @@ class ServerState:
         return self.engine
 
     @property
+    def status(self) -> str:
+        """What `health` says: "loading", "ok", or "draining" (stopping, or the decode
+        thread died)."""
+        return "draining" if self.draining else "ok" if self.ready.is_set() else "loading"
+
+    @property
     def speculates(self) -> bool:
         """Whether generations may draft (never in reproducible mode)."""
         return self.config.speculative.mode != "off" and not self.config.model.reproducible

@@ -189,10 +189,12 @@ class MarkerSplit:
     """Splits streamed text at the first CALL_MARKER: what comes before is text (held
     back only while it might be the marker's beginning), what comes after is the call."""
 
-    __slots__ = ("_held", "call")
+    __slots__ = ("_held", "call", "forced")
 
     def __init__(self, forced: bool = False) -> None:
         self._held = ""
+        # The call starts the answer (its marker is the prompt's last text).
+        self.forced = forced
         # The call's text once the marker was seen (from the start when forced).
         self.call: list[str] | None = [] if forced else None
 

@@ -52,6 +52,11 @@ def open_listening_socket(path: str, mode: int) -> ListeningSocket:
     activated = systemd.activated_socket()
     if activated is not None:
         return ListeningSocket(activated, activated.getsockname() or path, None)
+    return listening_at(path, mode)
+
+
+def listening_at(path: str, mode: int) -> ListeningSocket:
+    """A new socket bound at `path`, with the identity of the file it made."""
     sock = bind_socket(path, mode)
     try:
         info = os.stat(path)
