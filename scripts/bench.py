@@ -28,7 +28,9 @@ prompt-cache section (scripts/bench_cache.py; llama-server's --cache-ram beside 
 `--only openai` runs the OpenAI-endpoint section (scripts/bench_openai.py): one client's
 decode and first token through /v1/chat/completions, NDJSON chat and llama-server.
 `--only tools` runs the tool-call section (scripts/bench_tools.py, `--seeds N`): how many
-forced calls validate, on the daemon and on llama-server.
+forced calls validate, on the daemon and on llama-server. `--only forced` runs the
+forced-drafts section (scripts/bench_forced.py): constrained decode on four schemas with
+and without forced drafts, against the same prompts' free decode.
 
     .venv/bin/python scripts/bench.py [--runs 5] [--tokens 128] [--json bench_results.json]
     .venv/bin/python scripts/bench.py --only concurrency --runs 3 [--slots 4]
@@ -696,7 +698,8 @@ def main() -> int:
     parser.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"),
                         help="path of llama.cpp's llama-bench (default: $LLAMA_BENCH)")
     parser.add_argument("--only", choices=("figures", "concurrency", "structured",
-                                           "speculative", "cache", "openai", "tools"),
+                                           "speculative", "cache", "openai", "tools",
+                                           "forced"),
                         help="run one section: the single-client figures, the concurrent "
                              "clients or structured output (default: all)")
     parser.add_argument("--slots", type=int,
@@ -778,6 +781,11 @@ def main() -> int:
 
         results["openai"] = bench_openai.run(params, args.runs, args.llama_server,
                                              runner=uvloop.run, header=header)
+    if args.only == "forced":
+        import bench_forced
+
+        results["forced"] = bench_forced.run(params, args.runs, runner=uvloop.run,
+                                             header=header)
     if args.only == "tools":
         import bench_tools
 

@@ -87,6 +87,7 @@ class Stream:
         started = time.perf_counter()
         self.writer.write(json.dumps(request).encode() + b"\n")
         first = last = 0.0
+        parts: list[str] = []
         readline, decode = self.reader.readline, decode_reply
         async with asyncio.timeout(TIMEOUT_S):
             while True:
@@ -97,6 +98,7 @@ class Stream:
                 if kind == "token":
                     first = first or now
                     last = now
+                    parts.append(reply["text"])
                 elif kind == "done":
                     # A lone token held back by the UTF-8/stop filter arrives with done.
                     first = first or now
@@ -109,6 +111,7 @@ class Stream:
                                      prompt_tokens=usage["prompt_tokens"],
                                      cached_tokens=usage["cached_tokens"])
         figures["done"] = reply
+        figures["text"] = "".join(parts) + reply.get("text", "")
         return figures
 
     async def generate(self, text: str, tokens: int, sampled: bool = False,

@@ -138,6 +138,10 @@ class SpeculativeConfig(_Section, frozen=True):
     # llama.cpp's CPU kernel for the output matrix takes rows four at a time and sweeps
     # the whole matrix again for a remainder (speculative.aligned_lengths). 1: as drafted.
     row_multiple: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
+    # A json_schema request (tool calls included) drafts the text its grammar forces
+    # (keys, punctuation, the rest of an enum value) beside its n-gram drafts; verified
+    # like them (structured/forced.py).
+    forced_drafts: bool = True
 
     def __post_init__(self) -> None:
         if self.draft_start > self.draft_max:

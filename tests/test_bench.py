@@ -156,3 +156,31 @@ async def test_tools_section_counts_every_answer_and_forced_calls_validate() -> 
     assert section["seeds"] == 2 and len(section["rows"]) == len(rows)
     assert all(row["valid"] == row["requests"] == 6 and row["errors"] == 0
                for row in section["rows"])
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(REPLY_TIMEOUT_S + 120)
+async def test_forced_section_compares_three_sides_and_every_document_validates() -> None:
+    """scripts/bench_forced.py on one schema: a table line per sampling, every
+    constrained document valid, forced tokens drafted and accepted."""
+    results = Path(tempfile.mkdtemp(prefix="sfbench-")) / "results.json"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "scripts/bench_forced.py", "--runs", "1", "--schemas", "nested",
+        "--json", str(results), cwd=REPO, start_new_session=True,
+        env={**os.environ, "SFCORE_BENCH_TIMEOUT_S": str(REPLY_TIMEOUT_S)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        stdout, stderr = await asyncio.wait_for(process.communicate(), REPLY_TIMEOUT_S)
+    finally:
+        if process.returncode is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+    assert process.returncode == 0, stderr.decode()[-2000:]
+    table = stdout.decode()
+    assert "| nested | greedy |" in table and "| nested | sampled |" in table, table
+    lines = json.loads(results.read_text())["lines"]
+    assert [line["sampling"] for line in lines] == ["greedy", "sampled"]
+    for line in lines:
+        assert line["valid"] == line["documents"] == 4, line
+        assert 0 < line["forced_accepted"] <= line["forced_drafted"], line
+        assert line["forced_tok_s"] > 0 and line["free_tok_s"] > 0, line

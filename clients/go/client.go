@@ -235,6 +235,9 @@ type Usage struct {
 	// Tokens drafted by speculative decoding, and those of them accepted.
 	DraftedTokens  int `json:"drafted_tokens"`
 	AcceptedTokens int `json:"accepted_tokens"`
+	// Of those, the tokens a json_schema's grammar forced.
+	ForcedDraftedTokens  int `json:"forced_drafted_tokens"`
+	ForcedAcceptedTokens int `json:"forced_accepted_tokens"`
 }
 
 // Timings of a request, in milliseconds and tokens per second.

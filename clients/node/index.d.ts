@@ -158,6 +158,9 @@ export interface Usage {
   /** Tokens drafted by speculative decoding, and those of them accepted. */
   draftedTokens: number;
   acceptedTokens: number;
+  /** Of those, the tokens a json_schema's grammar forced (0 from older daemons). */
+  forcedDraftedTokens: number;
+  forcedAcceptedTokens: number;
 }
 
 export interface Timings {

@@ -102,6 +102,7 @@ class Ender:
         finally:
             seq.loading = None
             seq.drafter = None
+            seq.forced = None
             seq.draft = []
             seq.job = None
             self._active.remove(seq)
@@ -128,6 +129,8 @@ class Ender:
                 drafter.learn()
             if drafter.failure is not None:
                 job.contained.append(("the drafter", drafter.failure))
+        if seq.forced is not None and seq.forced.failure is not None:
+            job.contained.append(("the forced drafts", seq.forced.failure))
 
     def _drop(self, seq: Seq, job: Job) -> None:
         """After a failure in _release: free what is left, forget the cells."""

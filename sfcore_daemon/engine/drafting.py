@@ -2,6 +2,11 @@
 share of the step's draft rows, then their lengths rounded so that the step's logit
 rows are a multiple of [speculative] row_multiple.
 
+A sequence with a JSON schema drafts the text its grammar forces first (forced drafts,
+structured/forced.py), and inside a string value the prompt text the value copies
+(structured/copying.py); its n-gram drafts are cut where the document would refuse
+them. Verification (rows.py) treats every draft alike.
+
 The rounding needs every logit row of the step: each generating sequence's pending
 token, the drafts, and the last row of each prompt the step finishes. So the step loop
 proposes the drafts first, plans its prompt chunks in the rows they leave, and only
@@ -12,7 +17,7 @@ submitted, for the `aligned_steps` figure.
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import Any, NamedTuple
 
 from sfcore_daemon.engine.sequence import Seq
 from sfcore_daemon.engine.speculative import MIN_DRAFT, DraftSettings, aligned_lengths
@@ -28,22 +33,21 @@ class DraftPlan:
         self._settings = settings
         spare = draft_rows  # draft rows left in this step
         sharing = len(stepping)  # sequences still to get a share of them
-        self._drafting: list[tuple[Seq, list[int]]] = []
+        self._drafting: list[tuple[Seq, Proposal]] = []
         self._lengths: list[int] = []
         for seq in stepping:
             share = spare // sharing
             sharing -= 1
-            drafter = seq.drafter
-            if drafter is None or share < MIN_DRAFT:
+            if seq.drafter is None or share < MIN_DRAFT:
                 continue
             # Never past max_tokens: the last token sampled is never decoded, so the
             # draft cells stay within the job's KV reservation. The continuation may
             # run past the share by what aligning could add.
             room = min(seq.limit - seq.n_out - 1, share + settings.row_multiple - 1)
-            continuation, length = drafter.propose(room)
-            length = min(length, share)
+            proposal = _propose(seq, room)
+            length = min(proposal.length, share)
             if length:
-                self._drafting.append((seq, continuation))
+                self._drafting.append((seq, proposal))
                 self._lengths.append(length)
                 spare -= length
         self._spare = spare
@@ -57,11 +61,90 @@ class DraftPlan:
         if not self._drafting:
             return
         lengths = aligned_lengths(rows, self._lengths,
-                                  [len(continuation) for _, continuation in self._drafting],
+                                  [len(proposal.tokens) for _, proposal in self._drafting],
                                   self._settings.row_multiple, min(self._spare, room))
-        for (seq, continuation), length in zip(self._drafting, lengths, strict=True):
+        for (seq, proposal), length in zip(self._drafting, lengths, strict=True):
             if length:
-                seq.draft = continuation[:length]
+                seq.draft = proposal.tokens[:length]
+                seq.draft_forced = min(proposal.forced, length)
+                seq.draft_guessed = min(proposal.guessed, length - seq.draft_forced)
+                seq.draft_copied = min(proposal.copied, length)
+
+
+class Proposal(NamedTuple):
+    """What one sequence may draft this step."""
+
+    tokens: list[int]  # the draft as proposed and what may pad it (settle)
+    length: int  # how many of `tokens` to draft, before rounding
+    forced: int = 0  # how many of the first tokens a schema's grammar forces
+    guessed: int = 0  # how many tokens after those the drafter proposed (it adapts)
+    copied: int = 0  # how many of the first tokens copy the prompt into a string value
+
+
+def _propose(seq: Seq, room: int) -> Proposal:
+    """`seq`'s draft: the n-gram drafter's; for a `json_schema` document, the text its
+    grammar forces first, and the drafts cut where the document would refuse them."""
+    drafter = seq.drafter
+    assert drafter is not None
+    continuation, length = drafter.propose(room)
+    if seq.forced is None:
+        return Proposal(continuation, length, guessed=len(continuation))
+    if continuation:
+        continuation = _fitting(seq, [], continuation)
+        length = min(length, len(continuation))
+    forced = _forced(seq, room)
+    if len(forced) < MIN_DRAFT:
+        if length:
+            return Proposal(continuation, length, guessed=len(continuation))
+        # Inside a string value the n-grams have no match for: the rest of the prompt
+        # text it copies (copying.py), when it copies one, and what closes it.
+        copy, closing = _copied(seq, room)
+        if len(copy) + len(closing) < MIN_DRAFT:
+            return Proposal([], 0)
+        return Proposal(copy + closing, len(copy) + len(closing), copied=len(copy))
+    # The text the grammar forces, then the drafter's guess of what follows it (a value
+    # copied from an earlier document: the drafter adapts to how those guesses fare,
+    # apart from the forced tokens), then a filler that only rounds the step's rows up
+    # (settle): a rejected filler row costs its compute only, its draw is the token the
+    # step would draw anyway. Unless the drafter's own draft agrees and goes further.
+    forcing = len(forced)
+    guess, extra = drafter.propose_after(forced, room - forcing)
+    guess = _fitting(seq, forced, guess)
+    extra = min(extra, len(guess))
+    if length > forcing + extra and continuation[:forcing] == forced:
+        return Proposal(continuation, length, forcing, len(continuation) - forcing)
+    filler = forced[-1:] * (room - forcing - len(guess))
+    return Proposal(forced + guess + filler, forcing + extra, forcing, len(guess))
+
+
+def _forced(seq: Seq, room: int) -> list[int]:
+    """The tokens `seq`'s grammar forces next, at most `room`: the completion its closer
+    planned, else the forced text of its schema (structured/forced.py)."""
+    forced_drafts, job = seq.forced, seq.job
+    if forced_drafts is None or job is None or not job.grammar_live:
+        return []
+    grammar = job.grammar
+    assert grammar is not None
+    return grammar.planned(room) or forced_drafts.propose(grammar.emitted, room)
+
+
+def _copied(seq: Seq, room: int) -> tuple[list[int], list[int]]:
+    """What `seq`'s string value copies from its prompt next, and the closing quote and
+    forced text after it where the copy ends a phrase: at most `room` tokens."""
+    forced_drafts, job = seq.forced, seq.job
+    if forced_drafts is None or job is None or job.grammar is None or not job.grammar_live:
+        return [], []
+    return forced_drafts.copy(job.grammar.emitted, room)
+
+
+def _fitting(seq: Seq, forced: list[int], guess: list[int]) -> list[int]:
+    """`guess` (to follow `forced` after `seq`'s output) cut where its grammar's
+    document would refuse it or is complete: rows past that verify nothing."""
+    forced_drafts, job = seq.forced, seq.job
+    if forced_drafts is None or job is None or job.grammar is None or not job.grammar_live:
+        return guess
+    kept = forced_drafts.fitting(job.grammar.emitted, forced + guess) - len(forced)
+    return guess[:max(kept, 0)]
 
 
 def logit_rows(batch: Any, n: int) -> int:

@@ -32,6 +32,7 @@ class Job:
         "slot", "evict", "exclusive", "kept", "grammar", "speculative", "drafted",
         "accepted", "draft_steps", "aligned_steps", "logit_rows", "cache_source", "restore_failed",
         "contained", "logprobs", "numbers", "grammar_trigger", "grammar_live", "trigger_tail",
+        "forced_drafted", "forced_accepted",
     )
 
     def __init__(
@@ -99,6 +100,9 @@ class Job:
         self.speculative = speculative
         self.drafted = 0
         self.accepted = 0
+        # Of drafted and accepted: the tokens a schema's grammar forced (forced.py).
+        self.forced_drafted = 0
+        self.forced_accepted = 0
         self.draft_steps = 0
         self.aligned_steps = 0
         self.logit_rows = 0

@@ -61,7 +61,7 @@ class Rows:
         """How `job` on `seq` (its limit set) chooses its tokens: its sampler chain,
         numpy's argmax in place of a chain that is one, its grammar around the chain."""
         seq.sampler, penalties = make_chain(self._vocab, job.sampling, job.prompt)
-        seq.argmax = job.grammar is None and is_plain_greedy(job.sampling)
+        seq.argmax = is_plain_greedy(job.sampling)
         seq.penalties = penalties
         if job.grammar_live:  # it counts its tokens against the same limit
             assert job.grammar is not None
@@ -88,16 +88,17 @@ class Rows:
         grammar = job.grammar
         try:
             token: int
-            if seq.argmax:
-                token = argmax(self._ctx, row, self._n_vocab)
-            elif grammar is None or not job.grammar_live:
-                token = C.llama_sampler_sample(seq.sampler, self._ctx, row)
+            first = argmax(self._ctx, row, self._n_vocab) if seq.argmax else -1
+            if grammar is None or not job.grammar_live:
+                token = first if seq.argmax else C.llama_sampler_sample(
+                    seq.sampler, self._ctx, row)
             else:
                 if grammar.closer is not None:
                     # As if the closer (closer.py) failed, for the tests.
                     faults.hit("closer", job)
-                # Checks the chain's choice against the grammar (see grammar.py).
-                drawn = grammar.sample(seq.sampler, self._ctx, row)
+                # Checks the chain's choice (`first`, when the chain is an argmax)
+                # against the grammar (see grammar.py).
+                drawn = grammar.sample(seq.sampler, self._ctx, row, first)
                 if drawn is None:
                     self._park(seq, job, grammar, row)
                     return None
@@ -154,6 +155,7 @@ class Rows:
         drew from the row before it; the first that differs ends the run, and the
         drawn token is the next one. The rejected tokens' cells are removed."""
         draft, seq.draft = seq.draft, []
+        forced, seq.draft_forced = seq.draft_forced, 0
         taken: list[int] = []
         accepted = 0
         vocab = self._vocab
@@ -174,8 +176,20 @@ class Rows:
             C.llama_memory_seq_rm(self._memory, seq.id, len(seq.cached), -1)
         job.drafted += len(draft)
         job.accepted += accepted
+        job.forced_drafted += forced
+        job.forced_accepted += min(accepted, forced)
+        # The drafter adapts to its own guesses, when verification reached them (not
+        # to the forced tokens, nor to rows that only filled the step).
         assert seq.drafter is not None
-        seq.drafter.verified(len(draft), accepted)
+        guessed = seq.draft_guessed
+        if guessed and accepted >= forced:
+            seq.drafter.verified(guessed, min(accepted - forced, guessed))
+        copied = seq.draft_copied
+        if seq.forced is not None:
+            if copied:
+                seq.forced.copied(copied, min(accepted, copied))
+            if forced:
+                seq.forced.verified(forced, min(accepted, forced))
         for token in taken:
             self.take(seq, token, woken)
             if seq.job is None:

@@ -10,6 +10,7 @@ from sfcore_daemon.engine.job import Job
 from sfcore_daemon.engine.speculative import NgramDrafter
 from sfcore_daemon.llama.kvcache import SeqCells
 from sfcore_daemon.store.index import Entry
+from sfcore_daemon.structured.forced import ForcedDrafts
 
 
 class Seq(SeqCells):
@@ -18,13 +19,14 @@ class Seq(SeqCells):
     __slots__ = ("job", "sampler", "argmax", "next_prompt", "chunk_end", "n_out", "limit",
                  "generating", "last_token", "parked", "drafter", "draft", "loading",
                  "keep_state", "keep_prefix", "prompt_kept", "boundaries", "protect_from", "cuts",
-                 "penalties")
+                 "penalties", "forced", "draft_forced", "draft_guessed", "draft_copied")
 
     def __init__(self, seq_id: int) -> None:
         super().__init__(seq_id)
         self.job: Job | None = None
         self.sampler: Any = None
-        self.argmax = False  # its chain is an argmax: numpy's is taken (sampling.py)
+        # Its chain is an argmax: numpy's is taken (sampling.py), and a grammar checks it.
+        self.argmax = False
         self.next_prompt = 0  # the first prompt token not yet in the cache
         self.chunk_end = 0  # the end of the prompt chunk in the current step
         self.n_out = 0
@@ -40,6 +42,16 @@ class Seq(SeqCells):
         # Speculative decoding (speculative.py): None when the job does not speculate.
         self.drafter: NgramDrafter | None = None
         self.draft: list[int] = []  # the tokens after last_token in this step's batch
+        # The text a JSON schema's grammar forces, as drafts (structured/forced.py): None
+        # when the job does not speculate or has no schema; and how many of `draft`'s
+        # first tokens are forced ones.
+        self.forced: ForcedDrafts | None = None
+        self.draft_forced = 0
+        # How many tokens of `draft` after the forced ones the drafter proposed (their
+        # verification adapts it); the rest only fill the step's rows.
+        self.draft_guessed = 0
+        # How many of `draft`'s first tokens are a string value's copy of its prompt.
+        self.draft_copied = 0
         # A stored state being read from disk for its prompt (the entry, the rows to
         # keep, the read, the time.monotonic() it is given up at); the sequence sits out
         # of the steps until it is there (storepolicy.PromptStates.poll).

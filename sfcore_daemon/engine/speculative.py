@@ -51,6 +51,7 @@ class DraftSettings:
     ngram_min: int  # the shortest
     store_tokens: int = 0  # finished requests' output kept for other requests' drafts
     row_multiple: int = 1  # a step's logit rows are made a multiple of this
+    forced: bool = False  # constrained requests draft the text their grammar forces
 
     @property
     def step_rows(self) -> int:
@@ -66,7 +67,8 @@ def draft_settings(config: SpeculativeConfig) -> DraftSettings | None:
         return None
     return DraftSettings(draft_max=config.draft_max, draft_start=config.draft_start,
                          ngram_max=config.ngram_max, ngram_min=config.ngram_min,
-                         store_tokens=config.store_tokens, row_multiple=config.row_multiple)
+                         store_tokens=config.store_tokens, row_multiple=config.row_multiple,
+                         forced=config.forced_drafts)
 
 
 class NgramStore:
@@ -251,6 +253,28 @@ class NgramDrafter:
             continuation = store.draft(tokens, room)
             if len(continuation) >= MIN_DRAFT:
                 return continuation, min(want, len(continuation))
+        return _NO_MATCH
+
+    def propose_after(self, forced: list[int], room: int) -> tuple[list[int], int]:
+        """`propose` for the text once `forced` (tokens a grammar forces next) follows
+        it: what the best match of the text's end with `forced` continues with, up to
+        `room` tokens, and how many of them to draft."""
+        if room < 1 or self._pause or self.failure is not None or not forced:
+            return _NO_MATCH
+        try:
+            tokens = self._tokens
+            self._index(tokens, len(tokens))
+            settings = self._settings
+            text = tokens + forced
+            for n, positions in self._maps:
+                start = positions.get(tuple(text[-n:])) if len(text) >= n else None
+                if start is not None:
+                    reach = _REACH * _match_length(text, start, n, settings.draft_max // _REACH)
+                    want = min(room, self._limit, max(settings.draft_start, reach))
+                    continuation = tokens[start:start + room]
+                    return continuation, min(want, len(continuation))
+        except Exception as exc:  # drafts are an optimisation (see class)
+            self.failure = exc
         return _NO_MATCH
 
     def learn(self) -> None:

@@ -30,6 +30,7 @@ from sfcore_daemon.engine.storepolicy import PromptStore
 from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.kvcache import KVCache, shared_prefix
 from sfcore_daemon.llama.model import Model
+from sfcore_daemon.structured.forced import ForcedDrafts
 
 # llama_decode's return value when the abort callback said stop.
 _DECODE_ABORTED = 2
@@ -153,6 +154,10 @@ class StepLoop:
             seq.drafter = (faults.drafter(job)(self._drafts, job.prompt, self._learned)
                            if job.speculative and self._drafts is not None else None)
             seq.draft = []
+            shape = job.grammar.shape if job.grammar is not None else None
+            seq.forced = (ForcedDrafts(shape, self.model, job.prompt) if seq.drafter is not None
+                          and shape is not None and self._drafts is not None
+                          and self._drafts.forced else None)
         except BaseException as exc:
             job.error = exc
             seq.job = job

@@ -148,8 +148,16 @@ class Model:
                 capacity = -n
         raise RuntimeError("llama_detokenize kept asking for a larger buffer")
 
+    def tokenize_bytes(self, data: bytes) -> list[int]:
+        """Tokens for raw bytes (a text cut inside a character need not be UTF-8), no
+        BOS, special text not parsed. Any thread."""
+        with self.using_vocab():
+            return self._tokenize_bytes(data, False, False)
+
     def _tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
-        data = text.encode("utf-8")
+        return self._tokenize_bytes(text.encode("utf-8"), add_special, parse_special)
+
+    def _tokenize_bytes(self, data: bytes, add_special: bool, parse_special: bool) -> list[int]:
         capacity = len(data) + 8
         tokens = (C.llama_token * capacity)()
         vocab = self.vocab

@@ -113,6 +113,10 @@ def exposition(state: ServerState) -> str:
             stats.drafted_tokens)
     out.one("accepted_tokens_total", "counter", "Drafted tokens the model accepted.",
             stats.accepted_tokens)
+    out.one("forced_drafted_tokens_total", "counter", "Of the drafted tokens, those a JSON "
+            "schema's grammar forced.", stats.forced_drafted)
+    out.one("forced_accepted_tokens_total", "counter", "Of the accepted tokens, those a JSON "
+            "schema's grammar forced.", stats.forced_accepted)
     _store(out, state)
     _engine(out, state)
     out.one("connections", "gauge", "NDJSON connections open now.", stats.connections_current)

@@ -263,6 +263,8 @@ class Generation:
             self._stats.speculative_requests += 1
             self._stats.drafted_tokens += job.drafted
             self._stats.accepted_tokens += job.accepted
+            self._stats.forced_drafted += job.forced_drafted
+            self._stats.forced_accepted += job.forced_accepted
             self._stats.draft_steps += job.draft_steps
             self._stats.aligned_steps += job.aligned_steps
             self._stats.logit_rows += job.logit_rows
@@ -315,6 +317,8 @@ class Generation:
                 completion_tokens=self.completion_tokens,
                 drafted_tokens=self.job.drafted,
                 accepted_tokens=self.job.accepted,
+                forced_drafted_tokens=self.job.forced_drafted,
+                forced_accepted_tokens=self.job.forced_accepted,
             ),
             timings=self._timings(),
             logprobs=self._done_entries(),

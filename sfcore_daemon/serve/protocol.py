@@ -233,9 +233,12 @@ class Usage(Struct, kw_only=True):
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    # Tokens proposed by speculative decoding, and how many of them were emitted.
+    # Tokens proposed by speculative decoding, and how many of them were emitted; of
+    # those, the tokens a json_schema's grammar forced (docs/protocol.md).
     drafted_tokens: int
     accepted_tokens: int
+    forced_drafted_tokens: int = 0
+    forced_accepted_tokens: int = 0
 
 
 class Timings(Struct, kw_only=True):
@@ -396,6 +399,9 @@ class SpeculativeCounts(Struct, kw_only=True):
     steps: int  # a generation's steps with a draft, summed over generations
     aligned_steps: int  # of those, the steps with a multiple of row_multiple logit rows
     logit_rows: int  # the logit rows of those steps, as submitted
+    # Of drafted and accepted: the tokens a json_schema's grammar forced.
+    forced_drafted: int = 0
+    forced_accepted: int = 0
 
 
 class CacheCounts(Struct, kw_only=True):

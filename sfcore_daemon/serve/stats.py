@@ -52,6 +52,8 @@ class Stats:
         self.speculative_requests = 0
         self.drafted_tokens = 0
         self.accepted_tokens = 0
+        self.forced_drafted = 0
+        self.forced_accepted = 0
         self.draft_steps = 0
         self.aligned_steps = 0
         self.logit_rows = 0
@@ -119,6 +121,8 @@ class Stats:
                                           accepted=self.accepted_tokens,
                                           steps=self.draft_steps,
                                           aligned_steps=self.aligned_steps,
-                                          logit_rows=self.logit_rows),
+                                          logit_rows=self.logit_rows,
+                                          forced_drafted=self.forced_drafted,
+                                          forced_accepted=self.forced_accepted),
             cache=self.cache_counts(store),
         )

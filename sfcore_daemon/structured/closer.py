@@ -180,12 +180,7 @@ class Closer:
     def tokenize(self, text: bytes) -> list[int]:
         """Tokens for raw bytes (the completion of a split character may not be UTF-8
         on its own), no BOS, special text not parsed."""
-        model = self._model
-        capacity = len(text) + 8
-        ids = (C.llama_token * capacity)()
-        with model.using_vocab():
-            n = C.llama_tokenize(model.vocab, text, len(text), ids, capacity, False, False)
-        return list(ids[:n]) if n >= 0 else []
+        return self._model.tokenize_bytes(text)
 
     def _piece(self, token: int) -> bytes:
         """A token's bytes: the model's cache, else looked up here (model.piece shares

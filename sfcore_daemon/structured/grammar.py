@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import math
 import os
 import time
@@ -195,6 +196,22 @@ class GrammarSampler:
             sampler.closer = Closer(shape, model)
         return sampler
 
+    @property
+    def shape(self) -> Shape | None:
+        """The JSON document the grammar describes (None for a GBNF grammar)."""
+        return None if self.closer is None else self.closer.shape
+
+    def planned(self, room: int) -> list[int]:
+        """The tokens of the completion the closer has planned and will emit whatever
+        the model draws (end-of-generation aside), at most `room`; [] when none is."""
+        closer = self.closer
+        if closer is None or not closer.forced:
+            return []
+        tokens = list(itertools.islice(closer.forced, room))
+        if tokens and tokens[-1] == self.eog:
+            tokens.pop()
+        return tokens
+
     def begin(self, limit: int, penalties: Any, penalty_last_n: int) -> None:
         """The job starts (decode thread): it may emit at most `limit` tokens; its chain's
         repeat penalty (None: none) looks back over `penalty_last_n` tokens."""
@@ -228,13 +245,14 @@ class GrammarSampler:
         """Whether the grammar allows `tokens` in order (tried on a copy of it)."""
         return clone_accepts(self._grammar, tokens, self._allows)
 
-    def sample(self, chain: Any, ctx: Any, idx: int) -> int | None:
+    def sample(self, chain: Any, ctx: Any, idx: int, first: int = -1) -> int | None:
         """The next token: the chain's choice when the grammar allows it, else a draw
         from the tokens the grammar allows among the likeliest. None when only a wider
         pass can find one: the logits are kept, and `sample_wide` finishes the draw
         (off the decode thread). Near the end of a JSON request's budget, see
-        `Closer.near_end`. Decode thread only; GrammarDeadEnd once the request has used
-        its budget of grammar CPU time."""
+        `Closer.near_end`. `first`: the chain's choice when the caller has it (an
+        argmax chain's, numpy's argmax of the row), -1 otherwise. Decode thread only;
+        GrammarDeadEnd once the request has used its budget of grammar CPU time."""
         self._check_budget()
         started = time.thread_time_ns()
         try:
@@ -243,14 +261,15 @@ class GrammarSampler:
             if closer is not None and self.limit - self.tokens < closer.window \
                     and not closer.lost:
                 return closer.near_end(self, chain, ctx, idx)
-            return self.draw(chain, ctx, idx)
+            return self.draw(chain, ctx, idx, first=first)
         finally:
             self.used_ns += time.thread_time_ns() - started
 
-    def draw(self, chain: Any, ctx: Any, idx: int, accept: bool = True) -> int | None:
+    def draw(self, chain: Any, ctx: Any, idx: int, accept: bool = True,
+             first: int = -1) -> int | None:
         """`sample` without the budget check and the closer; the token accepted only if
         `accept`."""
-        token: int = C.llama_sampler_sample(chain, ctx, idx)
+        token: int = first if first >= 0 else C.llama_sampler_sample(chain, ctx, idx)
         if self._allows(self._grammar, token) and not is_hidden(self._vocab, token):
             if accept:
                 self.accept(token)

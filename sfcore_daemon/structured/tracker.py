@@ -9,57 +9,47 @@ required properties not yet written with their shortest values (in the order the
 schema's grammar requires), closing brackets. An `anyOf` whose alternatives agree on
 the text so far keeps one stack for each (at most MAX_READINGS).
 
-Pure Python and cheap per byte, but nothing reads it on the fast path: grammar.py feeds
-it only once a request's budget is close to its end (closer.py).
+Pure Python and cheap per byte. Two readers: closer.py, once a request's budget is
+close to its end, and forced.py, which follows a speculating request's document from
+its start to draft the bytes every reading allows alone (`nexts`).
 """
 
 from __future__ import annotations
 
-from typing import Final, Self
+from typing import Final
 
-from sfcore_daemon.structured.shape import Shape, kvs, shortest_integer
+from sfcore_daemon.structured.frames import (
+    ANY_BYTE,
+    DIGITS,
+    DONE,
+    FAIL,
+    KEEP,
+    PASS,
+    PUSH,
+    PUSHBACK,
+    SPACE,
+    UNFORCED,
+    WS,
+    Frame,
+    LiteralFrame,
+    Nexts,
+    NumberFrame,
+    PatternFrame,
+    StringFrame,
+)
+from sfcore_daemon.structured.shape import Shape, kvs
 
 MAX_READINGS: Final = 8
-_WS: Final = frozenset(b" \t\n\r")
-_DIGITS: Final = frozenset(b"0123456789")
-
-# What a frame's feed returns: the byte kept it going; finished it (consumed);
-# finished it without being consumed (the parent reads it next); is not allowed here;
-# opened a child (consumed); opened a child that reads this byte itself.
-_KEEP, _DONE, _PASS, _FAIL, _PUSH, _PUSHBACK = range(6)
 
 
-class _Frame:
-    __slots__ = ()
-
-    def clone(self) -> Self:
-        """A copy (4x quicker than copy.copy, which goes through __reduce_ex__); the
-        fields are never mutated in place, so a shallow copy is a full one."""
-        twin = object.__new__(type(self))
-        name: str
-        for name in self.__slots__:
-            setattr(twin, name, getattr(self, name))
-        return twin
-
-    def feed(self, byte: int) -> tuple[int, _Frame | None]:
-        raise NotImplementedError
-
-    def child_done(self) -> None:
-        """The child this frame opened has ended."""
-
-    def rest(self) -> bytes | None:
-        """The shortest bytes that end this frame, its open child taken as ended."""
-        raise NotImplementedError
-
-
-class _Root(_Frame):
+class _Root(Frame):
     __slots__ = ("done",)
 
     def __init__(self) -> None:
         self.done = False
 
-    def feed(self, byte: int) -> tuple[int, _Frame | None]:
-        return (_KEEP if byte in _WS else _FAIL), None
+    def feed(self, byte: int) -> tuple[int, Frame | None]:
+        return (KEEP if byte in WS else FAIL), None
 
     def child_done(self) -> None:
         self.done = True
@@ -68,7 +58,7 @@ class _Root(_Frame):
         return b""
 
 
-class _ValueStart(_Frame):
+class _ValueStart(Frame):
     """A value of `shape` comes next; the tracker replaces this frame by the frame of
     each alternative the value's first byte allows."""
 
@@ -80,8 +70,12 @@ class _ValueStart(_Frame):
     def rest(self) -> bytes:
         return self.shape.shortest
 
+    def nexts(self) -> Nexts:
+        starts = first_bytes(self.shape)
+        return (_SPACE_ANY if starts is None else starts | _SPACE_ONLY), False
 
-def _frames_for(shape: Shape, byte: int) -> list[_Frame]:
+
+def _frames_for(shape: Shape, byte: int) -> list[Frame]:
     kind = shape.kind
     if kind == "alt":
         return [frame for alt in shape.alts for frame in _frames_for(alt, byte)]
@@ -91,22 +85,22 @@ def _frames_for(shape: Shape, byte: int) -> list[_Frame]:
         if byte == ord("["):
             return [_Array(_ANY_ARRAY)]
         if byte == ord('"'):
-            return [_String(0)]
-        if byte in _DIGITS or byte == ord("-"):
-            return [_Number(False, None, None)]
-        return [_Literal([b"true", b"false", b"null"])]
+            return [StringFrame(0)]
+        if byte in DIGITS or byte == ord("-"):
+            return [NumberFrame(False, None, None)]
+        return [LiteralFrame([b"true", b"false", b"null"])]
     if kind == "object":
         return [_Object(shape)] if byte == ord("{") else []
     if kind == "array":
         return [_Array(shape)] if byte == ord("[") else []
     if kind == "string":
-        return [_String(shape.min)] if byte == ord('"') else []
+        return [StringFrame(shape.min)] if byte == ord('"') else []
     if kind == "pattern":
-        return [_Pattern(shape)] if byte == ord('"') else []
+        return [PatternFrame(shape)] if byte == ord('"') else []
     if kind == "literal":
-        return [_Literal(shape.literals)]
-    if kind in ("number", "integer") and (byte in _DIGITS or byte == ord("-")):
-        return [_Number(kind == "integer", shape.low, shape.high)]
+        return [LiteralFrame(shape.literals)]
+    if kind in ("number", "integer") and (byte in DIGITS or byte == ord("-")):
+        return [NumberFrame(kind == "integer", shape.low, shape.high)]
     return []  # untracked: this reading ends
 
 
@@ -128,7 +122,7 @@ _ANY_ARRAY: Final = _any_array()
 _O_START, _O_OPEN, _O_KEY, _O_COLON, _O_VALUE, _O_AFTER, _O_COMMA, _O_KEYSTR = range(8)
 
 
-class _Object(_Frame):
+class _Object(Frame):
     __slots__ = ("shape", "state", "key", "n_required", "last_optional")
 
     def __init__(self, shape: Shape) -> None:
@@ -150,18 +144,18 @@ class _Object(_Frame):
             return shape.extra
         return shape.props[self.key]
 
-    def feed(self, byte: int) -> tuple[int, _Frame | None]:
+    def feed(self, byte: int) -> tuple[int, Frame | None]:
         state = self.state
         if state == _O_START:
             if byte == ord("{"):
                 self.state = _O_OPEN
-                return _KEEP, None
-            return _FAIL, None
+                return KEEP, None
+            return FAIL, None
         if state == _O_KEY:
             key = self.key + bytes((byte,))
             allowed = self._allowed()
             if not any(name.startswith(key) for name in allowed):
-                return _FAIL, None
+                return FAIL, None
             self.key = key
             if key in allowed:
                 shape = self.shape
@@ -170,29 +164,50 @@ class _Object(_Frame):
                 else:
                     self.last_optional = shape.optional.index(key)
                 self.state = _O_COLON
-            return _KEEP, None
-        if byte in _WS:
-            return _KEEP, None
+            return KEEP, None
+        if byte in WS:
+            return KEEP, None
         if state in (_O_OPEN, _O_COMMA) and byte == ord('"'):
             if self.shape.extra is not None:
                 self.state = _O_KEYSTR
-                return _PUSH, _String(0, opened=True)
+                return PUSH, StringFrame(0, opened=True)
             self.key = b'"'
             self.state = _O_KEY
-            return _KEEP, None
+            return KEEP, None
         if state == _O_COLON and byte == ord(":"):
             self.state = _O_VALUE
-            return _PUSH, _ValueStart(self._value_shape())
+            return PUSH, _ValueStart(self._value_shape())
         if state == _O_AFTER and byte == ord(","):
             self.state = _O_COMMA
-            return _KEEP, None
+            return KEEP, None
         if state in (_O_OPEN, _O_AFTER) and byte == ord("}"):
             missing = self.n_required < len(self.shape.required)
-            return (_FAIL if missing else _DONE), None
-        return _FAIL, None
+            return (FAIL if missing else DONE), None
+        return FAIL, None
 
     def child_done(self) -> None:
         self.state = _O_COLON if self.state == _O_KEYSTR else _O_AFTER
+
+    def nexts(self) -> Nexts:
+        state, shape = self.state, self.shape
+        if state == _O_START:
+            return _OPEN_BRACE
+        if state == _O_KEY:
+            at, key = len(self.key), self.key
+            return frozenset(name[at] for name in self._allowed() if name.startswith(key)), False
+        if state == _O_COLON:
+            return _COLON
+        if state == _O_COMMA:
+            return _KEY_START
+        if state not in (_O_OPEN, _O_AFTER):
+            return UNFORCED
+        missing = self.n_required < len(shape.required)
+        allowed = {SPACE}
+        if missing or shape.extra is not None or self.last_optional + 1 < len(shape.optional):
+            allowed.add(ord('"') if state == _O_OPEN else ord(","))
+        if not missing:
+            allowed.add(ord("}"))
+        return frozenset(allowed), False
 
     def _tail(self) -> bytes:
         """After a complete key-value pair: the required pairs still missing, then }."""
@@ -237,7 +252,7 @@ class _Object(_Frame):
 _A_START, _A_OPEN, _A_VALUE, _A_AFTER, _A_COMMA = range(5)
 
 
-class _Array(_Frame):
+class _Array(Frame):
     __slots__ = ("shape", "state", "count")
 
     def __init__(self, shape: Shape) -> None:
@@ -255,28 +270,28 @@ class _Array(_Frame):
         shape = self.shape
         return len(shape.prefix) if shape.prefix is not None else shape.min
 
-    def feed(self, byte: int) -> tuple[int, _Frame | None]:
+    def feed(self, byte: int) -> tuple[int, Frame | None]:
         state = self.state
         if state == _A_START:
             if byte == ord("["):
                 self.state = _A_OPEN
-                return _KEEP, None
-            return _FAIL, None
-        if byte in _WS:
-            return _KEEP, None
+                return KEEP, None
+            return FAIL, None
+        if byte in WS:
+            return KEEP, None
         if state in (_A_OPEN, _A_AFTER) and byte == ord("]"):
-            return (_DONE if self.count >= self._needed() else _FAIL), None
+            return (DONE if self.count >= self._needed() else FAIL), None
         if state == _A_AFTER:
             if byte == ord(","):
                 self.state = _A_COMMA
-                return _KEEP, None
-            return _FAIL, None
+                return KEEP, None
+            return FAIL, None
         item = self._item(self.count)
         if item is None:
-            return _FAIL, None
+            return FAIL, None
         self.count += 1
         self.state = _A_VALUE
-        return _PUSHBACK, _ValueStart(item)
+        return PUSHBACK, _ValueStart(item)
 
     def child_done(self) -> None:
         self.state = _A_AFTER
@@ -302,180 +317,74 @@ class _Array(_Frame):
         items = self._items(count, needed)
         return None if items is None else b"," + items + b"]"
 
-
-# String states.
-_S_START, _S_IN, _S_ESCAPE = range(3)
-
-
-class _String(_Frame):
-    """A JSON string of at least `min_chars` characters (an escape counts as one)."""
-
-    __slots__ = ("min_chars", "state", "count", "hex_left", "utf8")
-
-    def __init__(self, min_chars: int, opened: bool = False) -> None:
-        self.min_chars = min_chars
-        self.state = _S_IN if opened else _S_START
-        self.count = 0
-        self.hex_left = 0  # hex digits still due in a \u escape
-        self.utf8 = b""  # a character's UTF-8 bytes so far, while it is incomplete
-
-    def feed(self, byte: int) -> tuple[int, _Frame | None]:
-        state = self.state
-        if state == _S_START:
-            if byte == ord('"'):
-                self.state = _S_IN
-                return _KEEP, None
-            return _FAIL, None
-        if self.hex_left:
-            self.hex_left -= 1
-            return _KEEP, None
-        if state == _S_ESCAPE:
-            self.state = _S_IN
-            if byte == ord("u"):
-                self.hex_left = 4
-            return _KEEP, None
-        if self.utf8:
-            self.utf8 = b"" if len(self.utf8) + 1 == _utf8_length(self.utf8[0]) \
-                else self.utf8 + bytes((byte,))
-            return _KEEP, None
-        if byte == ord('"'):
-            return _DONE, None
-        self.count += 1
-        if byte == ord("\\"):
-            self.state = _S_ESCAPE
-        elif byte >= 0xC0:
-            self.utf8 = bytes((byte,))
-        return _KEEP, None
-
-    def rest(self) -> bytes:
-        if self.state == _S_START:
-            return b'"' + b"a" * self.min_chars + b'"'
-        text = b""
-        if self.state == _S_ESCAPE:
-            text = b"\\"  # the escape becomes an escaped backslash
-        elif self.hex_left:
-            text = b"0" * self.hex_left
-        elif self.utf8:
-            text = _finish_utf8(self.utf8)
-        return text + b"a" * max(0, self.min_chars - self.count) + b'"'
+    def nexts(self) -> Nexts:
+        state, count = self.state, self.count
+        if state == _A_START:
+            return _OPEN_BRACKET
+        if state == _A_AFTER:
+            more = self.shape.max is None or count < self.shape.max
+            allowed = {SPACE}
+            if more and self._item(count) is not None:
+                allowed.add(ord(","))
+            if count >= self._needed():
+                allowed.add(ord("]"))
+            return frozenset(allowed), False
+        item = self._item(count)
+        if state == _A_OPEN and (item is None or self.shape.max == 0):
+            return _EMPTY_ARRAY
+        starts = None if item is None else first_bytes(item)
+        if starts is None:
+            return UNFORCED
+        if state == _A_OPEN and self._needed() == 0:
+            return starts | _CLOSE_BRACKET, False
+        return starts | _SPACE_ONLY, False
 
 
-def _utf8_length(lead: int) -> int:
-    return 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+Stack = list[Frame]
+
+_SPACE_ONLY: Final = frozenset((SPACE,))
+_SPACE_ANY: Final = frozenset((SPACE, ANY_BYTE))
+_CLOSE_BRACKET: Final = frozenset(b" ]")
+_OPEN_BRACKET: Final[Nexts] = (frozenset(b"["), False)
+_OPEN_BRACE: Final[Nexts] = (frozenset(b"{"), False)
+_COLON: Final[Nexts] = (frozenset(b" :"), False)
+_KEY_START: Final[Nexts] = (frozenset(b' "'), False)
+_EMPTY_ARRAY: Final[Nexts] = (_CLOSE_BRACKET, False)
 
 
-def _finish_utf8(started: bytes) -> bytes:
-    """Continuation bytes that make a valid character of an incomplete one."""
-    due = _utf8_length(started[0]) - len(started)
-    if len(started) == 1:
-        second = {0xE0: 0xA0, 0xF0: 0x90}.get(started[0], 0x80)
-        return bytes((second,)) + b"\x80" * (due - 1)
-    return b"\x80" * due
+def first_bytes(shape: Shape, depth: int = 0) -> frozenset[int] | None:
+    """The bytes a value of `shape` may start with; None when they are too many to force
+    anything (a number, any value), or a chain of $refs runs too deep."""
+    kind = shape.kind
+    if kind == "object":
+        return _BRACE
+    if kind == "array":
+        return _BRACKET
+    if kind in ("string", "pattern"):
+        return _QUOTE
+    if kind == "literal":
+        return frozenset(literal[0] for literal in shape.literals if literal)
+    if kind != "alt" or depth > _MAX_REF_DEPTH:
+        return None
+    found: set[int] = set()
+    for alt in shape.alts:
+        starts = first_bytes(alt, depth + 1)
+        if starts is None:
+            return None
+        found |= starts
+    return frozenset(found)
 
 
-class _Literal(_Frame):
-    """One of a few fixed texts: enum and const values, true, false, null."""
-
-    __slots__ = ("alive", "pos")
-
-    def __init__(self, literals: list[bytes]) -> None:
-        self.alive = literals
-        self.pos = 0
-
-    def feed(self, byte: int) -> tuple[int, _Frame | None]:
-        pos = self.pos
-        alive = [text for text in self.alive if len(text) > pos and text[pos] == byte]
-        if alive:
-            self.alive = alive
-            self.pos = pos + 1
-            return _KEEP, None
-        if any(len(text) == pos for text in self.alive):
-            return _PASS, None
-        return _FAIL, None
-
-    def rest(self) -> bytes:
-        return min((text[self.pos:] for text in self.alive), key=len)
-
-
-class _Number(_Frame):
-    __slots__ = ("integer", "low", "high", "text")
-
-    def __init__(self, integer: bool, low: int | None, high: int | None) -> None:
-        self.integer = integer
-        self.low = low
-        self.high = high
-        self.text = b""
-
-    def feed(self, byte: int) -> tuple[int, _Frame | None]:
-        text = self.text
-        last = text[-1:]
-        if byte in _DIGITS:
-            ok = True
-        elif byte == ord("-"):
-            ok = not text or (not self.integer and last in (b"e", b"E"))
-        elif byte == ord("+"):
-            ok = not self.integer and last in (b"e", b"E")
-        elif byte == ord("."):
-            ok = not self.integer and last.isdigit() and b"." not in text and b"e" not in \
-                text.lower()
-        elif byte in b"eE":
-            ok = not self.integer and last.isdigit() and b"e" not in text.lower()
-        else:
-            ok = False
-        if ok:
-            self.text = text + bytes((byte,))
-            return _KEEP, None
-        return (_PASS if self.rest() == b"" else _FAIL), None
-
-    def rest(self) -> bytes | None:
-        if self.integer:
-            return shortest_integer(self.text, self.low, self.high)
-        return b"0" if self.text[-1:] in (b"", b"-", b"+", b".", b"e", b"E") else b""
-
-
-class _Pattern(_Frame):
-    """A string matching a `pattern` (or a `format`), followed through its NFA."""
-
-    __slots__ = ("nfa", "states", "opened", "utf8")
-
-    def __init__(self, shape: Shape) -> None:
-        assert shape.nfa is not None
-        self.nfa = shape.nfa
-        self.states = shape.nfa.start
-        self.opened = False
-        self.utf8 = b""
-
-    def feed(self, byte: int) -> tuple[int, _Frame | None]:
-        if not self.opened:
-            self.opened = byte == ord('"')
-            return (_KEEP if self.opened else _FAIL), None
-        if byte == ord('"') and not self.utf8:
-            return (_DONE if self.nfa.accept in self.states else _FAIL), None
-        utf8 = self.utf8 + bytes((byte,))
-        if byte >= 0x80 and len(utf8) < _utf8_length(utf8[0]):
-            self.utf8 = utf8
-            return _KEEP, None
-        self.utf8 = b""
-        self.states = self.nfa.step(self.states, ord(utf8.decode("utf-8", "replace")[0]))
-        return (_KEEP if self.states else _FAIL), None
-
-    def rest(self) -> bytes | None:
-        if not self.opened:
-            tail = self.nfa.shortest(self.nfa.start)
-            return None if tail is None else b'"' + tail + b'"'
-        if self.utf8:
-            return None  # mid-character: no completion until the character is whole
-        tail = self.nfa.shortest(self.states)
-        return None if tail is None else tail + b'"'
-
-
-Stack = list[_Frame]
+_BRACE: Final = frozenset(b"{")
+_BRACKET: Final = frozenset(b"[")
+_QUOTE: Final = frozenset(b'"')
+_MAX_REF_DEPTH: Final = 32
 
 
 def _step(stack: Stack, byte: int) -> list[Stack]:
     top = stack[-1]
     if type(top) is _ValueStart:
-        if byte in _WS:
+        if byte in WS:
             return [stack]
         readings: list[Stack] = []
         for index, frame in enumerate(_frames_for(top.shape, byte)):
@@ -484,17 +393,17 @@ def _step(stack: Stack, byte: int) -> list[Stack]:
             readings.extend(_step(base, byte))
         return readings
     code, child = top.feed(byte)
-    if code == _KEEP:
+    if code == KEEP:
         return [stack]
-    if code == _FAIL:
+    if code == FAIL:
         return []
-    if code in (_PUSH, _PUSHBACK):
+    if code in (PUSH, PUSHBACK):
         assert child is not None
         stack.append(child)
-        return [stack] if code == _PUSH else _step(stack, byte)
+        return [stack] if code == PUSH else _step(stack, byte)
     stack.pop()
     stack[-1].child_done()
-    return _step(stack, byte) if code == _PASS else [stack]
+    return _step(stack, byte) if code == PASS else [stack]
 
 
 class JsonTracker:
@@ -520,6 +429,45 @@ class JsonTracker:
             if not readings:
                 break
         self.readings = readings
+
+    def nexts(self) -> frozenset[int] | None:
+        """The bytes the document allows next over every reading: SPACE where the
+        grammar's optional space may come, ANY_BYTE where a value may start with
+        too many bytes to force one. None when the text is lost or a reading is inside
+        a free value (a string's characters, a number's digits)."""
+        if not self.readings:
+            return None
+        allowed: set[int] = set()
+        for stack in self.readings:
+            depth = len(stack) - 1
+            frame = stack[depth]
+            while True:
+                found, may_end = frame.nexts()
+                if found is None:
+                    return None
+                allowed |= found
+                if not may_end or depth == 0:
+                    break
+                # The frame may end here: what its parent allows then is allowed too.
+                depth -= 1
+                frame = stack[depth].clone()
+                frame.child_done()
+        return frozenset(allowed)
+
+    @property
+    def whole(self) -> bool:
+        """The document is complete in some reading (only whitespace may follow)."""
+        return any(len(stack) == 1 for stack in self.readings)
+
+    def in_text(self) -> bool:
+        """Whether the next byte would be inside a string, a key or an enum value, where
+        it is text and not the document's punctuation (the first reading's view)."""
+        return bool(self.readings) and self.readings[0][-1].in_text()
+
+    def in_string(self) -> bool:
+        """Whether the next byte would be inside a string value (the first reading's
+        view): text of the model's choosing, often copied from the prompt."""
+        return bool(self.readings) and self.readings[0][-1].in_string()
 
     def completions(self) -> list[bytes]:
         """The shortest completion of each reading, shortest first, without repeats

@@ -68,6 +68,9 @@ class Usage:
     # Speculative decoding: tokens drafted, and those accepted (0 from older daemons).
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    # Of those, the tokens a json_schema's grammar forced (0 from older daemons).
+    forced_drafted_tokens: int = 0
+    forced_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -704,6 +704,10 @@ pub struct Usage {
     pub drafted_tokens: u64,
     /// Drafted tokens the model's own sampling confirmed.
     pub accepted_tokens: u64,
+    /// Of the drafted tokens, those a `json_schema`'s grammar forced (0 from older daemons).
+    pub forced_drafted_tokens: u64,
+    /// Of the accepted tokens, those a `json_schema`'s grammar forced.
+    pub forced_accepted_tokens: u64,
 }
 
 /// Timings of a generation, in milliseconds and tokens per second.

@@ -1,0 +1,323 @@
+#!/usr/bin/env python3
+"""Structured output against free text (issue 38): the tokens a schema forces, drafted.
+
+Four schemas (flat, nested, enums, arrays of objects), each with a one-shot completion
+prompt: a task line, an example text and its document (as json.dumps writes it), then a
+new text; the model's natural continuation, free or constrained, is its document. Two
+daemons up together, the default config and the same with `[speculative] forced_drafts =
+false`; both speculate (the default). For each schema and sampling (greedy; temperature
+0.7 with a seed), twice a run, each daemon first once:
+
+- **forced**: `generate` with `json_schema` on the default daemon;
+- **no forced**: the same request on the other daemon (its n-gram drafts only);
+- **free**: the same prompt without a schema on the default daemon, max_tokens the
+  document's tokens (the same prompt's free decode);
+- **free on the other daemon**: the same, to show unconstrained requests unchanged.
+
+Per schema and sampling: decode tok/s of each (median over runs of the mean of the two
+requests a run), the paired ratios forced/free and forced/no-forced, the forced tokens
+drafted and accepted, whether every document validates (jsonschema), and whether the
+forced daemon's text equals the other's byte for byte in every run.
+
+    .venv/bin/python scripts/bench_forced.py [--runs 3] [--schemas flat,enums] [--json F]
+    .venv/bin/python scripts/bench.py --only forced [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import benchlib
+import jsonschema
+from benchlib import REPO, Daemon, Stream, log
+
+Runner = Callable[[Coroutine[Any, Any, Any]], Any]
+
+def _prompt(task: str, example_text: str, example: dict[str, Any], text: str) -> str:
+    """A one-shot completion prompt: the model's natural continuation, free or
+    constrained, is the document for `text` (written as json.dumps writes the example)."""
+    return (f"{task}\n\nText: {example_text}\nJSON:\n{json.dumps(example)}\n\n"
+            f"Text: {text}\nJSON:\n")
+
+
+_FLAT = {
+    "type": "object",
+    "properties": {
+        "full_name": {"type": "string"},
+        "job_title": {"type": "string"},
+        "company_name": {"type": "string"},
+        "email_address": {"type": "string"},
+        "phone_number": {"type": "string"},
+        "years_of_experience": {"type": "integer"},
+        "works_remotely": {"type": "boolean"},
+    },
+    "required": ["full_name", "job_title", "company_name", "email_address", "phone_number",
+                 "years_of_experience", "works_remotely"],
+}
+_NESTED = {
+    "type": "object",
+    "properties": {
+        "customer": {"type": "object", "properties": {
+            "first_name": {"type": "string"}, "last_name": {"type": "string"}},
+            "required": ["first_name", "last_name"]},
+        "shipping_address": {"type": "object", "properties": {
+            "street_address": {"type": "string"}, "postal_code": {"type": "string"},
+            "city": {"type": "string"}, "country": {"type": "string"}},
+            "required": ["street_address", "postal_code", "city", "country"]},
+        "payment": {"type": "object", "properties": {
+            "amount": {"type": "number"}, "currency_code": {"type": "string"},
+            "payment_method": {"type": "string"}},
+            "required": ["amount", "currency_code", "payment_method"]},
+        "delivery_options": {"type": "object", "properties": {
+            "express_shipping": {"type": "boolean"}, "gift_wrapping": {"type": "boolean"}},
+            "required": ["express_shipping", "gift_wrapping"]},
+    },
+    "required": ["customer", "shipping_address", "payment", "delivery_options"],
+}
+_ENUMS = {
+    "type": "object",
+    "properties": {
+        "category": {"enum": ["account_access", "billing_and_payments", "bug_report",
+                              "feature_request", "shipping_and_delivery"]},
+        "priority": {"enum": ["low", "medium", "high", "critical"]},
+        "customer_sentiment": {"enum": ["very_negative", "negative", "neutral", "positive",
+                                        "very_positive"]},
+        "affected_platform": {"enum": ["web_application", "mobile_application",
+                                       "desktop_application", "public_api"]},
+        "requested_contact_channel": {"enum": ["email", "phone_call", "live_chat",
+                                               "no_contact_requested"]},
+        "language": {"enum": ["english", "german", "french", "spanish"]},
+    },
+    "required": ["category", "priority", "customer_sentiment", "affected_platform",
+                 "requested_contact_channel", "language"],
+}
+_PERSON = {"type": "object", "properties": {
+    "full_name": {"type": "string"},
+    "role": {"enum": ["product_manager", "engineer", "designer"]}},
+    "required": ["full_name", "role"]}
+_TASK = {"type": "object", "properties": {
+    "owner": {"type": "string"}, "task_description": {"type": "string"},
+    "due_date": {"type": "string", "format": "date"}},
+    "required": ["owner", "task_description", "due_date"]}
+_ARRAYS = {
+    "type": "object",
+    "properties": {
+        "meeting_title": {"type": "string"},
+        "attendees": {"type": "array", "minItems": 1, "maxItems": 4, "items": _PERSON},
+        "action_items": {"type": "array", "minItems": 1, "maxItems": 4, "items": _TASK},
+    },
+    "required": ["meeting_title", "attendees", "action_items"],
+}
+
+SCHEMAS: dict[str, tuple[dict[str, Any], str]] = {
+    "flat": (_FLAT, _prompt(
+        "Extract the contact details as JSON.",
+        "Hello, Daniel Kim here, data analyst at Brightwave Energy. Email "
+        "daniel.kim@brightwave.example, phone +1 415 555 0134. Six years in the field, "
+        "office-based in Austin.",
+        {"full_name": "Daniel Kim", "job_title": "Data Analyst",
+         "company_name": "Brightwave Energy", "email_address": "daniel.kim@brightwave.example",
+         "phone_number": "+1 415 555 0134", "years_of_experience": 6,
+         "works_remotely": False},
+        "Hi, I'm Margaret Okonkwo-Hale, senior platform engineer at Northwind Logistics. "
+        "Reach me at margaret.hale@northwind-logistics.example or +44 20 7946 0958. I've "
+        "been doing infrastructure work for 12 years and I work fully remote.")),
+    "nested": (_NESTED, _prompt(
+        "Extract each order as JSON.",
+        "Order for Amélie Dubois, shipping to 8 Rue des Lilas, 69003 Lyon, France. Paid "
+        "89.90 EUR by PayPal; standard shipping, no gift wrap.",
+        {"customer": {"first_name": "Amélie", "last_name": "Dubois"},
+         "shipping_address": {"street_address": "8 Rue des Lilas", "postal_code": "69003",
+                              "city": "Lyon", "country": "France"},
+         "payment": {"amount": 89.9, "currency_code": "EUR", "payment_method": "paypal"},
+         "delivery_options": {"express_shipping": False, "gift_wrapping": False}},
+        "Order for Jonas Lindqvist, shipping to Storgatan 14, 114 55 Stockholm, Sweden. He "
+        "paid 1249.50 SEK by credit card; deliver with express shipping, gift wrapped.")),
+    "enums": (_ENUMS, _prompt(
+        "Classify each support ticket as JSON.",
+        "Subject: feature idea\nIt would be lovely to export my invoices as CSV from the "
+        "website. No rush, just an idea! Feel free to email me.",
+        {"category": "feature_request", "priority": "low", "customer_sentiment": "positive",
+         "affected_platform": "web_application", "requested_contact_channel": "email",
+         "language": "english"},
+        "Subject: app keeps logging me out!!\nEvery time I switch to the billing page the "
+        "mobile app logs me out and I lose my cart. This is the third time this week, I'm "
+        "really frustrated. Please call me back.")),
+    "arrays": (_ARRAYS, _prompt(
+        "Turn meeting notes into JSON.",
+        "Design sync: Ana Souza (designer) and Ben Carter (engineer) met. Ben will update "
+        "the icon set by 2026-05-02.",
+        {"meeting_title": "Design sync",
+         "attendees": [{"full_name": "Ana Souza", "role": "designer"},
+                       {"full_name": "Ben Carter", "role": "engineer"}],
+         "action_items": [{"owner": "Ben Carter", "task_description": "Update the icon set",
+                           "due_date": "2026-05-02"}]},
+        "Quarterly roadmap review: attendees were Priya Raman (product manager), Tom "
+        "Becker (engineer), Lucia Ferreira (designer) and Sam Osei (engineer). Priya will "
+        "draft the Q3 roadmap by 2026-07-10; Tom will fix the login timeout by "
+        "2026-07-03; Lucia will deliver the new onboarding mockups by 2026-07-08.")),
+}
+SAMPLINGS: dict[str, dict[str, Any]] = {
+    "greedy": {"temperature": 0.0},
+    "sampled": {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": 7},
+}
+MAX_TOKENS = 400
+SIDES = ("forced", "no_forced", "free", "free_plain")
+
+
+def _request(name: str, sampling: str, side: str, max_tokens: int) -> dict[str, Any]:
+    schema, prompt = SCHEMAS[name]
+    request: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                               **SAMPLINGS[sampling]}
+    if not side.startswith("free"):
+        request["json_schema"] = schema
+    return request
+
+
+async def one_run(params: dict[str, Any], schemas: list[str]) -> list[dict[str, Any]]:
+    """Both daemons up together; every schema and sampling, A-B-B-A. A row per
+    (schema, sampling, side, request)."""
+    forced = await Daemon.start(params)
+    plain = await Daemon.start(params, config="[speculative]\nforced_drafts = false\n")
+    streams = {"forced": await Stream.open(forced.socket_path),
+               "no_forced": await Stream.open(plain.socket_path)}
+    streams["free"] = streams["forced"]
+    streams["free_plain"] = streams["no_forced"]
+    rows: list[dict[str, Any]] = []
+    try:
+        for stream in (streams["forced"], streams["no_forced"]):
+            await stream.request(_request("flat", "greedy", "forced", 8))  # warm-up
+        for name in schemas:
+            for sampling in SAMPLINGS:
+                # The free request takes as many tokens as the document before it.
+                for order in (SIDES, ("no_forced", "forced", "free_plain", "free")):
+                    tokens = MAX_TOKENS
+                    for side in order:
+                        run = await streams[side].request(_request(
+                            name, sampling, side,
+                            tokens if side.startswith("free") else MAX_TOKENS))
+                        done = run["done"]
+                        if side == "forced":
+                            tokens = done["usage"]["completion_tokens"]
+                        rows.append({"schema": name, "sampling": sampling, "side": side,
+                                     "decode_tok_s": run["decode_tok_s"],
+                                     "tokens": done["usage"]["completion_tokens"],
+                                     "finish_reason": done["finish_reason"],
+                                     "usage": done["usage"], "text": run["text"]})
+    finally:
+        for stream in (streams["forced"], streams["no_forced"]):
+            await stream.close()
+        await forced.stop()
+        await plain.stop()
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]], schemas: list[str]) -> list[dict[str, Any]]:
+    """A line per (schema, sampling): medians, paired ratios, validity and identity."""
+    lines = []
+    for name in schemas:
+        schema = SCHEMAS[name][0]
+        for sampling in SAMPLINGS:
+            mine = [row for row in rows if row["schema"] == name and row["sampling"] == sampling]
+            by_side = {side: [row for row in mine if row["side"] == side] for side in SIDES}
+            # Rows come in pairs of requests per run: (forced, no_forced, free) x 2.
+            forced, plain, free = by_side["forced"], by_side["no_forced"], by_side["free"]
+            free_plain = by_side["free_plain"]
+
+            def rate(side_rows: list[dict[str, Any]]) -> float:
+                return statistics.median(row["decode_tok_s"] for row in side_rows)
+
+            valid = 0
+            for row in forced + plain:
+                try:
+                    jsonschema.validate(json.loads(row["text"]), schema)
+                    valid += row["finish_reason"] == "stop"
+                except (ValueError, jsonschema.ValidationError):
+                    pass
+            same = sum(a["text"] == b["text"] for a, b in zip(forced, plain, strict=True))
+            lines.append({
+                "schema": name, "sampling": sampling,
+                "tokens": statistics.median(row["tokens"] for row in forced),
+                "forced_tok_s": rate(forced), "no_forced_tok_s": rate(plain),
+                "free_tok_s": rate(free),
+                "forced_vs_free": benchlib.paired_ratio(forced, "decode_tok_s", free,
+                                                        "decode_tok_s"),
+                "forced_vs_no_forced": benchlib.paired_ratio(forced, "decode_tok_s", plain,
+                                                             "decode_tok_s"),
+                "no_forced_vs_free": benchlib.paired_ratio(plain, "decode_tok_s", free,
+                                                           "decode_tok_s"),
+                "free_vs_free_plain": benchlib.paired_ratio(free, "decode_tok_s", free_plain,
+                                                            "decode_tok_s"),
+                "free_same": sum(a["text"] == b["text"]
+                                 for a, b in zip(free, free_plain, strict=True)),
+                "forced_drafted": sum(row["usage"]["forced_drafted_tokens"] for row in forced),
+                "forced_accepted": sum(row["usage"]["forced_accepted_tokens"]
+                                       for row in forced),
+                "valid": valid, "documents": len(forced) + len(plain),
+                "identical": same, "pairs": len(forced)})
+    return lines
+
+
+def print_table(lines: list[dict[str, Any]], header: str) -> None:
+    print()
+    print(f"Structured output, forced drafts (issue 38): {header}")
+    print()
+    print("| schema | sampling | doc tokens | forced tok/s | no-forced tok/s | free tok/s | "
+          "forced/free | forced/no-forced | no-forced/free | forced accepted/drafted | "
+          "valid | same bytes | free: daemons' ratio, same bytes |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for line in lines:
+        print(f"| {line['schema']} | {line['sampling']} | {line['tokens']:.0f} | "
+              f"{line['forced_tok_s']:.1f} | {line['no_forced_tok_s']:.1f} | "
+              f"{line['free_tok_s']:.1f} | {line['forced_vs_free']:.2f} | "
+              f"{line['forced_vs_no_forced']:.2f} | {line['no_forced_vs_free']:.2f} | "
+              f"{line['forced_accepted']}/{line['forced_drafted']} | "
+              f"{line['valid']}/{line['documents']} | {line['identical']}/{line['pairs']} | "
+              f"{line['free_vs_free_plain']:.2f}, {line['free_same']}/{line['pairs']} |")
+
+
+def run(params: dict[str, Any], runs: int, *, runner: Runner, header: str = "",
+        schemas: list[str] | None = None) -> dict[str, Any]:
+    names = schemas or list(SCHEMAS)
+    rows: list[dict[str, Any]] = []
+    for index in range(runs):
+        log(f"[forced {index + 1}/{runs}] two daemons, {len(names)} schemas x "
+            f"{len(SAMPLINGS)} samplings x 2 rounds ...")
+        rows.extend(runner(one_run(params, names)))
+    lines = summarize(rows, names)
+    print_table(lines, header or f"{runs} runs")
+    return {"rows": rows, "lines": lines}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--model", help="GGUF model (default: the embedded default model)")
+    parser.add_argument("--n-ctx", type=int, default=4096)
+    parser.add_argument("--json", help="write the rows and lines here")
+    parser.add_argument("--schemas", default=",".join(SCHEMAS),
+                        help=f"comma-separated, of {', '.join(SCHEMAS)} (default: all)")
+    args = parser.parse_args()
+    schemas = args.schemas.split(",")
+    if not set(schemas) <= set(SCHEMAS):
+        parser.error(f"--schemas: each of {', '.join(SCHEMAS)}")
+    sys.path.insert(0, str(REPO))
+    from sfcore_daemon.llama import modelfile
+
+    params = {"model": modelfile.resolve_model_path(args.model or ""), "n_ctx": args.n_ctx}
+    results = run(params, args.runs, runner=asyncio.run, schemas=schemas,
+                  header=f"model {Path(params['model']).name}, {args.runs} runs, medians")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,373 @@
+"""The text a JSON schema's grammar leaves no choice about, as draft tokens.
+
+Inside a constrained document much of the text is fixed by where the document stands:
+the only property name left and its `": "`, the `, "` before the next required one,
+the closing `"}` of an object whose last property was written, the rest of an enum value
+once its first bytes tell it from the others. The model samples each of those tokens
+one step at a time all the same. `ForcedDrafts` proposes them as a draft instead, which
+the step loop verifies like any other (engine/rows.py): a draft token is emitted only
+where the model's own draw from its row, through the grammar, equals it. So these drafts
+change how many tokens a step takes, never which tokens are emitted (beyond the
+rounding of several rows in one step, see docs/performance.md "Numerics").
+
+`ForcedText` follows the document with a `JsonTracker` and asks each reading which bytes
+may come next (`JsonTracker.nexts`); while exactly one can, that byte is forced. The
+grammar's optional space (one `" "?` after punctuation and values) is not a choice the
+grammar makes: it is drafted the way this model has written it so far in the document,
+between the same two bytes (a model may write `"a": 1` and `"b" }`), else after the same
+byte, else as json.dumps does (a space after `:` and `,`, none elsewhere).
+The forced bytes are tokenized as the model's tokenizer would write them alone (a forced
+text can be written in several tokenizations; the model mostly writes this one, and where
+it does not, the draft ends at the first token it disagrees with).
+
+Decode thread only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Final
+
+from sfcore_daemon.structured.copying import MAX_COPY, PromptCopy
+from sfcore_daemon.structured.frames import ANY_BYTE, SPACE, WS
+from sfcore_daemon.structured.tracker import JsonTracker
+
+if TYPE_CHECKING:
+    from sfcore_daemon.llama.model import Model
+    from sfcore_daemon.structured.shape import Shape
+
+# Forced bytes looked at per draft token of room: tokens of punctuation and key names
+# are 1-8 bytes here; a text cut at this bound loses its last token (it may be cut
+# inside it).
+_BYTES_PER_TOKEN: Final = 8
+# Forced texts tokenized, kept per request (the same keys come back in every item of an
+# array); emptied whole when full.
+_TOKENIZED: Final = 256
+# The punctuation a space follows by default, before the document says otherwise (as
+# json.dumps and most models write JSON).
+_SPACED_BY_DEFAULT: Final = frozenset(b":,")
+# A prompt copy's first length, and the tokens copies pause for after one is rejected
+# whole (doubling while they keep failing, up to the most).
+MAX_FORCED: Final = 64
+_SHORT_FORCED: Final = 2
+_FIRST_COPY: Final = 4
+_FIRST_COPY_PAUSE: Final = 4
+_MAX_COPY_PAUSE: Final = 64
+_DIGIT_CLASS: Final = ord("0")
+_LETTER_CLASS: Final = ord("a")
+
+
+def _kind(byte: int) -> int:
+    """The class a byte's spacing habit is kept under: digits as one (a number's end),
+    letters as one (true, false, null), punctuation each its own."""
+    if 0x30 <= byte <= 0x39:
+        return _DIGIT_CLASS
+    if 0x61 <= byte <= 0x7A or 0x41 <= byte <= 0x5A:
+        return _LETTER_CLASS
+    return byte
+
+
+class ForcedText:
+    """Where a document stands, the model's spacing habit, and the bytes forced next."""
+
+    __slots__ = ("_tracker", "_spacing", "_between", "_last", "_spaced", "_string",
+                 "before_choice")
+
+    def __init__(self, shape: Shape) -> None:
+        self._tracker = JsonTracker(shape)
+        # Whether the model wrote a space after a class of byte (_kind), the last time
+        # one was followed by punctuation; and between such a byte and the punctuation.
+        self._spacing: dict[int, bool] = {}
+        self._between: dict[tuple[int, int], bool] = {}
+        self._last = -1  # the document's last byte other than whitespace
+        self._spaced = False  # whitespace followed it
+        self._string: bytearray | None = None  # the string value being written
+        # Whether the last forced text ended where the model chooses punctuation (`,`
+        # or `}`): a model mostly writes the forced text's last bytes and its choice as
+        # one token (`"},`), so that token of the draft would be refused.
+        self.before_choice = False
+
+    @property
+    def lost(self) -> bool:
+        """The tracker cannot follow the text (nothing is forced from then on)."""
+        return self._tracker.lost
+
+    @property
+    def string(self) -> bytes | None:
+        """The string value being written, so far (None outside one)."""
+        return None if self._string is None else bytes(self._string)
+
+    @property
+    def last(self) -> int:
+        """The document's last byte so far (-1: none yet)."""
+        return -1 if self._spaced else self._last
+
+    def feed(self, data: bytes) -> None:
+        """The document's next bytes, as the model wrote them."""
+        tracker = self._tracker
+        spacing = self._spacing
+        for byte in data:
+            if byte in WS:
+                self._spaced = True
+            else:
+                if self._last >= 0 and not tracker.in_text():
+                    kind = _kind(self._last)
+                    spacing[kind] = self._between[kind, byte] = self._spaced
+                self._last = byte
+                self._spaced = False
+            tracker.feed(bytes((byte,)))
+            if tracker.lost:
+                self._string = None
+                return
+            if not tracker.in_string():
+                self._string = None
+            elif self._string is None:
+                self._string = bytearray()  # `byte` was its opening quote
+            else:
+                self._string.append(byte)
+
+    def fits(self, data: bytes) -> int:
+        """How many of `data`'s first bytes the document can take from here: up to the
+        first byte no reading allows, or the byte that completes the document."""
+        probe = self._tracker.copy()
+        for index, byte in enumerate(data):
+            probe.feed(bytes((byte,)))
+            if probe.lost:
+                return index
+            if probe.whole:
+                return index + 1
+        return len(data)
+
+    def _wants_space(self, last: int, following: int) -> bool:
+        """Whether the model would write a space between `last` and `following`
+        (ANY_BYTE: the start of a value of its choosing)."""
+        kind = _kind(last)
+        spaced = self._between.get((kind, following))
+        if spaced is None:
+            spaced = self._spacing.get(kind)
+        return kind in _SPACED_BY_DEFAULT if spaced is None else spaced
+
+    def text(self, limit: int) -> bytes:
+        """The bytes forced from here, at most `limit` of them (b"" when the next byte
+        is the model's choice). A space is included where the grammar allows one and
+        the model's habit puts one."""
+        probe = self._tracker
+        if probe.lost:
+            return b""
+        return self._forced(probe, False, self._last, self._spaced, limit)
+
+    def text_after(self, data: bytes, limit: int) -> bytes | None:
+        """`text` once `data` follows what the document holds (None when the document
+        refuses `data`)."""
+        probe = self._tracker.copy()
+        probe.feed(data)
+        if probe.lost or not data:
+            return None
+        stripped = data.rstrip(b" \t\n\r")
+        last = stripped[-1] if stripped else self._last
+        return self._forced(probe, True, last, len(stripped) < len(data), limit)
+
+    def _forced(self, probe: JsonTracker, copied: bool, last: int, spaced: bool,
+                limit: int) -> bytes:
+        """The forced bytes from the state of `probe` (fed on a copy of it unless
+        `copied`), the document's last byte `last` and whether a space followed it."""
+        out = bytearray()
+        self.before_choice = False
+        while len(out) < limit:
+            allowed = probe.nexts()
+            if allowed is None:
+                break
+            choices = allowed - _SPACE_SET
+            # One byte is forced; or a value of the model's choosing starts, which the
+            # model's habit may put a space before.
+            following = next(iter(choices)) if len(choices) == 1 else ANY_BYTE
+            if following == ANY_BYTE and ANY_BYTE not in choices:
+                self.before_choice = True  # punctuation of the model's choosing
+                break
+            if SPACE in allowed and not spaced and last >= 0 \
+                    and self._wants_space(last, following):
+                if not copied:
+                    probe, copied = probe.copy(), True
+                probe.feed(b" ")
+                out.append(SPACE)
+                spaced = True
+            if following == ANY_BYTE:
+                break
+            byte = following
+            if not copied:
+                probe, copied = probe.copy(), True
+            probe.feed(bytes((byte,)))
+            if probe.lost:  # allowed by a reading's nexts, refused by its feed
+                break
+            out.append(byte)
+            last, spaced = byte, False
+        return bytes(out[:limit])
+
+
+_SPACE_SET: Final = frozenset((SPACE,))
+
+
+def _is_word(byte: int) -> bool:
+    return _kind(byte) in (_DIGIT_CLASS, _LETTER_CLASS) if byte >= 0 else False
+
+
+class ForcedDrafts:
+    """One constrained request's forced text, as the tokens of a draft.
+
+    Drafts only save steps: a failure in here (a MemoryError, a tracker bug) ends the
+    forced drafts of its request, never the request; `failure` keeps it for the step
+    loop to report."""
+
+    __slots__ = ("_text", "_model", "_fed", "_tokenized", "failure", "_prompt", "_copy",
+                 "_copy_limit", "_copy_pause", "_next_pause", "_limit")
+
+    def __init__(self, shape: Shape, model: Model, prompt: list[int]) -> None:
+        self._text = ForcedText(shape)
+        self._model = model
+        self._prompt = prompt
+        self._copy: PromptCopy | None = None  # made for the first string value
+        # Copies adapt like the n-gram drafts: their length doubles while accepted
+        # whole, and a copy rejected at once pauses them for a few tokens, then longer.
+        self._copy_limit = _FIRST_COPY
+        self._copy_pause = 0
+        self._next_pause = _FIRST_COPY_PAUSE
+        # The longest forced draft: a model that writes the forced text otherwise than
+        # drafted (its own spacing, a word cut its own way) drafts a few tokens at a
+        # time until a draft is accepted whole again.
+        self._limit = MAX_FORCED
+        self._fed = 0  # emitted tokens the text has read
+        self._tokenized: dict[bytes, list[int]] = {}
+        self.failure: BaseException | None = None
+
+    def propose(self, emitted: list[int], room: int) -> list[int]:
+        """The tokens of the text forced after `emitted` (every token the grammar has
+        accepted), at most `room` of them; [] when the next token is the model's."""
+        if room <= 0 or self.failure is not None:
+            return []
+        try:
+            return self._propose(emitted, room)
+        except Exception as exc:  # drafts are an optimisation (see class)
+            self.failure = exc
+            return []
+
+    def copy(self, emitted: list[int], room: int) -> tuple[list[int], list[int]]:
+        """Inside a string value: the prompt's tokens after the text the value copies
+        so far (copying.py), cut where the document would refuse them; and where the
+        copy ends a phrase, the closing quote and the text forced after it. At most
+        `room` tokens together; ([], []) elsewhere."""
+        if room <= 0 or self.failure is not None:
+            return [], []
+        try:
+            return self._copied(emitted, room)
+        except Exception as exc:  # drafts are an optimisation (see class)
+            self.failure = exc
+            return [], []
+
+    def _copied(self, emitted: list[int], room: int) -> tuple[list[int], list[int]]:
+        self._catch_up(emitted)
+        value = self._text.string
+        if self._copy_pause or value is None:
+            return [], []
+        if self._copy is None:
+            self._copy = PromptCopy(self._prompt, self._model)
+        copied, ends = self._copy.after(value, min(room, self._copy_limit))
+        kept = self.fitting(emitted, copied)
+        if kept < len(copied) or not ends or len(copied) >= room:
+            return copied[:kept], []
+        model = self._model
+        cached = model.pieces
+        data = b"".join(cached.get(token) or model.piece(token) for token in copied) + b'"'
+        after = self._text.text_after(data, _BYTES_PER_TOKEN * room)
+        if not after:  # the document refuses the quote, or punctuation is the choice
+            return copied, []
+        closing = self._tokens(b'"' + after)
+        if self._text.before_choice:
+            closing = closing[:-1]  # see ForcedText.before_choice
+        return copied, closing[:room - len(copied)]
+
+    def copied(self, drafted: int, accepted: int) -> None:
+        """How many tokens of a copy of `drafted` were accepted: adapts the next ones."""
+        if accepted == drafted:
+            self._copy_limit = min(2 * self._copy_limit, MAX_COPY)
+            self._next_pause = _FIRST_COPY_PAUSE
+        elif accepted == 0:
+            self._copy_limit = max(self._copy_limit // 2, 2)
+            self._copy_pause = self._next_pause
+            self._next_pause = min(2 * self._next_pause, _MAX_COPY_PAUSE)
+        else:
+            self._copy_limit = max(accepted + 1, 2)
+
+    def fitting(self, emitted: list[int], tokens: list[int]) -> int:
+        """How many of `tokens` (a guess of what follows `emitted`) the document can
+        take: a guess is cut at the first token the grammar would refuse, and after
+        the token that completes the document."""
+        if not tokens or self.failure is not None:
+            return 0
+        try:
+            self._catch_up(emitted)
+            text = self._text
+            if text.lost:
+                return len(tokens)  # nothing to check against
+            model = self._model
+            cached = model.pieces
+            pieces = [cached.get(token) or model.piece(token) for token in tokens]
+            room = text.fits(b"".join(pieces))
+            for count, piece in enumerate(pieces):
+                room -= len(piece)
+                if room < 0:
+                    return count
+            return len(tokens)
+        except Exception as exc:  # drafts are an optimisation (see class)
+            self.failure = exc
+            return 0
+
+    def _catch_up(self, emitted: list[int]) -> None:
+        if self._fed < len(emitted):
+            self._copy_pause = max(self._copy_pause - (len(emitted) - self._fed), 0)
+            model = self._model
+            cached = model.pieces
+            self._text.feed(b"".join(cached.get(token) or model.piece(token)
+                                     for token in emitted[self._fed:]))
+            self._fed = len(emitted)
+
+    def _propose(self, emitted: list[int], room: int) -> list[int]:
+        self._catch_up(emitted)
+        text = self._text
+        if text.lost:
+            return []
+        limit = _BYTES_PER_TOKEN * room
+        forced = text.text(limit)
+        if not forced or (_is_word(text.last) and _is_word(forced[0])):
+            # Inside a word the model cut differently from the tokenizer (it wrote
+            # `sent`, the text forces `iment`), it mostly cuts the rest its own way too:
+            # measured, 4 in 10 such drafts kept their first token, against 8 in 10 at a
+            # word's start. The model takes the rest of the word, then drafts resume.
+            return []
+        tokens = self._tokens(forced)
+        if len(forced) >= limit or text.before_choice:
+            # The text may have been cut inside its last token, or the model writes
+            # that token merged with the punctuation it chooses next.
+            tokens = tokens[:-1]
+        return tokens[:min(room, self._limit)]
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """How many of a draft's `drafted` forced tokens were accepted."""
+        if accepted >= drafted:
+            self._limit = min(2 * self._limit, MAX_FORCED)
+        else:
+            self._limit = max(accepted + 2, _SHORT_FORCED)
+
+    def _tokens(self, forced: bytes) -> list[int]:
+        """The model's tokenization of `forced`; [] when its pieces do not give the
+        bytes back (a text the tokenizer would normalise)."""
+        tokens = self._tokenized.get(forced)
+        if tokens is not None:
+            return tokens
+        model = self._model
+        tokens = model.tokenize_bytes(forced)
+        cached = model.pieces
+        if b"".join(cached.get(token) or model.piece(token) for token in tokens) != forced:
+            tokens = []
+        if len(self._tokenized) >= _TOKENIZED:
+            self._tokenized.clear()
+        self._tokenized[forced] = tokens
+        return tokens

@@ -1,0 +1,253 @@
+"""The text a JSON schema's grammar forces (structured/forced.py) and the string values copied
+from the prompt (copying.py), as pure logic: examples,
+then properties over generated schemas and documents (every forced text is one every
+valid document goes on with), then any bytes at all (no exception, bounded answers)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sfcore_daemon.structured.compiler import compile_schema
+from sfcore_daemon.structured.copying import PromptCopy
+from sfcore_daemon.structured.forced import ForcedText
+
+PROPERTY_SETTINGS = settings(max_examples=200, deadline=None, database=None,
+                             suppress_health_check=[HealthCheck.too_slow,
+                                                    HealthCheck.data_too_large])
+
+ORDER = {
+    "type": "object",
+    "properties": {
+        "order_id": {"type": "integer"},
+        "status": {"enum": ["new", "paid", "shipped", "cancelled"]},
+        "customer": {"type": "object", "properties": {"name": {"type": "string"}},
+                     "required": ["name"]},
+        "items": {"type": "array", "maxItems": 2,
+                  "items": {"type": "object", "properties": {"sku": {"type": "string"}},
+                            "required": ["sku"]}},
+        "note": {"type": "string"},
+    },
+    "required": ["order_id", "status", "customer", "items"],
+}
+
+
+def forced_after(schema: dict[str, Any], written: bytes, limit: int = 256) -> bytes:
+    text = ForcedText(compile_schema(schema).shape)
+    text.feed(written)
+    return text.text(limit)
+
+
+# --- examples -------------------------------------------------------------------------
+
+
+def test_the_first_key_and_its_colon_are_forced_from_the_start() -> None:
+    assert forced_after(ORDER, b"") == b'{"order_id": '
+    assert forced_after(ORDER, b'{"ord') == b'er_id": '
+
+
+def test_nothing_is_forced_inside_a_free_value() -> None:
+    assert forced_after(ORDER, b'{"order_id": 12') == b""  # more digits may come
+    assert forced_after(ORDER, b'{"order_id": 1, "status": "paid", "customer": {"name": "A') \
+        == b""
+
+
+def test_an_enum_value_is_forced_once_its_prefix_is_unique() -> None:
+    assert forced_after(ORDER, b'{"order_id": 1, "status": "') == b""  # four to choose
+    assert forced_after(ORDER, b'{"order_id": 1, "status": "s') == \
+        b'hipped", "customer": {"name": "'
+    assert forced_after(ORDER, b'{"order_id": 1, "status": "c') == \
+        b'ancelled", "customer": {"name": "'
+
+
+def test_closing_brackets_and_the_next_required_key_are_forced() -> None:
+    written = b'{"order_id": 1, "status": "new", "customer": {"name": "Ada"'
+    assert forced_after(ORDER, written) == b'}, "items": ['
+    # At maxItems the array must close; an optional key keeps the object open.
+    full = written + b'}, "items": [{"sku": "a"}, {"sku": "b"'
+    assert forced_after(ORDER, full) == b"}]"
+
+
+def test_the_limit_bounds_the_forced_text() -> None:
+    assert forced_after(ORDER, b"", limit=5) == b'{"ord'
+
+
+def test_spacing_follows_the_model_between_the_same_two_bytes() -> None:
+    # Compact JSON: no space after ':' or ','.
+    compact = b'{"order_id":1,"status":"new","customer":{"name":"Ada"'
+    assert forced_after(ORDER, compact) == b'},"items":['
+    # A space after '{' and before '}', none before ',': each pair as written.
+    spaced = b'{ "order_id": 1, "status": "new", "customer": { "name": "Ada" }, "items": '
+    assert forced_after(ORDER, spaced) == b'['
+    assert forced_after(ORDER, spaced + b'[{ "sku": "x" }, { ') == b'"sku": "'
+    assert forced_after(ORDER, b'{ "order_id": 1, "status": "new", "customer": {') \
+        == b' "name": "'
+
+
+def test_a_schema_without_properties_forces_only_its_punctuation() -> None:
+    anything = {"type": "object"}
+    assert forced_after(anything, b"") == b"{"
+    assert forced_after(anything, b'{"a": 1') == b""  # , or }
+
+
+def test_fits_stops_where_the_document_is_refused_or_complete() -> None:
+    text = ForcedText(compile_schema(ORDER).shape)
+    text.feed(b'{"order_id": 1, "status": "')
+    assert text.fits(b'paid", "customer"') == len(b'paid", "customer"')
+    assert text.fits(b'pending"') == 1  # "p" may start "paid"; "e" may not follow
+    text.feed(b'paid", "customer": {"name": "A"}, "items": []')
+    assert text.fits(b'}\n\nText:') == 1  # the document is whole after "}"
+
+
+# --- properties -----------------------------------------------------------------------
+
+NAMES = st.from_regex(r"[a-z]{1,3}(_[a-z]{1,3})?", fullmatch=True)
+
+
+def _schemas(depth: int) -> st.SearchStrategy[dict[str, Any]]:
+    leaves = st.one_of(
+        st.just({"type": "string"}), st.just({"type": "integer"}),
+        st.just({"type": "boolean"}),
+        st.lists(st.from_regex(r"[a-c]{1,4}", fullmatch=True), min_size=1, max_size=4,
+                 unique=True).map(lambda values: {"enum": values}))
+    if depth == 0:
+        return leaves
+    inner = _schemas(depth - 1)
+    objects = st.dictionaries(NAMES, inner, min_size=1, max_size=4).flatmap(
+        lambda props: st.sets(st.sampled_from(sorted(props))).map(
+            lambda required: {"type": "object", "properties": props,
+                              "required": [key for key in props if key in required]}))
+    arrays = st.tuples(inner, st.integers(0, 2), st.integers(0, 2)).map(
+        lambda args: {"type": "array", "items": args[0], "minItems": args[1],
+                      "maxItems": args[1] + args[2]})
+    return st.one_of(leaves, objects, arrays)
+
+
+def _documents(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    kind = schema["type"]
+    if kind == "string":
+        return st.text(st.characters(codec="utf-8", exclude_characters='"\\'), max_size=6)
+    if kind == "integer":
+        return st.integers(-999, 999)
+    if kind == "boolean":
+        return st.booleans()
+    if kind == "array":
+        return st.lists(_documents(schema["items"]), min_size=schema["minItems"],
+                        max_size=schema["maxItems"])
+    props, required = schema["properties"], schema["required"]
+    optional = [key for key in props if key not in required]
+    # Required keys first in schema order, then optional ones in order (the grammar's).
+    chosen = st.lists(st.booleans(), min_size=len(optional), max_size=len(optional))
+    return chosen.flatmap(lambda picks: st.tuples(*(
+        st.tuples(st.just(key), _documents(props[key]))
+        for key in required + [key for key, pick in zip(optional, picks, strict=True) if pick]
+    )).map(dict))
+
+
+@st.composite
+def schema_and_document(draw: st.DrawFn) -> tuple[dict[str, Any], bytes]:
+    schema = draw(_schemas(2).filter(lambda schema: schema.get("type") == "object"))
+    document = draw(_documents(schema))
+    separators = draw(st.sampled_from([(",", ":"), (", ", ": ")]))
+    return schema, json.dumps(document, separators=separators, ensure_ascii=False).encode()
+
+
+def _no_space(data: bytes) -> bytes:
+    return re.sub(rb"[ \t\n\r]", b"", data)
+
+
+@PROPERTY_SETTINGS
+@given(schema_and_document())
+def test_every_forced_text_is_how_the_document_goes_on(case: tuple[dict[str, Any], bytes]) -> None:
+    schema, document = case
+    text = ForcedText(compile_schema(schema).shape)
+    for at in range(len(document) + 1):
+        forced = text.text(64)
+        rest = document[at:]
+        # The bytes the grammar forces are in every valid continuation; spaces are the
+        # model's habit, and the document may have made another choice.
+        assert _no_space(rest).startswith(_no_space(forced)), (document[:at], forced)
+        assert text.fits(rest) == len(rest)
+        if at < len(document):
+            text.feed(document[at:at + 1])
+    assert not text.lost
+
+
+@PROPERTY_SETTINGS
+@given(st.binary(max_size=64), st.integers(0, 64))
+def test_any_bytes_give_a_bounded_answer(data: bytes, limit: int) -> None:
+    text = ForcedText(compile_schema(ORDER).shape)
+    text.feed(data)
+    forced = text.text(limit)
+    assert isinstance(forced, bytes) and len(forced) <= limit
+    assert 0 <= text.fits(data) <= len(data)
+
+
+# --- string values copied from the prompt (copying.py) ----------------------------------
+
+
+class PieceModel:
+    """What PromptCopy reads of a model: each token's bytes."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = dict(enumerate(pieces))
+
+    def piece(self, token: int) -> bytes:
+        return self.pieces[token]
+
+
+def copy_after(pieces: list[bytes], value: bytes, room: int = 16) -> tuple[list[bytes], bool]:
+    model: Any = PieceModel(pieces)
+    tokens, ends = PromptCopy(list(range(len(pieces))), model).after(value, room)
+    return [pieces[token] for token in tokens], ends
+
+
+PROSE = [b"Hi", b",", b" I", b"'m", b" Margaret", b" Ok", b"onk", b"wo", b"-", b"Hale", b",",
+         b" reach", b" me", b" at", b" margaret", b".", b"hale", b"@", b"north", b".",
+         b"example", b".", b" Thanks"]
+
+
+def test_a_value_copies_the_prompt_up_to_the_end_of_its_phrase() -> None:
+    assert copy_after(PROSE, b"Margaret") == ([b" Ok", b"onk", b"wo", b"-", b"Hale"], True)
+    # A full stop inside an address is not the end of a phrase; the one before a space is.
+    assert copy_after(PROSE, b"margaret") == ([b".", b"hale", b"@", b"north", b".",
+                                               b"example"], True)
+    assert copy_after(PROSE, b"Margaret", room=2) == ([b" Ok", b"onk"], False)
+
+
+def test_no_copy_from_inside_a_token_a_short_value_or_an_ambiguous_one() -> None:
+    assert copy_after(PROSE, b"Marg") == ([], False)  # ends inside " Margaret"
+    assert copy_after(PROSE, b"Ok") == ([], False)  # too short to tell
+    assert copy_after(PROSE, b"Zebra") == ([], False)
+    twice = [b" Tom", b" Becker", b",", b" and", b" Tom", b" will", b" fix"]
+    assert copy_after(twice, b"Tom") == ([], False)  # " Becker" or " will"?
+
+
+def test_a_copy_stops_before_a_quote_or_a_line_break() -> None:
+    quoted = [b" title", b":", b" Data", b" Analyst", b'"', b" more"]
+    assert copy_after(quoted, b"Data") == ([b" Analyst"], False)
+    lines = [b" Data", b" Analyst", b"\n", b"Next"]
+    assert copy_after(lines, b"Data") == ([b" Analyst"], False)
+
+
+@PROPERTY_SETTINGS
+@given(st.lists(st.binary(min_size=1, max_size=4), min_size=1, max_size=24), st.data())
+def test_a_copy_is_what_follows_the_value_in_the_prompt(pieces: list[bytes],
+                                                        data: st.DataObject) -> None:
+    end = data.draw(st.integers(1, len(pieces)))
+    start = data.draw(st.integers(0, end - 1))
+    value = b"".join(pieces[start:end])
+    copied, _ = copy_after(pieces, value)
+    if copied:
+        text = b"".join(pieces)
+        # Some occurrence of the value is followed by exactly the copied bytes.
+        assert any(text[at + len(value):].startswith(b"".join(copied))
+                   for at in range(len(text)) if text.startswith(value, at))
+        assert not any(b'"' in piece or b"\n" in piece for piece in copied)
+    assert len(copied) <= 16
