@@ -87,29 +87,36 @@ def test_batched_bench_output_is_parsed_in_both_formats() -> None:
     assert module.percentile([float(i) for i in range(1, 101)], 99) == 99.0
 
 
-@pytest.mark.asyncio
-@pytest.mark.timeout(REPLY_TIMEOUT_S + 120)
-async def test_openai_section_measures_both_daemon_paths() -> None:
-    """`--only openai` without llama-server: both daemon columns filled, the two daemon
-    targets judged, the same prompt length on both paths (one rendered template)."""
+async def run_section(*args: str) -> tuple[str, dict[str, Any]]:
+    """A bench script with `args` (LLAMA_SERVER unset, so the daemon only), bounded by
+    REPLY_TIMEOUT_S: its table (stdout) and the JSON it wrote."""
     results = Path(tempfile.mkdtemp(prefix="sfbench-")) / "results.json"
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "scripts/bench.py", "--only", "openai", "--runs", "1", "--tokens", "8",
-        "--json", str(results), cwd=REPO, start_new_session=True,
+        sys.executable, *args, "--json", str(results), cwd=REPO, start_new_session=True,
         env={**{k: v for k, v in os.environ.items() if k != "LLAMA_SERVER"},
              "SFCORE_BENCH_TIMEOUT_S": str(REPLY_TIMEOUT_S)},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
         stdout, stderr = await asyncio.wait_for(process.communicate(), REPLY_TIMEOUT_S)
     finally:
-        if process.returncode is None:
+        if process.returncode is None:  # timed out: leave no benchmark process running
             os.killpg(process.pid, signal.SIGKILL)
             await process.wait()
     assert process.returncode == 0, stderr.decode()[-2000:]
-    table = stdout.decode()
+    results_json: dict[str, Any] = json.loads(results.read_text())
+    return stdout.decode(), results_json
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(REPLY_TIMEOUT_S + 120)
+async def test_openai_section_measures_both_daemon_paths() -> None:
+    """`--only openai` without llama-server: both daemon columns filled, the two daemon
+    targets judged, the same prompt length on both paths (one rendered template)."""
+    table, results_json = await run_section("scripts/bench.py", "--only", "openai", "--runs",
+                                            "1", "--tokens", "8")
     assert "| daemon, NDJSON chat | daemon, /v1/chat/completions |" in table, table
     assert "llama-server, /v1/chat/completions" not in table
-    section = json.loads(results.read_text())["openai"]
+    section = results_json["openai"]
     ndjson, http = section["samples"]["ndjson"][0], section["samples"]["http"][0]
     for run in (ndjson, http):
         assert run["tokens"] == 8 and run["first_token_ms"] > 0 and run["decode_tok_s"] > 0
@@ -125,21 +132,8 @@ async def test_tools_section_counts_every_answer_and_forced_calls_validate() -> 
     """`--only tools --seeds 2` without llama-server: one table row per (tool_choice,
     temperature, max_tokens), its counts add up to its requests, and every forced call
     of the daemon validates (tight budgets and temperature 1.0 included)."""
-    results = Path(tempfile.mkdtemp(prefix="sfbench-")) / "results.json"
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "scripts/bench.py", "--only", "tools", "--seeds", "2",
-        "--json", str(results), cwd=REPO, start_new_session=True,
-        env={**{k: v for k, v in os.environ.items() if k != "LLAMA_SERVER"},
-             "SFCORE_BENCH_TIMEOUT_S": str(REPLY_TIMEOUT_S)},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    try:
-        stdout, stderr = await asyncio.wait_for(process.communicate(), REPLY_TIMEOUT_S)
-    finally:
-        if process.returncode is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            await process.wait()
-    assert process.returncode == 0, stderr.decode()[-2000:]
-    table = stdout.decode()
+    table, results_json = await run_section("scripts/bench.py", "--only", "tools", "--seeds",
+                                            "2")
     assert table.startswith("Tool calls: ") and "\nvalid: " in table, table
     rows = [[cell.strip() for cell in line.strip("|").split("|")]
             for line in table.splitlines() if line.startswith("| daemon |")]
@@ -152,7 +146,7 @@ async def test_tools_section_counts_every_answer_and_forced_calls_validate() -> 
         requests, valid, invalid, no_call = (int(cell) for cell in row[4:8])
         assert requests == 6 and valid + invalid + no_call == requests, row
         assert valid == requests and row[8] == "100.0", row
-    section = json.loads(results.read_text())["tools"]
+    section = results_json["tools"]
     assert section["seeds"] == 2 and len(section["rows"]) == len(rows)
     assert all(row["valid"] == row["requests"] == 6 and row["errors"] == 0
                for row in section["rows"])
@@ -163,22 +157,10 @@ async def test_tools_section_counts_every_answer_and_forced_calls_validate() -> 
 async def test_forced_section_compares_three_sides_and_every_document_validates() -> None:
     """scripts/bench_forced.py on one schema: a table line per sampling, every
     constrained document valid, forced tokens drafted and accepted."""
-    results = Path(tempfile.mkdtemp(prefix="sfbench-")) / "results.json"
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "scripts/bench_forced.py", "--runs", "1", "--schemas", "nested",
-        "--json", str(results), cwd=REPO, start_new_session=True,
-        env={**os.environ, "SFCORE_BENCH_TIMEOUT_S": str(REPLY_TIMEOUT_S)},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    try:
-        stdout, stderr = await asyncio.wait_for(process.communicate(), REPLY_TIMEOUT_S)
-    finally:
-        if process.returncode is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            await process.wait()
-    assert process.returncode == 0, stderr.decode()[-2000:]
-    table = stdout.decode()
+    table, results_json = await run_section("scripts/bench_forced.py", "--runs", "1",
+                                            "--schemas", "nested")
     assert "| nested | greedy |" in table and "| nested | sampled |" in table, table
-    lines = json.loads(results.read_text())["lines"]
+    lines = results_json["lines"]
     assert [line["sampling"] for line in lines] == ["greedy", "sampled"]
     for line in lines:
         assert line["valid"] == line["documents"] == 4, line

@@ -94,14 +94,13 @@ def _propose(seq: Seq, room: int) -> Proposal:
         length = min(length, len(continuation))
     forced = _forced(seq, room)
     if len(forced) < MIN_DRAFT:
-        if length:
-            return Proposal(continuation, length, guessed=len(continuation))
-        # Inside a string value the n-grams have no match for: the rest of the prompt
-        # text it copies (copying.py), when it copies one, and what closes it.
+        # Inside a string value: the rest of the prompt text it copies (copying.py),
+        # when it copies one, and what closes it. It knows where a phrase ends, which
+        # the n-grams' copy of the same prose does not.
         copy, closing = _copied(seq, room)
-        if len(copy) + len(closing) < MIN_DRAFT:
-            return Proposal([], 0)
-        return Proposal(copy + closing, len(copy) + len(closing), copied=len(copy))
+        if len(copy) + len(closing) >= MIN_DRAFT:
+            return Proposal(copy + closing, len(copy) + len(closing), copied=len(copy))
+        return Proposal(continuation, length, guessed=len(continuation))
     # The text the grammar forces, then the drafter's guess of what follows it (a value
     # copied from an earlier document: the drafter adapts to how those guesses fare,
     # apart from the forced tokens), then a filler that only rounds the step's rows up

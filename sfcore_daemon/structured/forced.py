@@ -49,6 +49,7 @@ _SPACED_BY_DEFAULT: Final = frozenset(b":,")
 # whole (doubling while they keep failing, up to the most).
 MAX_FORCED: Final = 64
 _SHORT_FORCED: Final = 2
+_FIRST_FORCED_PAUSE: Final = 2
 _FIRST_COPY: Final = 4
 _FIRST_COPY_PAUSE: Final = 4
 _MAX_COPY_PAUSE: Final = 64
@@ -218,7 +219,8 @@ class ForcedDrafts:
     loop to report."""
 
     __slots__ = ("_text", "_model", "_fed", "_tokenized", "failure", "_prompt", "_copy",
-                 "_copy_limit", "_copy_pause", "_next_pause", "_limit")
+                 "_copy_limit", "_copy_pause", "_next_pause", "_limit", "_pause",
+                 "_next_forced_pause")
 
     def __init__(self, shape: Shape, model: Model, prompt: list[int]) -> None:
         self._text = ForcedText(shape)
@@ -234,6 +236,10 @@ class ForcedDrafts:
         # drafted (its own spacing, a word cut its own way) drafts a few tokens at a
         # time until a draft is accepted whole again.
         self._limit = MAX_FORCED
+        # A forced draft refused at its first token (a model writing its own spacing or
+        # cuts, as sampling does) pauses them for a few tokens, doubling while it goes on.
+        self._pause = 0
+        self._next_forced_pause = _FIRST_FORCED_PAUSE
         self._fed = 0  # emitted tokens the text has read
         self._tokenized: dict[bytes, list[int]] = {}
         self.failure: BaseException | None = None
@@ -322,7 +328,9 @@ class ForcedDrafts:
 
     def _catch_up(self, emitted: list[int]) -> None:
         if self._fed < len(emitted):
-            self._copy_pause = max(self._copy_pause - (len(emitted) - self._fed), 0)
+            fresh = len(emitted) - self._fed
+            self._copy_pause = max(self._copy_pause - fresh, 0)
+            self._pause = max(self._pause - fresh, 0)
             model = self._model
             cached = model.pieces
             self._text.feed(b"".join(cached.get(token) or model.piece(token)
@@ -332,7 +340,7 @@ class ForcedDrafts:
     def _propose(self, emitted: list[int], room: int) -> list[int]:
         self._catch_up(emitted)
         text = self._text
-        if text.lost:
+        if text.lost or self._pause:
             return []
         limit = _BYTES_PER_TOKEN * room
         forced = text.text(limit)
@@ -353,8 +361,12 @@ class ForcedDrafts:
         """How many of a draft's `drafted` forced tokens were accepted."""
         if accepted >= drafted:
             self._limit = min(2 * self._limit, MAX_FORCED)
+            self._next_forced_pause = _FIRST_FORCED_PAUSE
         else:
             self._limit = max(accepted + 2, _SHORT_FORCED)
+        if accepted == 0:
+            self._pause = self._next_forced_pause
+            self._next_forced_pause = min(2 * self._next_forced_pause, _MAX_COPY_PAUSE)
 
     def _tokens(self, forced: bytes) -> list[int]:
         """The model's tokenization of `forced`; [] when its pieces do not give the
