@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from sfcore_daemon.engine import faults
 from sfcore_daemon.engine.job import EndReason, Job
-from sfcore_daemon.engine.sequence import Seq
+from sfcore_daemon.engine.sequence import NO_PARTS, Seq
 from sfcore_daemon.engine.storepolicy import PromptStates
 from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.kvcache import KVCache
@@ -104,6 +104,7 @@ class Ender:
             seq.drafter = None
             seq.forced = None
             seq.draft = []
+            seq.draft_parts = NO_PARTS
             seq.job = None
             self._active.remove(seq)
             job.loop.call_soon_threadsafe(job._finished)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any, NamedTuple
 
-from sfcore_daemon.engine.sequence import Seq
+from sfcore_daemon.engine.sequence import NO_PARTS, DraftParts, Seq
 from sfcore_daemon.engine.speculative import MIN_DRAFT, DraftSettings, aligned_lengths
 
 
@@ -66,9 +66,10 @@ class DraftPlan:
         for (seq, proposal), length in zip(self._drafting, lengths, strict=True):
             if length:
                 seq.draft = proposal.tokens[:length]
-                seq.draft_forced = min(proposal.forced, length)
-                seq.draft_guessed = min(proposal.guessed, length - seq.draft_forced)
-                seq.draft_copied = min(proposal.copied, length)
+                forced = min(proposal.parts.forced, length)
+                seq.draft_parts = DraftParts(forced,
+                                             min(proposal.parts.guessed, length - forced),
+                                             min(proposal.parts.copied, length))
 
 
 class Proposal(NamedTuple):
@@ -76,74 +77,69 @@ class Proposal(NamedTuple):
 
     tokens: list[int]  # the draft as proposed and what may pad it (settle)
     length: int  # how many of `tokens` to draft, before rounding
-    forced: int = 0  # how many of the first tokens a schema's grammar forces
-    guessed: int = 0  # how many tokens after those the drafter proposed (it adapts)
-    copied: int = 0  # how many of the first tokens copy the prompt into a string value
+    parts: DraftParts  # where they came from
 
 
 def _propose(seq: Seq, room: int) -> Proposal:
     """`seq`'s draft: the n-gram drafter's; for a `json_schema` document, the text its
-    grammar forces first, and the drafts cut where the document would refuse them."""
-    drafter = seq.drafter
-    assert drafter is not None
+    grammar forces first, else its copy of the prompt inside a string value, and the
+    drafts cut where the document would refuse them."""
+    drafter, forced_drafts, job = seq.drafter, seq.forced, seq.job
+    assert drafter is not None and job is not None
     continuation, length = drafter.propose(room)
-    if seq.forced is None:
-        return Proposal(continuation, length, guessed=len(continuation))
-    if continuation:
-        continuation = _fitting(seq, [], continuation)
-        length = min(length, len(continuation))
-    forced = _forced(seq, room)
-    if len(forced) < MIN_DRAFT:
-        # Inside a string value: the rest of the prompt text it copies (copying.py),
-        # when it copies one, and what closes it. It knows where a phrase ends, which
-        # the n-grams' copy of the same prose does not.
-        copy, closing = _copied(seq, room)
-        if len(copy) + len(closing) >= MIN_DRAFT:
-            return Proposal(copy + closing, len(copy) + len(closing), copied=len(copy))
-        return Proposal(continuation, length, guessed=len(continuation))
-    # The text the grammar forces, then the drafter's guess of what follows it (a value
-    # copied from an earlier document: the drafter adapts to how those guesses fare,
-    # apart from the forced tokens), then a filler that only rounds the step's rows up
-    # (settle): a rejected filler row costs its compute only, its draw is the token the
-    # step would draw anyway. Unless the drafter's own draft agrees and goes further.
-    forcing = len(forced)
-    guess, extra = drafter.propose_after(forced, room - forcing)
-    guess = _fitting(seq, forced, guess)
-    extra = min(extra, len(guess))
-    if length > forcing + extra and continuation[:forcing] == forced:
-        return Proposal(continuation, length, forcing, len(continuation) - forcing)
-    filler = forced[-1:] * (room - forcing - len(guess))
-    return Proposal(forced + guess + filler, forcing + extra, forcing, len(guess))
-
-
-def _forced(seq: Seq, room: int) -> list[int]:
-    """The tokens `seq`'s grammar forces next, at most `room`: the completion its closer
-    planned, else the forced text of its schema (structured/forced.py)."""
-    forced_drafts, job = seq.forced, seq.job
-    if forced_drafts is None or job is None or not job.grammar_live:
-        return []
     grammar = job.grammar
-    assert grammar is not None
-    return grammar.planned(room) or forced_drafts.propose(grammar.emitted, room)
+    if forced_drafts is None or grammar is None or not job.grammar_live:
+        return Proposal(continuation, length, DraftParts(guessed=len(continuation)))
+    emitted = grammar.emitted
+    forced = grammar.planned(room) or forced_drafts.propose(emitted, room)
+    forcing = len(forced)
+    if forcing >= MIN_DRAFT:
+        # The text the grammar forces, then the drafter's guess of what follows it (a
+        # value copied from an earlier document: the drafter adapts to how those guesses
+        # fare, apart from the forced tokens), then a filler that only rounds the step's
+        # rows up (settle): a rejected filler row costs its compute only, its draw is
+        # the token the step would draw anyway. Unless the drafter's own draft agrees
+        # and goes further (a copy in progress).
+        guess, extra = drafter.propose_after(forced, room - forcing)
+        if guess:
+            guess = guess[:max(forced_drafts.fitting(emitted, forced + guess) - forcing, 0)]
+            extra = min(extra, len(guess))
+        if length > forcing + extra and continuation[:forcing] == forced:
+            continuation = continuation[:forced_drafts.fitting(emitted, continuation)]
+            length = min(length, len(continuation))
+            if length > forcing + extra:
+                return Proposal(continuation, length,
+                                DraftParts(forcing, len(continuation) - forcing))
+        filler = forced[-1:] * (room - forcing - len(guess))
+        return Proposal(forced + guess + filler, forcing + extra,
+                        DraftParts(forcing, len(guess)))
+    # Inside a string value: the rest of the prompt text it copies (copying.py), when it
+    # copies one, and what closes it. It knows where a phrase ends, which the n-grams'
+    # copy of the same prose does not.
+    copy, closing = forced_drafts.copy(emitted, room)
+    if len(copy) + len(closing) >= MIN_DRAFT:
+        return Proposal(copy + closing, len(copy) + len(closing), DraftParts(copied=len(copy)))
+    continuation = continuation[:forced_drafts.fitting(emitted, continuation)]
+    return Proposal(continuation, min(length, len(continuation)),
+                    DraftParts(guessed=len(continuation)))
 
 
-def _copied(seq: Seq, room: int) -> tuple[list[int], list[int]]:
-    """What `seq`'s string value copies from its prompt next, and the closing quote and
-    forced text after it where the copy ends a phrase: at most `room` tokens."""
-    forced_drafts, job = seq.forced, seq.job
-    if forced_drafts is None or job is None or job.grammar is None or not job.grammar_live:
-        return [], []
-    return forced_drafts.copy(job.grammar.emitted, room)
-
-
-def _fitting(seq: Seq, forced: list[int], guess: list[int]) -> list[int]:
-    """`guess` (to follow `forced` after `seq`'s output) cut where its grammar's
-    document would refuse it or is complete: rows past that verify nothing."""
-    forced_drafts, job = seq.forced, seq.job
-    if forced_drafts is None or job is None or job.grammar is None or not job.grammar_live:
-        return guess
-    kept = forced_drafts.fitting(job.grammar.emitted, forced + guess) - len(forced)
-    return guess[:max(kept, 0)]
+def verified(seq: Seq, drafted: int, accepted: int) -> None:
+    """`accepted` of the `drafted` tokens of `seq`'s draft were kept: its job's counts,
+    and each source of the draft adapts to its own part (the n-gram drafter not to the
+    forced tokens, nor to rows that only filled the step)."""
+    job, drafter = seq.job, seq.drafter
+    assert job is not None and drafter is not None
+    forced, guessed, copied = seq.draft_parts
+    seq.draft_parts = NO_PARTS
+    job.drafted += drafted
+    job.accepted += accepted
+    job.forced_drafted += forced
+    job.forced_accepted += min(accepted, forced)
+    if guessed and accepted >= forced:
+        drafter.verified(guessed, min(accepted - forced, guessed))
+    if seq.forced is not None:
+        seq.forced.verified((forced, min(accepted, forced)), (copied, min(accepted, copied)))
 
 
 def logit_rows(batch: Any, n: int) -> int:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from sfcore_daemon.engine import faults
 from sfcore_daemon.engine.containment import Ender
+from sfcore_daemon.engine.drafting import verified
 from sfcore_daemon.engine.job import Job
 from sfcore_daemon.engine.sequence import Seq
 from sfcore_daemon.llama.capi import C
@@ -155,7 +156,6 @@ class Rows:
         drew from the row before it; the first that differs ends the run, and the
         drawn token is the next one. The rejected tokens' cells are removed."""
         draft, seq.draft = seq.draft, []
-        forced, seq.draft_forced = seq.draft_forced, 0
         taken: list[int] = []
         accepted = 0
         vocab = self._vocab
@@ -174,22 +174,7 @@ class Rows:
         seq.cached.extend(draft[:accepted])
         if accepted < len(draft):
             C.llama_memory_seq_rm(self._memory, seq.id, len(seq.cached), -1)
-        job.drafted += len(draft)
-        job.accepted += accepted
-        job.forced_drafted += forced
-        job.forced_accepted += min(accepted, forced)
-        # The drafter adapts to its own guesses, when verification reached them (not
-        # to the forced tokens, nor to rows that only filled the step).
-        assert seq.drafter is not None
-        guessed = seq.draft_guessed
-        if guessed and accepted >= forced:
-            seq.drafter.verified(guessed, min(accepted - forced, guessed))
-        copied = seq.draft_copied
-        if seq.forced is not None:
-            if copied:
-                seq.forced.copied(copied, min(accepted, copied))
-            if forced:
-                seq.forced.verified(forced, min(accepted, forced))
+        verified(seq, len(draft), accepted)
         for token in taken:
             self.take(seq, token, woken)
             if seq.job is None:

@@ -4,7 +4,7 @@ prompt store's side of it (storepolicy.py) keep for the job it runs."""
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 from sfcore_daemon.engine.job import Job
 from sfcore_daemon.engine.speculative import NgramDrafter
@@ -13,13 +13,27 @@ from sfcore_daemon.store.index import Entry
 from sfcore_daemon.structured.forced import ForcedDrafts
 
 
+class DraftParts(NamedTuple):
+    """Where a draft's tokens came from, from the step that proposed it (drafting.py) to
+    the one that verifies it (rows.py): `forced` first (a schema's grammar forces them),
+    then `guessed` ones the n-gram drafter proposed; or `copied` first (a string value's
+    copy of the prompt). The rest only fill the step's rows."""
+
+    forced: int = 0
+    guessed: int = 0
+    copied: int = 0
+
+
+NO_PARTS = DraftParts()
+
+
 class Seq(SeqCells):
     """One slot's sequence and the step loop's state for its job."""
 
     __slots__ = ("job", "sampler", "argmax", "next_prompt", "chunk_end", "n_out", "limit",
                  "generating", "last_token", "parked", "drafter", "draft", "loading",
                  "keep_state", "keep_prefix", "prompt_kept", "boundaries", "protect_from", "cuts",
-                 "penalties", "forced", "draft_forced", "draft_guessed", "draft_copied")
+                 "penalties", "forced", "draft_parts")
 
     def __init__(self, seq_id: int) -> None:
         super().__init__(seq_id)
@@ -43,15 +57,10 @@ class Seq(SeqCells):
         self.drafter: NgramDrafter | None = None
         self.draft: list[int] = []  # the tokens after last_token in this step's batch
         # The text a JSON schema's grammar forces, as drafts (structured/forced.py): None
-        # when the job does not speculate or has no schema; and how many of `draft`'s
-        # first tokens are forced ones.
+        # when the job does not speculate or has no schema.
         self.forced: ForcedDrafts | None = None
-        self.draft_forced = 0
-        # How many tokens of `draft` after the forced ones the drafter proposed (their
-        # verification adapts it); the rest only fill the step's rows.
-        self.draft_guessed = 0
-        # How many of `draft`'s first tokens are a string value's copy of its prompt.
-        self.draft_copied = 0
+        # Where `draft`'s tokens came from, for its verification.
+        self.draft_parts = NO_PARTS
         # A stored state being read from disk for its prompt (the entry, the rows to
         # keep, the read, the time.monotonic() it is given up at); the sequence sits out
         # of the steps until it is there (storepolicy.PromptStates.poll).

@@ -47,12 +47,9 @@ _TOKENIZED: Final = 256
 _SPACED_BY_DEFAULT: Final = frozenset(b":,")
 # A prompt copy's first length, and the tokens copies pause for after one is rejected
 # whole (doubling while they keep failing, up to the most).
+# The longest forced draft, and the most tokens a kind of draft pauses for (Backoff).
 MAX_FORCED: Final = 64
-_SHORT_FORCED: Final = 2
-_FIRST_FORCED_PAUSE: Final = 2
-_FIRST_COPY: Final = 4
-_FIRST_COPY_PAUSE: Final = 4
-_MAX_COPY_PAUSE: Final = 64
+_MAX_PAUSE: Final = 64
 _DIGIT_CLASS: Final = ord("0")
 _LETTER_CLASS: Final = ord("a")
 
@@ -219,27 +216,18 @@ class ForcedDrafts:
     loop to report."""
 
     __slots__ = ("_text", "_model", "_fed", "_tokenized", "failure", "_prompt", "_copy",
-                 "_copy_limit", "_copy_pause", "_next_pause", "_limit", "_pause",
-                 "_next_forced_pause")
+                 "_forcing", "_copying")
 
     def __init__(self, shape: Shape, model: Model, prompt: list[int]) -> None:
         self._text = ForcedText(shape)
         self._model = model
         self._prompt = prompt
         self._copy: PromptCopy | None = None  # made for the first string value
-        # Copies adapt like the n-gram drafts: their length doubles while accepted
-        # whole, and a copy rejected at once pauses them for a few tokens, then longer.
-        self._copy_limit = _FIRST_COPY
-        self._copy_pause = 0
-        self._next_pause = _FIRST_COPY_PAUSE
-        # The longest forced draft: a model that writes the forced text otherwise than
-        # drafted (its own spacing, a word cut its own way) drafts a few tokens at a
-        # time until a draft is accepted whole again.
-        self._limit = MAX_FORCED
-        # A forced draft refused at its first token (a model writing its own spacing or
-        # cuts, as sampling does) pauses them for a few tokens, doubling while it goes on.
-        self._pause = 0
-        self._next_forced_pause = _FIRST_FORCED_PAUSE
+        # A model that writes the forced text otherwise than drafted (its own spacing,
+        # a word cut its own way, as sampling does more often) gets short forced drafts,
+        # or none for a while; copies that keep failing likewise.
+        self._forcing = Backoff(MAX_FORCED, MAX_FORCED, slack=2, first_pause=2)
+        self._copying = Backoff(4, MAX_COPY, slack=1, first_pause=4)
         self._fed = 0  # emitted tokens the text has read
         self._tokenized: dict[bytes, list[int]] = {}
         self.failure: BaseException | None = None
@@ -271,18 +259,16 @@ class ForcedDrafts:
     def _copied(self, emitted: list[int], room: int) -> tuple[list[int], list[int]]:
         self._catch_up(emitted)
         value = self._text.string
-        if self._copy_pause or value is None:
+        if self._copying.pause or value is None:
             return [], []
         if self._copy is None:
             self._copy = PromptCopy(self._prompt, self._model)
-        copied, ends = self._copy.after(value, min(room, self._copy_limit))
+        copied, ends = self._copy.after(value, min(room, self._copying.limit))
         kept = self.fitting(emitted, copied)
         if kept < len(copied) or not ends or len(copied) >= room:
             return copied[:kept], []
-        model = self._model
-        cached = model.pieces
-        data = b"".join(cached.get(token) or model.piece(token) for token in copied) + b'"'
-        after = self._text.text_after(data, _BYTES_PER_TOKEN * room)
+        after = self._text.text_after(b"".join(self._pieces(copied)) + b'"',
+                                      _BYTES_PER_TOKEN * room)
         if not after:  # the document refuses the quote, or punctuation is the choice
             return copied, []
         closing = self._tokens(b'"' + after)
@@ -290,17 +276,13 @@ class ForcedDrafts:
             closing = closing[:-1]  # see ForcedText.before_choice
         return copied, closing[:room - len(copied)]
 
-    def copied(self, drafted: int, accepted: int) -> None:
-        """How many tokens of a copy of `drafted` were accepted: adapts the next ones."""
-        if accepted == drafted:
-            self._copy_limit = min(2 * self._copy_limit, MAX_COPY)
-            self._next_pause = _FIRST_COPY_PAUSE
-        elif accepted == 0:
-            self._copy_limit = max(self._copy_limit // 2, 2)
-            self._copy_pause = self._next_pause
-            self._next_pause = min(2 * self._next_pause, _MAX_COPY_PAUSE)
-        else:
-            self._copy_limit = max(accepted + 1, 2)
+    def verified(self, forced: tuple[int, int], copied: tuple[int, int]) -> None:
+        """How many of a draft's forced tokens and of its copied ones were accepted,
+        each (drafted, accepted): adapts the next ones."""
+        if forced[0]:
+            self._forcing.verified(*forced)
+        if copied[0]:
+            self._copying.verified(*copied)
 
     def fitting(self, emitted: list[int], tokens: list[int]) -> int:
         """How many of `tokens` (a guess of what follows `emitted`) the document can
@@ -313,9 +295,7 @@ class ForcedDrafts:
             text = self._text
             if text.lost:
                 return len(tokens)  # nothing to check against
-            model = self._model
-            cached = model.pieces
-            pieces = [cached.get(token) or model.piece(token) for token in tokens]
+            pieces = self._pieces(tokens)
             room = text.fits(b"".join(pieces))
             for count, piece in enumerate(pieces):
                 room -= len(piece)
@@ -326,21 +306,24 @@ class ForcedDrafts:
             self.failure = exc
             return 0
 
+    def _pieces(self, tokens: list[int]) -> list[bytes]:
+        """The tokens' bytes (the model's cache first; decode thread)."""
+        model = self._model
+        cached = model.pieces
+        return [cached.get(token) or model.piece(token) for token in tokens]
+
     def _catch_up(self, emitted: list[int]) -> None:
         if self._fed < len(emitted):
-            fresh = len(emitted) - self._fed
-            self._copy_pause = max(self._copy_pause - fresh, 0)
-            self._pause = max(self._pause - fresh, 0)
-            model = self._model
-            cached = model.pieces
-            self._text.feed(b"".join(cached.get(token) or model.piece(token)
-                                     for token in emitted[self._fed:]))
+            fresh = emitted[self._fed:]
+            self._forcing.passed(len(fresh))
+            self._copying.passed(len(fresh))
+            self._text.feed(b"".join(self._pieces(fresh)))
             self._fed = len(emitted)
 
     def _propose(self, emitted: list[int], room: int) -> list[int]:
         self._catch_up(emitted)
         text = self._text
-        if text.lost or self._pause:
+        if text.lost or self._forcing.pause:
             return []
         limit = _BYTES_PER_TOKEN * room
         forced = text.text(limit)
@@ -355,18 +338,7 @@ class ForcedDrafts:
             # The text may have been cut inside its last token, or the model writes
             # that token merged with the punctuation it chooses next.
             tokens = tokens[:-1]
-        return tokens[:min(room, self._limit)]
-
-    def verified(self, drafted: int, accepted: int) -> None:
-        """How many of a draft's `drafted` forced tokens were accepted."""
-        if accepted >= drafted:
-            self._limit = min(2 * self._limit, MAX_FORCED)
-            self._next_forced_pause = _FIRST_FORCED_PAUSE
-        else:
-            self._limit = max(accepted + 2, _SHORT_FORCED)
-        if accepted == 0:
-            self._pause = self._next_forced_pause
-            self._next_forced_pause = min(2 * self._next_forced_pause, _MAX_COPY_PAUSE)
+        return tokens[:min(room, self._forcing.limit)]
 
     def _tokens(self, forced: bytes) -> list[int]:
         """The model's tokenization of `forced`; [] when its pieces do not give the
@@ -374,12 +346,41 @@ class ForcedDrafts:
         tokens = self._tokenized.get(forced)
         if tokens is not None:
             return tokens
-        model = self._model
-        tokens = model.tokenize_bytes(forced)
-        cached = model.pieces
-        if b"".join(cached.get(token) or model.piece(token) for token in tokens) != forced:
+        tokens = self._model.tokenize_bytes(forced)
+        if b"".join(self._pieces(tokens)) != forced:
             tokens = []
         if len(self._tokenized) >= _TOKENIZED:
             self._tokenized.clear()
         self._tokenized[forced] = tokens
         return tokens
+
+
+class Backoff:
+    """How long one kind of draft may be and how many tokens it waits, as the n-gram
+    drafter adapts its own (engine/speculative.py): the length doubles while drafts are
+    accepted whole (up to `most`); after one accepted in part it is what was accepted
+    plus `slack`; a draft refused at its first token pauses them for `first_pause`
+    tokens, twice as many each further time in a row (up to _MAX_PAUSE)."""
+
+    __slots__ = ("limit", "pause", "_most", "_slack", "_first_pause", "_next_pause")
+
+    def __init__(self, limit: int, most: int, *, slack: int, first_pause: int) -> None:
+        self.limit = limit
+        self.pause = 0  # tokens to go before the next draft
+        self._most = most
+        self._slack = slack
+        self._first_pause = self._next_pause = first_pause
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        if accepted >= drafted:
+            self.limit = min(2 * self.limit, self._most)
+            self._next_pause = self._first_pause
+            return
+        self.limit = max(accepted + self._slack, 2)
+        if accepted == 0:
+            self.pause = self._next_pause
+            self._next_pause = min(2 * self._next_pause, _MAX_PAUSE)
+
+    def passed(self, tokens: int) -> None:
+        """`tokens` more were emitted."""
+        self.pause = max(self.pause - tokens, 0)
