@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from tests.client_logprobs import assert_generated_counted, python_logprobs
 from tests.harness import REPO, running_daemon
 from tests.person_document import (
     PERSON_PROMPT,
@@ -493,14 +494,6 @@ func main() {
 """
 
 
-def python_client_logprobs(path: str, prompt: str) -> list[tuple[int, float]]:
-    with sfcore_client.Client(path, timeout=60) as client:
-        result = client.generate(prompt, max_tokens=16, temperature=0, seed=7,
-                                 cache_prompt=False, logprobs=3)
-    assert result.logprobs is not None
-    return [(entry.token, entry.logprob) for entry in result.logprobs]
-
-
 @pytest.mark.asyncio
 async def test_library_logprobs_and_metrics(go: Go, tmp_path: Path) -> None:
     program = tmp_path / "logprobs"
@@ -512,7 +505,7 @@ async def test_library_logprobs_and_metrics(go: Go, tmp_path: Path) -> None:
         code, out, err = await run(binary, daemon.socket_path, PROMPT)
         assert code == 0, err
         expected = await asyncio.wait_for(asyncio.to_thread(
-            python_client_logprobs, daemon.socket_path, PROMPT), RUN_TIMEOUT_S)
+            python_logprobs, daemon.socket_path, PROMPT), RUN_TIMEOUT_S)
     result = json.loads(out)
 
     for reply in (result["whole"], result["streamed"]):
@@ -531,9 +524,7 @@ async def test_library_logprobs_and_metrics(go: Go, tmp_path: Path) -> None:
     assert result["streamed"]["text"] == result["whole"]["text"]
     assert any(ord(char) > 127 for char in result["whole"]["text"])
     assert result["withoutNil"] is True
-    assert "# TYPE sfcore_generated_tokens_total counter" in result["metrics"]
-    generated = re.search(r"^sfcore_generated_tokens_total (\d+)", result["metrics"], re.M)
-    assert generated is not None and int(generated.group(1)) >= 2 * len(expected)
+    assert_generated_counted(result["metrics"], 2 * len(expected))
 
 
 # --- tool calls: sfcore-tools-example offers two functions, runs the calls, sends results ---

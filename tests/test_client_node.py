@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.client_logprobs import assert_generated_counted, python_logprobs
 from tests.harness import REPO, running_daemon
 from tests.person_document import (
     PERSON_PROMPT,
@@ -396,14 +397,6 @@ console.log(JSON.stringify(out));
 """
 
 
-def python_client_logprobs(path: str, prompt: str) -> list[tuple[int, float]]:
-    with sfcore_client.Client(path, timeout=60) as client:
-        result = client.generate(prompt, max_tokens=16, temperature=0, seed=7,
-                                 cache_prompt=False, logprobs=3)
-    assert result.logprobs is not None
-    return [(entry.token, entry.logprob) for entry in result.logprobs]
-
-
 @pytest.mark.asyncio
 async def test_library_logprobs_and_metrics(tmp_path: Path) -> None:
     script = tmp_path / "logprobs.mjs"
@@ -412,7 +405,7 @@ async def test_library_logprobs_and_metrics(tmp_path: Path) -> None:
         code, out, err = await run(node(), str(script), daemon.socket_path, PROMPT)
         assert code == 0, err
         expected = await asyncio.wait_for(asyncio.to_thread(
-            python_client_logprobs, daemon.socket_path, PROMPT), RUN_TIMEOUT_S)
+            python_logprobs, daemon.socket_path, PROMPT), RUN_TIMEOUT_S)
     result = json.loads(out)
 
     for reply in (result["whole"], result["streamed"]):
@@ -432,9 +425,7 @@ async def test_library_logprobs_and_metrics(tmp_path: Path) -> None:
     assert result["streamed"]["text"] == result["whole"]["text"]
     assert any(ord(char) > 127 for char in result["whole"]["text"])
     assert result["without"] is None
-    assert "# TYPE sfcore_generated_tokens_total counter" in result["metrics"]
-    generated = re.search(r"^sfcore_generated_tokens_total (\d+)", result["metrics"], re.M)
-    assert generated is not None and int(generated.group(1)) >= 2 * len(expected)
+    assert_generated_counted(result["metrics"], 2 * len(expected))
 
 
 # --- tool calls: tools-example.js offers two functions, runs the calls, sends the results ---

@@ -24,6 +24,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from tests.client_logprobs import assert_generated_counted, python_logprobs
 from tests.harness import REPO, running_daemon
 from tests.person_document import (
     PERSON_PROMPT,
@@ -359,21 +360,13 @@ async def test_structured_example_surfaces_a_refused_schema_as_invalid_request(
 LOGPROBS_PROMPT = "日本の首都は"
 
 
-def python_logprobs(socket_path: str) -> list[tuple[int, float]]:
-    with Client(socket_path, timeout=60) as client:
-        result = client.generate(LOGPROBS_PROMPT, max_tokens=16, temperature=0, seed=7,
-                                 cache_prompt=False, logprobs=3)
-    assert result.logprobs is not None
-    return [(entry.token, entry.logprob) for entry in result.logprobs]
-
-
 async def test_logprobs_example_types_the_entries_and_reads_metrics(
         build: dict[str, Any]) -> None:
     async with running_daemon() as daemon:
         result = await run_async(build["logprobs"], daemon.socket_path, LOGPROBS_PROMPT, "3")
         assert result.returncode == 0, result.stderr
         expected = await asyncio.wait_for(asyncio.to_thread(
-            python_logprobs, daemon.socket_path), 120)
+            python_logprobs, daemon.socket_path, LOGPROBS_PROMPT), 120)
     out = json.loads(result.stdout)
 
     for completion in (out["whole"], out["streamed"]):
@@ -392,9 +385,7 @@ async def test_logprobs_example_types_the_entries_and_reads_metrics(
     assert out["streamed"]["text"] == out["whole"]["text"]
     assert any(ord(char) > 127 for char in out["whole"]["text"])
     assert out["without"] is None
-    assert "# TYPE sfcore_generated_tokens_total counter" in out["metrics"]
-    generated = re.search(r"^sfcore_generated_tokens_total (\d+)", out["metrics"], re.M)
-    assert generated is not None and int(generated.group(1)) >= 2 * len(expected)
+    assert_generated_counted(out["metrics"], 2 * len(expected))
 
 
 # --- tool calls: examples/tools.rs makes the round trip (call, result, answer) ---

@@ -23,20 +23,14 @@ from sfcore_daemon.serve.protocol import ChatRequest, FunctionSpec, Message, Too
 from sfcore_daemon.serve.tools import CALL_MARKER, MarkerSplit, plan, read_calls, render
 from sfcore_daemon.structured.grammar import GrammarError
 from tests.harness import REPLY_TIMEOUT_S, running_daemon
+from tests.tool_round_trip import ADD, PARAMETERS, TOOLS
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city now",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["c", "f"]}},
-        "required": ["city"], "additionalProperties": False}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "The sum of two integers",
-    "parameters": {"type": "object", "properties": {
-        "a": {"type": "integer"}, "b": {"type": "integer"}},
-        "required": ["a", "b"], "additionalProperties": False}}}
-TOOLS = [WEATHER, ADD]
-PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
+# The question, a call of add and its result, as a client sends them back.
+CALLED = [*QUESTION,
+          {"role": "assistant", "content": "", "tool_calls": [
+              {"id": "call_1", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+          {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
 # The shortest call of these tools takes 15 tokens: 16 leaves one to spare.
 TIGHT = 16
 SEEDS = range(12)
@@ -100,12 +94,7 @@ async def test_forced_calls_always_parse_and_validate_over_ndjson() -> None:
         for done in await answers(client, [chat(seed, "none", 16) for seed in range(2)]):
             assert "tool_calls" not in done and done["finish_reason"] != "tool_calls"
         # A conversation with a call and its result is taken, and answered.
-        history = [*QUESTION,
-                   {"role": "assistant", "content": "", "tool_calls": [
-                       {"id": "call_1", "function": {"name": "add",
-                                                     "arguments": {"a": 2, "b": 3}}}]},
-                   {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
-        done = await client.final({"op": "chat", "messages": history, "tools": TOOLS,
+        done = await client.final({"op": "chat", "messages": CALLED, "tools": TOOLS,
                                    "max_tokens": 24, "temperature": 0})
         assert done["type"] == "done" and done["finish_reason"] in ("stop", "length",
                                                                      "tool_calls")

@@ -17,7 +17,7 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tests.harness import running_daemon
-from tests.test_tools import PARAMETERS, QUESTION, TOOLS
+from tests.test_tools import CALLED, PARAMETERS, QUESTION, TOOLS
 
 pytestmark = pytest.mark.asyncio
 
@@ -59,12 +59,7 @@ async def test_a_template_that_takes_tools_renders_them_and_its_calls_validate()
     config = {"model": {"chat_template": HERMES}, "server": {"slots": 4}}
     async with running_daemon(config) as daemon, daemon.client() as client:
         # The prompt is the template's own rendering: the tools, an earlier call, a result.
-        history = [*QUESTION,
-                   {"role": "assistant", "content": "", "tool_calls": [
-                       {"id": "call_1", "function": {"name": "add",
-                                                     "arguments": {"a": 2, "b": 3}}}]},
-                   {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
-        done = await client.final({"op": "chat", "messages": history, "tools": TOOLS,
+        done = await client.final({"op": "chat", "messages": CALLED, "tools": TOOLS,
                                    "max_tokens": 1, "temperature": 0})
         assert done["type"] == "done", done
         wire_history = [*QUESTION,
