@@ -37,10 +37,17 @@ CONTACT = {
     },
     "required": ["full_name", "job_title", "status", "address", "years_known", "tags"],
 }
-PROMPT = ("Contacts as JSON, one per line.\n"
-          '{"full_name": "Ada Lovelace", "job_title": "Analyst", "status": "prospect", '
+# Extraction: the new document's values are in the text, so its string values are drafted
+# as copies of the prompt (copying.py) besides the forced text.
+PROMPT = ("Contacts as JSON.\n"
+          "Text: Ada Lovelace, an analyst in London (NW1 6XE), a prospect we have known for "
+          "3 years, vip.\n"
+          'JSON: {"full_name": "Ada Lovelace", "job_title": "Analyst", "status": "prospect", '
           '"address": {"city_name": "London", "postal_code": "NW1 6XE"}, "years_known": 3, '
-          '"tags": ["vip"]}\n')
+          '"tags": ["vip"]}\n'
+          "Text: Grace Hopper, a rear admiral in Arlington (22201), an active customer we have "
+          "known for 12 years, new.\n"
+          "JSON: ")
 ONE_SLOT = {"server": {"slots": 1}}
 # Drafts of at most 2 tokens (3 rows a step): each row is computed as a lone row.
 EXACT = merge(ONE_SLOT, {"speculative": {"draft_max": 2, "draft_start": 2}})
@@ -73,6 +80,8 @@ async def test_forced_drafts_give_the_bytes_of_one_token_a_step() -> None:
             assert 0 < usage["forced_accepted_tokens"] <= usage["forced_drafted_tokens"]
             assert usage["forced_drafted_tokens"] <= usage["drafted_tokens"]
             assert usage["forced_accepted_tokens"] <= usage["accepted_tokens"]
+        # Drafts only save steps: a failure in them is contained and logged, never silent.
+        assert "the request went on without it" not in daemon.log
 
 
 async def stats_and_metrics(daemon: Daemon) -> tuple[dict[str, Any], str]:
