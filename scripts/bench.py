@@ -785,7 +785,7 @@ def main() -> int:
         import bench_forced
 
         results["forced"] = bench_forced.run(params, args.runs, runner=uvloop.run,
-                                             header=header)
+                                             header=header, llama_server=args.llama_server)
     if args.only == "tools":
         import bench_tools
 

@@ -12,7 +12,11 @@ false`; both speculate (the default). For each schema and sampling (greedy; temp
 - **no forced**: the same request on the other daemon (its n-gram drafts only);
 - **free**: the same prompt without a schema on the default daemon, max_tokens the
   document's tokens (the same prompt's free decode);
-- **free on the other daemon**: the same, to show unconstrained requests unchanged.
+- **free on the other daemon**: the same, to show unconstrained requests unchanged;
+- **llama-server** (`--llama-server PATH` or LLAMA_SERVER; `-np 1`, the daemon's n_ctx and
+  threads, its defaults otherwise: no drafts): the constrained request on `/completion`
+  with the same `json_schema` (its own conversion to a grammar), its own
+  `timings.predicted_per_second`.
 
 Per schema and sampling: decode tok/s of each (median over runs of the mean of the two
 requests a run), the paired ratios forced/free and forced/no-forced, the forced tokens
@@ -20,6 +24,7 @@ drafted and accepted, whether every document validates (jsonschema), and whether
 forced daemon's text equals the other's byte for byte in every run.
 
     .venv/bin/python scripts/bench_forced.py [--runs 3] [--schemas flat,enums] [--json F]
+        [--llama-server PATH]
     .venv/bin/python scripts/bench.py --only forced [--runs 3]
 """
 
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 from collections.abc import Callable, Coroutine
@@ -36,6 +42,7 @@ from typing import Any
 
 import benchlib
 import jsonschema
+from bench_concurrency import LlamaServer
 from benchlib import REPO, Daemon, Stream, log
 
 Runner = Callable[[Coroutine[Any, Any, Any]], Any]
@@ -181,9 +188,34 @@ def _request(name: str, sampling: str, side: str, max_tokens: int) -> dict[str, 
     return request
 
 
-async def one_run(params: dict[str, Any], schemas: list[str]) -> list[dict[str, Any]]:
-    """Both daemons up together; every schema and sampling, A-B-B-A. A row per
-    (schema, sampling, side, request)."""
+def _server_request(name: str, sampling: str) -> dict[str, Any]:
+    """The constrained request as llama-server's /completion takes it (its own schema
+    conversion; greedy as top_k 1)."""
+    schema, prompt = SCHEMAS[name]
+    settings = dict(SAMPLINGS[sampling])
+    if settings["temperature"] == 0.0:
+        settings["top_k"] = 1
+    return {"prompt": prompt, "n_predict": MAX_TOKENS, "stream": False, "json_schema": schema,
+            "cache_prompt": True, **settings}
+
+
+def _server_row(server: LlamaServer, name: str, sampling: str) -> dict[str, Any]:
+    status, reply = server.call("POST", "/completion", _server_request(name, sampling))
+    if status != 200:
+        raise RuntimeError(f"llama-server answered {status}: {reply}")
+    tokens = int(reply["tokens_predicted"])
+    return {"schema": name, "sampling": sampling, "side": "server",
+            "decode_tok_s": float(reply["timings"]["predicted_per_second"]), "tokens": tokens,
+            "finish_reason": "stop" if reply.get("stop_type") == "eos" else "length",
+            "usage": {}, "text": reply["content"]}
+
+
+async def one_run(params: dict[str, Any], schemas: list[str],
+                  llama_server: str | None = None) -> list[dict[str, Any]]:
+    """Both daemons (and llama-server, given its binary) up together; every schema and
+    sampling, each side first once. A row per (schema, sampling, side, request)."""
+    server = (await asyncio.to_thread(LlamaServer.start, llama_server, params, 1)
+              if llama_server else None)
     forced = await Daemon.start(params)
     plain = await Daemon.start(params, config="[speculative]\nforced_drafts = false\n")
     streams = {"forced": await Stream.open(forced.socket_path),
@@ -211,11 +243,16 @@ async def one_run(params: dict[str, Any], schemas: list[str]) -> list[dict[str, 
                                      "tokens": done["usage"]["completion_tokens"],
                                      "finish_reason": done["finish_reason"],
                                      "usage": done["usage"], "text": run["text"]})
+                    if server is not None:
+                        rows.append(await asyncio.to_thread(_server_row, server, name,
+                                                            sampling))
     finally:
         for stream in (streams["forced"], streams["no_forced"]):
             await stream.close()
         await forced.stop()
         await plain.stop()
+        if server is not None:
+            server.stop()
     return rows
 
 
@@ -230,17 +267,12 @@ def summarize(rows: list[dict[str, Any]], schemas: list[str]) -> list[dict[str, 
             # Rows come in pairs of requests per run: (forced, no_forced, free) x 2.
             forced, plain, free = by_side["forced"], by_side["no_forced"], by_side["free"]
             free_plain = by_side["free_plain"]
+            server = [row for row in mine if row["side"] == "server"]
 
             def rate(side_rows: list[dict[str, Any]]) -> float:
                 return statistics.median(row["decode_tok_s"] for row in side_rows)
 
-            valid = 0
-            for row in forced + plain:
-                try:
-                    jsonschema.validate(json.loads(row["text"]), schema)
-                    valid += row["finish_reason"] == "stop"
-                except (ValueError, jsonschema.ValidationError):
-                    pass
+            valid = sum(_valid(row, schema) for row in forced + plain)
             same = sum(a["text"] == b["text"] for a, b in zip(forced, plain, strict=True))
             lines.append({
                 "schema": name, "sampling": sampling,
@@ -261,36 +293,57 @@ def summarize(rows: list[dict[str, Any]], schemas: list[str]) -> list[dict[str, 
                 "forced_accepted": sum(row["usage"]["forced_accepted_tokens"]
                                        for row in forced),
                 "valid": valid, "documents": len(forced) + len(plain),
+                "server_tok_s": rate(server) if server else float("nan"),
+                "forced_vs_server": benchlib.paired_ratio(forced, "decode_tok_s", server,
+                                                          "decode_tok_s")
+                if server else float("nan"),
+                "server_valid": sum(_valid(row, schema) for row in server),
+                "server_documents": len(server),
                 "identical": same, "pairs": len(forced)})
     return lines
 
 
+def _valid(row: dict[str, Any], schema: dict[str, Any]) -> bool:
+    """A whole document that validates."""
+    try:
+        jsonschema.validate(json.loads(row["text"]), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return bool(row["finish_reason"] == "stop")
+
+
 def print_table(lines: list[dict[str, Any]], header: str) -> None:
+    server = any(line["server_documents"] for line in lines)
     print()
     print(f"Structured output, forced drafts (issue 38): {header}")
     print()
     print("| schema | sampling | doc tokens | forced tok/s | no-forced tok/s | free tok/s | "
           "forced/free | forced/no-forced | no-forced/free | forced accepted/drafted | "
-          "valid | same bytes | free: daemons' ratio, same bytes |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "valid | same bytes | free: daemons' ratio, same bytes |"
+          + (" llama-server tok/s | forced/llama-server | llama-server valid |" if server else ""))
+    print("|---" * (13 + 3 * server) + "|")
     for line in lines:
-        print(f"| {line['schema']} | {line['sampling']} | {line['tokens']:.0f} | "
-              f"{line['forced_tok_s']:.1f} | {line['no_forced_tok_s']:.1f} | "
-              f"{line['free_tok_s']:.1f} | {line['forced_vs_free']:.2f} | "
-              f"{line['forced_vs_no_forced']:.2f} | {line['no_forced_vs_free']:.2f} | "
-              f"{line['forced_accepted']}/{line['forced_drafted']} | "
-              f"{line['valid']}/{line['documents']} | {line['identical']}/{line['pairs']} | "
-              f"{line['free_vs_free_plain']:.2f}, {line['free_same']}/{line['pairs']} |")
+        cells = (f"| {line['schema']} | {line['sampling']} | {line['tokens']:.0f} | "
+                 f"{line['forced_tok_s']:.1f} | {line['no_forced_tok_s']:.1f} | "
+                 f"{line['free_tok_s']:.1f} | {line['forced_vs_free']:.2f} | "
+                 f"{line['forced_vs_no_forced']:.2f} | {line['no_forced_vs_free']:.2f} | "
+                 f"{line['forced_accepted']}/{line['forced_drafted']} | "
+                 f"{line['valid']}/{line['documents']} | {line['identical']}/{line['pairs']} | "
+                 f"{line['free_vs_free_plain']:.2f}, {line['free_same']}/{line['pairs']} |")
+        if server:
+            cells += (f" {line['server_tok_s']:.1f} | {line['forced_vs_server']:.2f} | "
+                      f"{line['server_valid']}/{line['server_documents']} |")
+        print(cells)
 
 
 def run(params: dict[str, Any], runs: int, *, runner: Runner, header: str = "",
-        schemas: list[str] | None = None) -> dict[str, Any]:
+        schemas: list[str] | None = None, llama_server: str | None = None) -> dict[str, Any]:
     names = schemas or list(SCHEMAS)
     rows: list[dict[str, Any]] = []
     for index in range(runs):
-        log(f"[forced {index + 1}/{runs}] two daemons, {len(names)} schemas x "
-            f"{len(SAMPLINGS)} samplings x 2 rounds ...")
-        rows.extend(runner(one_run(params, names)))
+        log(f"[forced {index + 1}/{runs}] two daemons{' and llama-server' * bool(llama_server)}"
+            f", {len(names)} schemas x {len(SAMPLINGS)} samplings x 2 rounds ...")
+        rows.extend(runner(one_run(params, names, llama_server)))
     lines = summarize(rows, names)
     print_table(lines, header or f"{runs} runs")
     return {"rows": rows, "lines": lines}
@@ -304,15 +357,22 @@ def main() -> int:
     parser.add_argument("--json", help="write the rows and lines here")
     parser.add_argument("--schemas", default=",".join(SCHEMAS),
                         help=f"comma-separated, of {', '.join(SCHEMAS)} (default: all)")
+    parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
+                        help="llama.cpp's llama-server, measured beside the daemons "
+                             "(default: $LLAMA_SERVER)")
     args = parser.parse_args()
     schemas = args.schemas.split(",")
     if not set(schemas) <= set(SCHEMAS):
         parser.error(f"--schemas: each of {', '.join(SCHEMAS)}")
     sys.path.insert(0, str(REPO))
     from sfcore_daemon.llama import modelfile
+    from sfcore_daemon.system import cpus
 
-    params = {"model": modelfile.resolve_model_path(args.model or ""), "n_ctx": args.n_ctx}
+    n_threads, n_threads_batch = cpus.derive_threads(cpus.pin(()), 0, 0)
+    params = {"model": modelfile.resolve_model_path(args.model or ""), "n_ctx": args.n_ctx,
+              "n_threads": n_threads, "n_threads_batch": n_threads_batch}
     results = run(params, args.runs, runner=asyncio.run, schemas=schemas,
+                  llama_server=args.llama_server,
                   header=f"model {Path(params['model']).name}, {args.runs} runs, medians")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
