@@ -74,7 +74,7 @@ VALID_NOTE = ("valid: finish_reason \"tool_calls\" and every call names an allow
 def tools() -> list[dict[str, Any]]:
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from tests.test_tools import ADD, WEATHER
+    from tests.tool_round_trip import ADD, WEATHER
     return [WEATHER, ADD, EVENT]
 
 
