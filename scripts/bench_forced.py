@@ -171,6 +171,46 @@ SCHEMAS: dict[str, tuple[dict[str, Any], str]] = {
         "draft the Q3 roadmap by 2026-07-10; Tom will fix the login timeout by "
         "2026-07-03; Lucia will deliver the new onboarding mockups by 2026-07-08.")),
 }
+# Two prompts more, where the model writes the document free as well as constrained:
+# **enums2**, the enums with two examples of other labels (with one, this 270M model
+# copies the example's labels, free and constrained); **arrays2**, the arrays with an
+# example of the answer's shape (four attendees, three action items; with two and one,
+# the free text goes on listing invented attendees, a loop the n-gram drafts copy).
+_TICKET = SCHEMAS["enums"][1].rsplit("Text: ", 1)[1].removesuffix("\nJSON:\n")
+SCHEMAS["enums2"] = (_ENUMS, (
+    "Classify each support ticket as JSON.\n\n"
+    + "".join(f"Text: {text}\nJSON:\n{json.dumps(document)}\n\n" for text, document in (
+        ("Subject: feature idea\nIt would be lovely to export my invoices as CSV from the "
+         "website. No rush, just an idea! Feel free to email me.",
+         {"category": "feature_request", "priority": "low", "customer_sentiment": "positive",
+          "affected_platform": "web_application", "requested_contact_channel": "email",
+          "language": "english"}),
+        ("Betreff: Paket fehlt\nMeine Bestellung ist seit zwei Wochen nicht angekommen. "
+         "Bitte rufen Sie mich an, das ist dringend.",
+         {"category": "shipping_and_delivery", "priority": "high",
+          "customer_sentiment": "negative", "affected_platform": "desktop_application",
+          "requested_contact_channel": "phone_call", "language": "german"})))
+    + f"Text: {_TICKET}\nJSON:\n"))
+_NOTES = SCHEMAS["arrays"][1].rsplit("Text: ", 1)[1].removesuffix("\nJSON:\n")
+SCHEMAS["arrays2"] = (_ARRAYS, _prompt(
+    "Turn meeting notes into JSON.",
+    "Design sync: Ana Souza (designer), Ben Carter (engineer), Chloe Martin (product "
+    "manager) and Dev Patel (engineer) met. Ben will update the icon set by 2026-05-02; "
+    "Chloe will write the release notes by 2026-05-04; Dev will review the color tokens "
+    "by 2026-05-06.",
+    {"meeting_title": "Design sync",
+     "attendees": [{"full_name": "Ana Souza", "role": "designer"},
+                   {"full_name": "Ben Carter", "role": "engineer"},
+                   {"full_name": "Chloe Martin", "role": "product_manager"},
+                   {"full_name": "Dev Patel", "role": "engineer"}],
+     "action_items": [
+         {"owner": "Ben Carter", "task_description": "Update the icon set",
+          "due_date": "2026-05-02"},
+         {"owner": "Chloe Martin", "task_description": "Write the release notes",
+          "due_date": "2026-05-04"},
+         {"owner": "Dev Patel", "task_description": "Review the color tokens",
+          "due_date": "2026-05-06"}]},
+    _NOTES))
 SAMPLINGS: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},
     "sampled": {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": 7},

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from sfcore_daemon.structured.compiler import compile_schema
 from sfcore_daemon.structured.copying import PromptCopy
-from sfcore_daemon.structured.forced import ForcedText
+from sfcore_daemon.structured.forced import ForcedDrafts, ForcedText
 
 PROPERTY_SETTINGS = settings(max_examples=200, deadline=None, database=None,
                              suppress_health_check=[HealthCheck.too_slow,
@@ -99,8 +99,41 @@ def test_fits_stops_where_the_document_is_refused_or_complete() -> None:
     text.feed(b'{"order_id": 1, "status": "')
     assert text.fits(b'paid", "customer"') == len(b'paid", "customer"')
     assert text.fits(b'pending"') == 1  # "p" may start "paid"; "e" may not follow
+    # A raw line break in a string is the grammar's to refuse (JSON escapes it).
+    free = ForcedText(compile_schema(ORDER).shape)
+    free.feed(b'{"order_id": 1, "status": "new", "customer": {"name": "A')
+    assert free.fits(b'da.\nJSON:') == 3
+    assert free.fits(b'da\\nB"') == 6
     text.feed(b'paid", "customer": {"name": "A"}, "items": []')
     assert text.fits(b'}\n\nText:') == 1  # the document is whole after "}"
+
+
+def test_a_guess_is_cut_before_its_second_value_of_the_models_choosing() -> None:
+    text = ForcedText(compile_schema(ORDER).shape)
+    text.feed(b'{"order_id": 1, "status": ')
+    guess = b'"paid", "customer": {"name": "Ada"}, "items": [{"sku": "a"}]}'
+    # The quote is forced; "paid" is the first value chosen, "Ada" the second.
+    assert guess[:text.values_cut(guess, 2)] == b'"paid", "customer": {"name": "'
+    assert guess[:text.values_cut(guess, 1)] == b'"'
+    # Inside a value: the rest of it is no new value, nor is punctuation between two
+    # (`,` or `]` after an item), the next item's string is.
+    text.feed(b'"paid", "customer": {"name": "A')
+    rest = b'da"}, "items": [{"sku": "a"}, {"sku": "b"}]}'
+    assert rest[:text.values_cut(rest, 1)] == b'da"}, "items": [{"sku": "'
+    assert rest[:text.values_cut(rest, 2)] == b'da"}, "items": [{"sku": "a"}, {"sku": "'
+    assert text.values_cut(rest, 9) == len(rest)
+
+
+def test_a_forced_quote_before_an_enums_first_letter_is_drafted_whole() -> None:
+    # The model writes ` "` apart from the value it chooses, but `"}` merged with the
+    # `,` or `]` it chooses after it (ForcedText.before_choice).
+    text = ForcedText(compile_schema(ORDER).shape)
+    text.feed(b'{"order_id": 1, "status"')
+    assert text.text(64) == b': "'
+    assert not text.before_choice
+    text.feed(b': "new", "customer": {"name": "Ada"}, "items": [{"sku": "a"')
+    assert text.text(64) == b"}"
+    assert text.before_choice
 
 
 # --- properties -----------------------------------------------------------------------
@@ -132,7 +165,10 @@ def _documents(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
         return st.sampled_from(schema["enum"])
     kind = schema["type"]
     if kind == "string":
-        return st.text(st.characters(codec="utf-8", exclude_characters='"\\'), max_size=6)
+        # json.dumps escapes the other control characters, not DEL; the grammar has it
+        # escaped only.
+        return st.text(st.characters(codec="utf-8", exclude_characters='"\\\x7f'),
+                       max_size=6)
     if kind == "integer":
         return st.integers(-999, 999)
     if kind == "boolean":
@@ -180,6 +216,23 @@ def test_every_forced_text_is_how_the_document_goes_on(case: tuple[dict[str, Any
 
 
 @PROPERTY_SETTINGS
+@given(schema_and_document(), st.data())
+def test_a_cut_guess_holds_fewer_values_than_asked(case: tuple[dict[str, Any], bytes],
+                                                   data: st.DataObject) -> None:
+    schema, document = case
+    at = data.draw(st.integers(0, len(document)))
+    values = data.draw(st.integers(1, 4))
+    text = ForcedText(compile_schema(schema).shape)
+    text.feed(document[:at])
+    rest = document[at:]
+    cut = text.values_cut(rest, values)
+    assert 0 <= cut <= len(rest)
+    # More values allowed never cut sooner.
+    assert text.values_cut(rest, values + 1) >= cut
+    assert text.values_cut(rest, values) == cut  # the text itself is left as it was
+
+
+@PROPERTY_SETTINGS
 @given(st.binary(max_size=64), st.integers(0, 64))
 def test_any_bytes_give_a_bounded_answer(data: bytes, limit: int) -> None:
     text = ForcedText(compile_schema(ORDER).shape)
@@ -187,6 +240,7 @@ def test_any_bytes_give_a_bounded_answer(data: bytes, limit: int) -> None:
     forced = text.text(limit)
     assert isinstance(forced, bytes) and len(forced) <= limit
     assert 0 <= text.fits(data) <= len(data)
+    assert 0 <= text.values_cut(data, 2) <= len(data)
 
 
 # --- string values copied from the prompt (copying.py) ----------------------------------
@@ -221,12 +275,21 @@ def test_a_value_copies_the_prompt_up_to_the_end_of_its_phrase() -> None:
     assert copy_after(PROSE, b"Margaret", room=2) == ([b" Ok", b"onk"], False)
 
 
-def test_no_copy_from_inside_a_token_a_short_value_or_an_ambiguous_one() -> None:
+def test_no_copy_from_inside_a_token_or_of_a_short_value() -> None:
     assert copy_after(PROSE, b"Marg") == ([], False)  # ends inside " Margaret"
     assert copy_after(PROSE, b"Ok") == ([], False)  # too short to tell
     assert copy_after(PROSE, b"Zebra") == ([], False)
+
+
+def test_a_value_found_twice_copies_where_the_text_first_names_it() -> None:
     twice = [b" Tom", b" Becker", b",", b" and", b" Tom", b" will", b" fix"]
-    assert copy_after(twice, b"Tom") == ([], False)  # " Becker" or " will"?
+    assert copy_after(twice, b"Tom") == ([b" Becker"], True)  # not " will fix"
+    # Unless that first occurrence ends inside a token: then the last one.
+    inside = [b" Tomas", b" left", b",", b" Tom", b" Becker", b","]
+    assert copy_after(inside, b"Tom") == ([b" Becker"], True)
+    # Nor where it is in an earlier paragraph (an example's text, before the one asked).
+    example = [b" Tom", b" Jones", b",", b"\n\n", b" Tom", b" Becker", b",", b" Tom", b" will"]
+    assert copy_after(example, b"Tom") == ([b" Becker"], True)
 
 
 def test_a_copy_stops_before_a_quote_or_a_line_break() -> None:
@@ -251,3 +314,51 @@ def test_a_copy_is_what_follows_the_value_in_the_prompt(pieces: list[bytes],
                    for at in range(len(text)) if text.startswith(value, at))
         assert not any(b'"' in piece or b"\n" in piece for piece in copied)
     assert len(copied) <= 16
+
+
+# --- drafts around a guess (ForcedDrafts), on a tokenizer of one token a byte -----------
+
+
+class ByteModel:
+    """A model whose tokens are bytes: token b is the byte b."""
+
+    def __init__(self) -> None:
+        self.pieces: dict[int, bytes] = {}
+
+    def piece(self, token: int) -> bytes:
+        return bytes((token,))
+
+    def tokenize_bytes(self, data: bytes) -> list[int]:
+        return list(data)
+
+
+def byte_drafts(written: bytes) -> tuple[ForcedDrafts, list[int]]:
+    model: Any = ByteModel()
+    return ForcedDrafts(compile_schema(ORDER).shape, model, []), list(written)
+
+
+def test_a_guess_in_a_string_closes_the_value_where_its_phrase_ends() -> None:
+    drafts, emitted = byte_drafts(b'{"order_id": 1, "status": "new", "customer": {"name": "A')
+    closed = drafts.closed(emitted, list(b"da; Tom will"), 64)
+    assert closed is not None
+    kept, closing = closed
+    # The closing quote and what the grammar forces after it, but the `[` the model
+    # writes merged with the `{` or `]` it chooses next (ForcedText.before_choice).
+    assert bytes(kept) == b"da" and bytes(closing) == b'"}, "items": '
+    assert drafts.closed(emitted, list(b'da", "x'), 64) is None  # it leaves the value
+    assert drafts.closed(emitted, list(b"da Lovelace"), 64) is None  # no phrase ends
+    assert drafts.closed(emitted, list(b"da e.g"), 64) is None  # "." inside a word
+
+
+def test_a_guess_that_closes_a_value_goes_on_through_the_forced_text() -> None:
+    drafts, emitted = byte_drafts(b'{"order_id": 1, "status": "new", "customer": {"name": "A')
+    assert bytes(drafts.after(emitted, list(b'da"'), 64)) == b'}, "items": '
+    assert drafts.after(emitted, list(b"da"), 64) == []  # the value may go on
+    assert len(drafts.after(emitted, list(b'da"'), 3)) == 3
+
+
+def test_a_cut_guess_keeps_the_tokens_before_its_second_value() -> None:
+    drafts, emitted = byte_drafts(b'{"order_id": 1, "status": ')
+    guess = list(b'"paid", "customer": {"name": "Ada"}}')
+    assert bytes(guess[:drafts.fitting(emitted, guess, 2)]) == b'"paid", "customer": {"name": "'
+    assert drafts.fitting(emitted, guess) == len(guess) - 1  # the last "}" is refused

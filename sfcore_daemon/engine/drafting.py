@@ -66,10 +66,12 @@ class DraftPlan:
         for (seq, proposal), length in zip(self._drafting, lengths, strict=True):
             if length:
                 seq.draft = proposal.tokens[:length]
-                forced = min(proposal.parts.forced, length)
-                seq.draft_parts = DraftParts(forced,
-                                             min(proposal.parts.guessed, length - forced),
-                                             min(proposal.parts.copied, length))
+                parts = proposal.parts
+                copied = min(parts.copied, length)
+                forced = min(parts.forced, length - copied)
+                rest = length - copied - forced
+                seq.draft_parts = DraftParts(forced, min(parts.guessed, rest), copied,
+                                             min(parts.after, rest))
 
 
 class Proposal(NamedTuple):
@@ -94,34 +96,61 @@ def _propose(seq: Seq, room: int) -> Proposal:
     forced = grammar.planned(room) or forced_drafts.propose(emitted, room)
     forcing = len(forced)
     if forcing >= MIN_DRAFT:
-        # The text the grammar forces, then the drafter's guess of what follows it (a
-        # value copied from an earlier document: the drafter adapts to how those guesses
-        # fare, apart from the forced tokens), then a filler that only rounds the step's
-        # rows up (settle): a rejected filler row costs its compute only, its draw is
-        # the token the step would draw anyway. Unless the drafter's own draft agrees
-        # and goes further (a copy in progress).
-        guess, extra = drafter.propose_after(forced, room - forcing)
-        if guess:
-            guess = guess[:max(forced_drafts.fitting(emitted, forced + guess) - forcing, 0)]
-            extra = min(extra, len(guess))
-        if length > forcing + extra and continuation[:forcing] == forced:
-            continuation = continuation[:forced_drafts.fitting(emitted, continuation)]
+        proposal = _then_guess(seq, forced, DraftParts(forced=forcing), room)
+        # Unless the drafter's own draft agrees and goes further (a copy in progress).
+        if length > proposal.length and continuation[:forcing] == forced:
+            continuation = continuation[:forced_drafts.fitting(emitted, continuation,
+                                                               forced_drafts.values)]
             length = min(length, len(continuation))
-            if length > forcing + extra:
+            if length > proposal.length:
                 return Proposal(continuation, length,
                                 DraftParts(forcing, len(continuation) - forcing))
-        filler = forced[-1:] * (room - forcing - len(guess))
-        return Proposal(forced + guess + filler, forcing + extra,
-                        DraftParts(forcing, len(guess)))
+        return proposal
     # Inside a string value: the rest of the prompt text it copies (copying.py), when it
     # copies one, and what closes it. It knows where a phrase ends, which the n-grams'
     # copy of the same prose does not.
     copy, closing = forced_drafts.copy(emitted, room)
-    if len(copy) + len(closing) >= MIN_DRAFT:
-        return Proposal(copy + closing, len(copy) + len(closing), DraftParts(copied=len(copy)))
-    continuation = continuation[:forced_drafts.fitting(emitted, continuation)]
-    return Proposal(continuation, min(length, len(continuation)),
-                    DraftParts(guessed=len(continuation)))
+    if closing and len(copy) + len(closing) >= MIN_DRAFT:
+        return _then_guess(seq, copy + closing,
+                           DraftParts(forced=len(closing), copied=len(copy)), room)
+    if len(copy) >= MIN_DRAFT:
+        return Proposal(copy, len(copy), DraftParts(copied=len(copy)))
+    continuation = continuation[:forced_drafts.fitting(emitted, continuation,
+                                                       forced_drafts.values)]
+    length = min(length, len(continuation))
+    # Inside a string value, a guess that runs on past the end of a phrase (`2026-07-10;
+    # Tom will fix`) closes the value there, as a copy does (copying.py).
+    closed = forced_drafts.closed(emitted, continuation[:length], room)
+    if closed is not None:
+        kept, closing = closed
+        return Proposal(kept + closing, len(kept) + len(closing),
+                        DraftParts(guessed=len(kept) + len(closing)))
+    # A guess that closes the value goes on through what the grammar forces after it
+    # (`", "role": "`), which the drafter's own continuation may not hold.
+    tail = forced_drafts.after(emitted, continuation[:length], room - length)
+    if tail:
+        return Proposal(continuation[:length] + tail, length + len(tail),
+                        DraftParts(guessed=length + len(tail)))
+    return Proposal(continuation, length, DraftParts(guessed=len(continuation)))
+
+
+def _then_guess(seq: Seq, head: list[int], parts: DraftParts, room: int) -> Proposal:
+    """`head` (text the grammar forces, maybe after a copy), then the drafter's guess of
+    what follows it (a value from an earlier document; such guesses adapt apart from the
+    drafter's own drafts, forced.py's `guessing`) up to the next value's start, then a
+    filler that only rounds the step's rows up (settle): a rejected filler row costs its
+    compute only, its draw is the token the step would draw anyway."""
+    drafter, forced_drafts, job = seq.drafter, seq.forced, seq.job
+    assert drafter is not None and forced_drafts is not None and job is not None
+    assert job.grammar is not None
+    emitted, heading = job.grammar.emitted, len(head)
+    guess, extra = drafter.propose_after(head, room - heading, forced_drafts.guessing)
+    if guess:
+        guess = guess[:max(forced_drafts.fitting(emitted, head + guess,
+                                                  forced_drafts.values) - heading, 0)]
+        extra = min(extra, len(guess))
+    filler = head[-1:] * (room - heading - len(guess))
+    return Proposal(head + guess + filler, heading + extra, parts._replace(after=len(guess)))
 
 
 def verified(seq: Seq, drafted: int, accepted: int) -> None:
@@ -130,16 +159,21 @@ def verified(seq: Seq, drafted: int, accepted: int) -> None:
     forced tokens, nor to rows that only filled the step)."""
     job, drafter = seq.job, seq.drafter
     assert job is not None and drafter is not None
-    forced, guessed, copied = seq.draft_parts
+    forced, guessed, copied, after = seq.draft_parts
     seq.draft_parts = NO_PARTS
+    copies = min(accepted, copied)
+    forces = min(accepted - copies, forced)
+    rest = accepted - copies - forces
     job.drafted += drafted
     job.accepted += accepted
     job.forced_drafted += forced
-    job.forced_accepted += min(accepted, forced)
-    if guessed and accepted >= forced:
-        drafter.verified(guessed, min(accepted - forced, guessed))
+    job.forced_accepted += forces
+    if guessed and forces == forced:
+        drafter.verified(guessed, min(rest, guessed))
     if seq.forced is not None:
-        seq.forced.verified((forced, min(accepted, forced)), (copied, min(accepted, copied)))
+        seq.forced.verified((forced, forces), (copied, copies),
+                            (after, min(rest, after)) if forces == forced else (0, 0),
+                            whole=accepted == drafted)
 
 
 def logit_rows(batch: Any, n: int) -> int:

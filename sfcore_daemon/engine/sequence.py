@@ -15,13 +15,15 @@ from sfcore_daemon.structured.forced import ForcedDrafts
 
 class DraftParts(NamedTuple):
     """Where a draft's tokens came from, from the step that proposed it (drafting.py) to
-    the one that verifies it (rows.py): `forced` first (a schema's grammar forces them),
-    then `guessed` ones the n-gram drafter proposed; or `copied` first (a string value's
-    copy of the prompt). The rest only fill the step's rows."""
+    the one that verifies it (rows.py), in their order in the draft: `copied` (a string
+    value's copy of the prompt), `forced` (a schema's grammar forces them), then either
+    `guessed` (the n-gram drafter's own continuation) or `after` (its guess of what
+    follows the forced text, which adapts apart). The rest only fill the step's rows."""
 
     forced: int = 0
     guessed: int = 0
     copied: int = 0
+    after: int = 0
 
 
 NO_PARTS = DraftParts()

@@ -255,11 +255,15 @@ class NgramDrafter:
                 return continuation, min(want, len(continuation))
         return _NO_MATCH
 
-    def propose_after(self, forced: list[int], room: int) -> tuple[list[int], int]:
+    def propose_after(self, forced: list[int], room: int,
+                      limit: int | None = None) -> tuple[list[int], int]:
         """`propose` for the text once `forced` (tokens a grammar forces next) follows
         it: what the best match of the text's end with `forced` continues with, up to
-        `room` tokens, and how many of them to draft."""
-        if room < 1 or self._pause or self.failure is not None or not forced:
+        `room` tokens, and how many of them to draft: at most `limit` when given (those
+        guesses adapt apart from this drafter's own drafts), else as its own."""
+        if limit is None:
+            limit = 0 if self._pause else self._limit
+        if room < 1 or limit < 1 or self.failure is not None or not forced:
             return _NO_MATCH
         try:
             tokens = self._tokens
@@ -270,7 +274,7 @@ class NgramDrafter:
                 start = positions.get(tuple(text[-n:])) if len(text) >= n else None
                 if start is not None:
                     reach = _REACH * _match_length(text, start, n, settings.draft_max // _REACH)
-                    want = min(room, self._limit, max(settings.draft_start, reach))
+                    want = min(room, limit, max(settings.draft_start, reach))
                     continuation = tokens[start:start + room]
                     return continuation, min(want, len(continuation))
         except Exception as exc:  # drafts are an optimisation (see class)

@@ -51,8 +51,9 @@ class PromptCopy:
             self._next[end] = index + 1
 
     def after(self, value: bytes, room: int) -> tuple[list[int], bool]:
-        """The prompt's tokens that follow its last occurrence of `value` (when that
-        occurrence ends at a token's end), at most `room`, up to the first token that
+        """The prompt's tokens that follow an occurrence of `value` that ends at a
+        token's end (the last, or the first in its paragraph), at most `room`, up to the
+        first token that
         holds a quote or a line break or ends a phrase; ([], False) otherwise. And
         whether the copy stopped at a phrase's end (where the value likely ends)."""
         if len(value) < MIN_MATCH_BYTES:
@@ -63,22 +64,35 @@ class PromptCopy:
         start = self._next.get(found + len(value))
         if start is None or start >= len(self._tokens):
             return [], False
-        first = self._text.find(value)
+        text = self._text
+        first = text.find(value, text.rfind(b"\n\n", 0, found) + 1)
         if first != found:
-            # "Priya" before "Raman (product manager)" and before "will draft": which
-            # one the value copies is anyone's guess.
+            # "Priya" before "Raman (product manager)" and before "will draft": a text
+            # names a thing in full where it first mentions it, so the first occurrence
+            # in the paragraph of the last one (an earlier paragraph may be an example's)
+            # is the likelier copy, when it ends at a token's end too.
             other = self._next.get(first + len(value))
-            if other is None or self._tokens[other] != self._tokens[start]:
-                return [], False
+            if other is not None and other < len(self._tokens):
+                start = other
         copied: list[int] = []
         pieces, count = self._pieces, len(self._tokens)
         for index in range(start, min(start + min(room, MAX_COPY), count)):
             piece = pieces[index]
             if any(stop in piece for stop in _STOPS):
                 break
-            bare = piece.strip()
-            if bare in _PHRASE_ENDS or (bare in _SENTENCE_ENDS and (
-                    index + 1 == count or pieces[index + 1][:1].isspace())):
+            if ends_phrase(pieces, index, True):
                 return copied, True
             copied.append(self._tokens[index])
         return copied, False
+
+
+def ends_phrase(pieces: list[bytes], index: int, at_end: bool) -> bool:
+    """Whether `pieces[index]` is punctuation that ends a phrase, where a value copied
+    from prose likely ends: `,;()!?`, or `.` or `:` before whitespace (`at_end`: whether
+    the end of `pieces` counts as whitespace)."""
+    bare = pieces[index].strip()
+    if bare in _PHRASE_ENDS:
+        return True
+    if bare not in _SENTENCE_ENDS:
+        return False
+    return at_end if index + 1 == len(pieces) else pieces[index + 1][:1].isspace()

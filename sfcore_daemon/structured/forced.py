@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
-from sfcore_daemon.structured.copying import MAX_COPY, PromptCopy
+from sfcore_daemon.structured.copying import MAX_COPY, PromptCopy, ends_phrase
 from sfcore_daemon.structured.frames import ANY_BYTE, SPACE, WS
 from sfcore_daemon.structured.tracker import JsonTracker
 
@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 # are 1-8 bytes here; a text cut at this bound loses its last token (it may be cut
 # inside it).
 _BYTES_PER_TOKEN: Final = 8
+_QUOTE: Final = ord('"')
+_VALUES: Final = 2  # ForcedDrafts.values, at first and after a draft refused
+_MAX_VALUES: Final = 16
 # Forced texts tokenized, kept per request (the same keys come back in every item of an
 # array); emptied whole when full.
 _TOKENIZED: Final = 256
@@ -135,6 +138,29 @@ class ForcedText:
                 return index + 1
         return len(data)
 
+    def values_cut(self, data: bytes, values: int) -> int:
+        """How many of `data`'s first bytes come before the `values`-th value of the
+        model's choosing that starts after forced bytes (a string's or number's first
+        byte, an enum's, not punctuation such as `,` or `]`); len(data) if fewer."""
+        probe = self._tracker.copy()
+        after_forced = False
+        for index, byte in enumerate(data):
+            allowed = probe.nexts()
+            choices = None if allowed is None else allowed - _SPACE_SET
+            if choices is not None and len(choices) == 1 and ANY_BYTE not in choices:
+                after_forced = True
+            elif after_forced and (choices is None or any(
+                    choice in (ANY_BYTE, _QUOTE) or _is_word(choice)
+                    for choice in choices)):
+                values -= 1
+                if values == 0:
+                    return index
+                after_forced = False
+            probe.feed(bytes((byte,)))
+            if probe.lost:
+                break
+        return len(data)
+
     def _wants_space(self, last: int, following: int) -> bool:
         """Whether the model would write a space between `last` and `following`
         (ANY_BYTE: the start of a value of its choosing)."""
@@ -179,7 +205,11 @@ class ForcedText:
             # model's habit may put a space before.
             following = next(iter(choices)) if len(choices) == 1 else ANY_BYTE
             if following == ANY_BYTE and ANY_BYTE not in choices:
-                self.before_choice = True  # punctuation of the model's choosing
+                # Punctuation of the model's choosing; not the first letter or digit of
+                # a string value (an enum's, a date's), which it writes apart from the
+                # quote before it (` "` + `engineer`).
+                self.before_choice = not (out[-1:] == b'"' and all(
+                    _is_word(choice) for choice in choices))
                 break
             if SPACE in allowed and not spaced and last >= 0 \
                     and self._wants_space(last, following):
@@ -216,7 +246,7 @@ class ForcedDrafts:
     loop to report."""
 
     __slots__ = ("_text", "_model", "_fed", "_tokenized", "failure", "_prompt", "_copy",
-                 "_forcing", "_copying")
+                 "_forcing", "_copying", "_guessing", "values")
 
     def __init__(self, shape: Shape, model: Model, prompt: list[int]) -> None:
         self._text = ForcedText(shape)
@@ -228,6 +258,16 @@ class ForcedDrafts:
         # or none for a while; copies that keep failing likewise.
         self._forcing = Backoff(MAX_FORCED, MAX_FORCED, slack=2, first_pause=2)
         self._copying = Backoff(4, MAX_COPY, slack=1, first_pause=4)
+        # The n-gram drafter's guesses of what follows a forced text (a value from an
+        # earlier document) fare otherwise than its drafts of free text: apart.
+        self._guessing = Backoff(4, MAX_FORCED, slack=1, first_pause=4)
+        # A guess inside the document stops where it would guess the `values`-th value
+        # of the model's choosing (a string, a number, an enum's value): the text
+        # between two values is mostly forced, the values mostly not, and a row past a
+        # refused token is paid for nothing. A document that copies an earlier one
+        # (every draft accepted whole) earns longer guesses, twice as many values each
+        # time; until a draft is refused, one value more than after.
+        self.values = _VALUES + 1
         self._fed = 0  # emitted tokens the text has read
         self._tokenized: dict[bytes, list[int]] = {}
         self.failure: BaseException | None = None
@@ -267,27 +307,97 @@ class ForcedDrafts:
         kept = self.fitting(emitted, copied)
         if kept < len(copied) or not ends or len(copied) >= room:
             return copied[:kept], []
-        after = self._text.text_after(b"".join(self._pieces(copied)) + b'"',
+        return copied, self._closing(copied, room - len(copied))
+
+    def closed(self, emitted: list[int], guess: list[int],
+               room: int) -> tuple[list[int], list[int]] | None:
+        """Inside a string value, a guess of how it goes on (the n-gram drafter's) cut
+        before its first token that ends a phrase, where the value likely ends, as a
+        copy's does (copying.py); and the closing quote with the text forced after it,
+        at most `room` tokens in all. None where the guess leaves the value first, or
+        ends no phrase."""
+        if not guess or self.failure is not None:
+            return None
+        try:
+            self._catch_up(emitted)
+            if self._text.string is None:
+                return None
+            pieces = self._pieces(guess)
+            for index, piece in enumerate(pieces):
+                if b'"' in piece or b"\n" in piece:
+                    return None
+                if ends_phrase(pieces, index, False):
+                    kept = guess[:min(index, room)]
+                    closing = self._closing(kept, room - len(kept))
+                    return (kept, closing) if closing else None
+            return None
+        except Exception as exc:  # drafts are an optimisation (see class)
+            self.failure = exc
+            return None
+
+    def _closing(self, value_rest: list[int], room: int) -> list[int]:
+        """The closing quote and the text forced after it, once `value_rest` ends the
+        string value; [] where the document refuses the quote or punctuation is the
+        model's choice right after it."""
+        if room <= 0:
+            return []
+        after = self._text.text_after(b"".join(self._pieces(value_rest)) + b'"',
                                       _BYTES_PER_TOKEN * room)
-        if not after:  # the document refuses the quote, or punctuation is the choice
-            return copied, []
+        if not after:
+            return []
         closing = self._tokens(b'"' + after)
         if self._text.before_choice:
             closing = closing[:-1]  # see ForcedText.before_choice
-        return copied, closing[:room - len(copied)]
+        return closing[:room]
 
-    def verified(self, forced: tuple[int, int], copied: tuple[int, int]) -> None:
-        """How many of a draft's forced tokens and of its copied ones were accepted,
-        each (drafted, accepted): adapts the next ones."""
+    def after(self, emitted: list[int], guess: list[int], room: int) -> list[int]:
+        """The tokens of the text forced once `guess` (a draft the document takes)
+        follows `emitted`, at most `room`: a guess that closes a string value goes on
+        through the `", "key": "` after it. [] where nothing is forced there, or the
+        guess ends inside a word the forced text goes on with."""
+        if room <= 0 or not guess or self.failure is not None:
+            return []
+        try:
+            self._catch_up(emitted)
+            text = self._text
+            if text.lost or self._forcing.pause:
+                return []
+            data = b"".join(self._pieces(guess))
+            forced = text.text_after(data, _BYTES_PER_TOKEN * room)
+            if not forced or (_is_word(data[-1]) and _is_word(forced[0])):
+                return []
+            tokens = self._tokens(forced)
+            if text.before_choice:
+                tokens = tokens[:-1]  # see ForcedText.before_choice
+            return tokens[:min(room, self._forcing.limit)]
+        except Exception as exc:  # drafts are an optimisation (see class)
+            self.failure = exc
+            return []
+
+    @property
+    def guessing(self) -> int:
+        """How many tokens of a guess to draft after a forced text (0: none for now)."""
+        return 0 if self._guessing.pause else self._guessing.limit
+
+    def verified(self, forced: tuple[int, int], copied: tuple[int, int],
+                 guessed: tuple[int, int] = (0, 0), *, whole: bool = False) -> None:
+        """How many of a draft's forced tokens, of its copied ones and of the guess
+        after its forced text were accepted, each (drafted, accepted), and whether the
+        whole draft was: adapts the next ones."""
+        self.values = min(2 * self.values, _MAX_VALUES) if whole else _VALUES
         if forced[0]:
             self._forcing.verified(*forced)
         if copied[0]:
             self._copying.verified(*copied)
+        if guessed[0]:
+            self._guessing.verified(*guessed)
 
-    def fitting(self, emitted: list[int], tokens: list[int]) -> int:
+    def fitting(self, emitted: list[int], tokens: list[int], values: int = 0) -> int:
         """How many of `tokens` (a guess of what follows `emitted`) the document can
         take: a guess is cut at the first token the grammar would refuse, and after
-        the token that completes the document."""
+        the token that completes the document; given `values`, also at the token that
+        holds the first byte of the `values`-th value it guesses after forced text
+        (ForcedText.values_cut)."""
         if not tokens or self.failure is not None:
             return 0
         try:
@@ -296,7 +406,10 @@ class ForcedDrafts:
             if text.lost:
                 return len(tokens)  # nothing to check against
             pieces = self._pieces(tokens)
-            room = text.fits(b"".join(pieces))
+            data = b"".join(pieces)
+            room = text.fits(data)
+            if values:
+                room = min(room, text.values_cut(data, values))
             for count, piece in enumerate(pieces):
                 room -= len(piece)
                 if room < 0:
@@ -317,6 +430,7 @@ class ForcedDrafts:
             fresh = emitted[self._fed:]
             self._forcing.passed(len(fresh))
             self._copying.passed(len(fresh))
+            self._guessing.passed(len(fresh))
             self._text.feed(b"".join(self._pieces(fresh)))
             self._fed = len(emitted)
 

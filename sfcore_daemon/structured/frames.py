@@ -109,6 +109,8 @@ class StringFrame(Frame):
             return KEEP, None
         if byte == ord('"'):
             return DONE, None
+        if byte < 0x20 or byte == 0x7F:  # the grammar's `char` has them escaped only
+            return FAIL, None
         self.count += 1
         if byte == ord("\\"):
             self.state = _S_ESCAPE
