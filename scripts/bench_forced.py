@@ -3,7 +3,10 @@
 
 Four schemas (flat, nested, enums, arrays of objects), each with a one-shot completion
 prompt: a task line, an example text and its document (as json.dumps writes it), then a
-new text; the model's natural continuation, free or constrained, is its document. Two
+new text; the model's natural continuation, free or constrained, is its document. And
+two prompts more where the free text is that document too (enums2: two examples, so the
+model classifies instead of copying the one example's labels; arrays2: an example of
+the answer's shape, so the free text does not go on listing attendees in a loop). Two
 daemons up together, the default config and the same with `[speculative] forced_drafts =
 false`; both speculate (the default). For each schema and sampling (greedy; temperature
 0.7 with a seed), twice a run, each daemon first once:

@@ -97,8 +97,11 @@ def _propose(seq: Seq, room: int) -> Proposal:
     forcing = len(forced)
     if forcing >= MIN_DRAFT:
         proposal = _then_guess(seq, forced, DraftParts(forced=forcing), room)
-        # Unless the drafter's own draft agrees and goes further (a copy in progress).
-        if length > proposal.length and continuation[:forcing] == forced:
+        # Unless the drafter's own draft agrees with the forced text and the guess, and
+        # goes further (a copy in progress). Where it guesses otherwise, the guess read
+        # the forced text too, the drafter's draft only the text before it.
+        guess = proposal.tokens[forcing:forcing + proposal.parts.after]
+        if length > proposal.length and continuation[:forcing + len(guess)] == forced + guess:
             continuation = continuation[:forced_drafts.fitting(emitted, continuation,
                                                                forced_drafts.values)]
             length = min(length, len(continuation))
