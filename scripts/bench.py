@@ -29,8 +29,8 @@ prompt-cache section (scripts/bench_cache.py; llama-server's --cache-ram beside 
 decode and first token through /v1/chat/completions, NDJSON chat and llama-server.
 `--only tools` runs the tool-call section (scripts/bench_tools.py, `--seeds N`): how many
 forced calls validate, on the daemon and on llama-server. `--only forced` runs the
-forced-drafts section (scripts/bench_forced.py): constrained decode on four schemas with
-and without forced drafts, against the same prompts' free decode.
+forced-drafts section (scripts/bench_forced.py): constrained decode on four schemas (six
+prompts) with and without forced drafts, against the same prompts' free decode.
 
     .venv/bin/python scripts/bench.py [--runs 5] [--tokens 128] [--json bench_results.json]
     .venv/bin/python scripts/bench.py --only concurrency --runs 3 [--slots 4]

@@ -6,7 +6,8 @@ prompt: a task line, an example text and its document (as json.dumps writes it),
 new text; the model's natural continuation, free or constrained, is its document. And
 two prompts more where the free text is that document too (enums2: two examples, so the
 model classifies instead of copying the one example's labels; arrays2: an example of
-the answer's shape, so the free text does not go on listing attendees in a loop). Two
+the answer's shape, so the free text does not go on listing attendees in a loop); and
+bench.py's structured prompt (orders: JSON lines after two examples, a near-copy). Two
 daemons up together, the default config and the same with `[speculative] forced_drafts =
 false`; both speculate (the default). For each schema and sampling (greedy; temperature
 0.7 with a seed), twice a run, each daemon first once:
@@ -45,6 +46,7 @@ from typing import Any
 
 import benchlib
 import jsonschema
+from bench import STRUCTURED_PROMPT, STRUCTURED_SCHEMA
 from bench_concurrency import LlamaServer
 from benchlib import REPO, Daemon, Stream, log
 
@@ -214,6 +216,10 @@ SCHEMAS["arrays2"] = (_ARRAYS, _prompt(
          {"owner": "Dev Patel", "task_description": "Review the color tokens",
           "due_date": "2026-05-06"}]},
     _NOTES))
+# And bench.py's structured prompt (orders as JSON lines after two examples): its
+# document is mostly a copy of the second example, where guesses of what follows the
+# forced text pay more than in a document extracted from a text.
+SCHEMAS["orders"] = (STRUCTURED_SCHEMA, STRUCTURED_PROMPT)
 SAMPLINGS: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},
     "sampled": {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": 7},
