@@ -113,15 +113,15 @@ def test_a_guess_is_cut_before_its_second_value_of_the_models_choosing() -> None
     text.feed(b'{"order_id": 1, "status": ')
     guess = b'"paid", "customer": {"name": "Ada"}, "items": [{"sku": "a"}]}'
     # The quote is forced; "paid" is the first value chosen, "Ada" the second.
-    assert guess[:text.values_cut(guess, 2)] == b'"paid", "customer": {"name": "'
-    assert guess[:text.values_cut(guess, 1)] == b'"'
+    assert guess[:text.fits(guess, 2)] == b'"paid", "customer": {"name": "'
+    assert guess[:text.fits(guess, 1)] == b'"'
     # Inside a value: the rest of it is no new value, nor is punctuation between two
     # (`,` or `]` after an item), the next item's string is.
     text.feed(b'"paid", "customer": {"name": "A')
     rest = b'da"}, "items": [{"sku": "a"}, {"sku": "b"}]}'
-    assert rest[:text.values_cut(rest, 1)] == b'da"}, "items": [{"sku": "'
-    assert rest[:text.values_cut(rest, 2)] == b'da"}, "items": [{"sku": "a"}, {"sku": "'
-    assert text.values_cut(rest, 9) == len(rest)
+    assert rest[:text.fits(rest, 1)] == b'da"}, "items": [{"sku": "'
+    assert rest[:text.fits(rest, 2)] == b'da"}, "items": [{"sku": "a"}, {"sku": "'
+    assert text.fits(rest, 9) == len(rest)
 
 
 def test_a_forced_quote_before_an_enums_first_letter_is_drafted_whole() -> None:
@@ -225,11 +225,11 @@ def test_a_cut_guess_holds_fewer_values_than_asked(case: tuple[dict[str, Any], b
     text = ForcedText(compile_schema(schema).shape)
     text.feed(document[:at])
     rest = document[at:]
-    cut = text.values_cut(rest, values)
+    cut = text.fits(rest, values)
     assert 0 <= cut <= len(rest)
     # More values allowed never cut sooner.
-    assert text.values_cut(rest, values + 1) >= cut
-    assert text.values_cut(rest, values) == cut  # the text itself is left as it was
+    assert text.fits(rest, values + 1) >= cut
+    assert text.fits(rest, values) == cut  # the text itself is left as it was
 
 
 @PROPERTY_SETTINGS
@@ -240,7 +240,7 @@ def test_any_bytes_give_a_bounded_answer(data: bytes, limit: int) -> None:
     forced = text.text(limit)
     assert isinstance(forced, bytes) and len(forced) <= limit
     assert 0 <= text.fits(data) <= len(data)
-    assert 0 <= text.values_cut(data, 2) <= len(data)
+    assert 0 <= text.fits(data, 2) <= len(data)
 
 
 # --- string values copied from the prompt (copying.py) ----------------------------------

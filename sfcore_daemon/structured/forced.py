@@ -48,8 +48,6 @@ _TOKENIZED: Final = 256
 # The punctuation a space follows by default, before the document says otherwise (as
 # json.dumps and most models write JSON).
 _SPACED_BY_DEFAULT: Final = frozenset(b":,")
-# A prompt copy's first length, and the tokens copies pause for after one is rejected
-# whole (doubling while they keep failing, up to the most).
 # The longest forced draft, and the most tokens a kind of draft pauses for (Backoff).
 MAX_FORCED: Final = 64
 _MAX_PAUSE: Final = 64
@@ -126,39 +124,32 @@ class ForcedText:
             else:
                 self._string.append(byte)
 
-    def fits(self, data: bytes) -> int:
+    def fits(self, data: bytes, values: int = 0) -> int:
         """How many of `data`'s first bytes the document can take from here: up to the
-        first byte no reading allows, or the byte that completes the document."""
+        first byte no reading allows, or the byte that completes the document. Given
+        `values`, also up to the `values`-th value of the model's choosing that starts
+        after forced bytes (a string's or a number's first byte, an enum's; not
+        punctuation such as `,` or `]`)."""
         probe = self._tracker.copy()
+        after_forced = False
         for index, byte in enumerate(data):
+            if values:
+                allowed = probe.nexts()
+                choices = None if allowed is None else allowed - _SPACE_SET
+                if choices is not None and len(choices) == 1 and ANY_BYTE not in choices:
+                    after_forced = True
+                elif after_forced and (choices is None or any(
+                        choice in (ANY_BYTE, _QUOTE) or _is_word(choice)
+                        for choice in choices)):
+                    values -= 1
+                    if values == 0:
+                        return index
+                    after_forced = False
             probe.feed(bytes((byte,)))
             if probe.lost:
                 return index
             if probe.whole:
                 return index + 1
-        return len(data)
-
-    def values_cut(self, data: bytes, values: int) -> int:
-        """How many of `data`'s first bytes come before the `values`-th value of the
-        model's choosing that starts after forced bytes (a string's or number's first
-        byte, an enum's, not punctuation such as `,` or `]`); len(data) if fewer."""
-        probe = self._tracker.copy()
-        after_forced = False
-        for index, byte in enumerate(data):
-            allowed = probe.nexts()
-            choices = None if allowed is None else allowed - _SPACE_SET
-            if choices is not None and len(choices) == 1 and ANY_BYTE not in choices:
-                after_forced = True
-            elif after_forced and (choices is None or any(
-                    choice in (ANY_BYTE, _QUOTE) or _is_word(choice)
-                    for choice in choices)):
-                values -= 1
-                if values == 0:
-                    return index
-                after_forced = False
-            probe.feed(bytes((byte,)))
-            if probe.lost:
-                break
         return len(data)
 
     def _wants_space(self, last: int, following: int) -> bool:
@@ -341,14 +332,11 @@ class ForcedDrafts:
         model's choice right after it."""
         if room <= 0:
             return []
-        after = self._text.text_after(b"".join(self._pieces(value_rest)) + b'"',
-                                      _BYTES_PER_TOKEN * room)
+        limit = _BYTES_PER_TOKEN * room
+        after = self._text.text_after(b"".join(self._pieces(value_rest)) + b'"', limit)
         if not after:
             return []
-        closing = self._tokens(b'"' + after)
-        if self._text.before_choice:
-            closing = closing[:-1]  # see ForcedText.before_choice
-        return closing[:room]
+        return self._drafted(after, len(after) >= limit, b'"')[:room]
 
     def after(self, emitted: list[int], guess: list[int], room: int) -> list[int]:
         """The tokens of the text forced once `guess` (a draft the document takes)
@@ -363,13 +351,11 @@ class ForcedDrafts:
             if text.lost or self._forcing.pause:
                 return []
             data = b"".join(self._pieces(guess))
-            forced = text.text_after(data, _BYTES_PER_TOKEN * room)
+            limit = _BYTES_PER_TOKEN * room
+            forced = text.text_after(data, limit)
             if not forced or (_is_word(data[-1]) and _is_word(forced[0])):
-                return []
-            tokens = self._tokens(forced)
-            if text.before_choice:
-                tokens = tokens[:-1]  # see ForcedText.before_choice
-            return tokens[:min(room, self._forcing.limit)]
+                return []  # see _propose
+            return self._drafted(forced, len(forced) >= limit)[:min(room, self._forcing.limit)]
         except Exception as exc:  # drafts are an optimisation (see class)
             self.failure = exc
             return []
@@ -397,7 +383,7 @@ class ForcedDrafts:
         take: a guess is cut at the first token the grammar would refuse, and after
         the token that completes the document; given `values`, also at the token that
         holds the first byte of the `values`-th value it guesses after forced text
-        (ForcedText.values_cut)."""
+        (ForcedText.fits)."""
         if not tokens or self.failure is not None:
             return 0
         try:
@@ -407,9 +393,7 @@ class ForcedDrafts:
                 return len(tokens)  # nothing to check against
             pieces = self._pieces(tokens)
             data = b"".join(pieces)
-            room = text.fits(data)
-            if values:
-                room = min(room, text.values_cut(data, values))
+            room = text.fits(data, values)
             for count, piece in enumerate(pieces):
                 room -= len(piece)
                 if room < 0:
@@ -447,12 +431,15 @@ class ForcedDrafts:
             # measured, 4 in 10 such drafts kept their first token, against 8 in 10 at a
             # word's start. The model takes the rest of the word, then drafts resume.
             return []
-        tokens = self._tokens(forced)
-        if len(forced) >= limit or text.before_choice:
-            # The text may have been cut inside its last token, or the model writes
-            # that token merged with the punctuation it chooses next.
-            tokens = tokens[:-1]
-        return tokens[:min(room, self._forcing.limit)]
+        return self._drafted(forced, len(forced) >= limit)[:min(room, self._forcing.limit)]
+
+    def _drafted(self, forced: bytes, cut: bool, lead: bytes = b"") -> list[int]:
+        """The tokens of `lead` + `forced` (a text ForcedText just gave, `cut` at its
+        bound) as a draft: without the last one where the text may end inside it, or
+        the model writes it merged with the punctuation it chooses next
+        (ForcedText.before_choice)."""
+        tokens = self._tokens(lead + forced)
+        return tokens[:-1] if cut or self._text.before_choice else tokens
 
     def _tokens(self, forced: bytes) -> list[int]:
         """The model's tokenization of `forced`; [] when its pieces do not give the
