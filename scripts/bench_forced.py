@@ -9,8 +9,10 @@ model classifies instead of copying the one example's labels; arrays2: an exampl
 the answer's shape, so the free text does not go on listing attendees in a loop); and
 bench.py's structured prompt (orders: JSON lines after two examples, a near-copy). Two
 daemons up together, the default config and the same with `[speculative] forced_drafts =
-false`; both speculate (the default). For each schema and sampling (greedy; temperature
-0.7 with a seed), twice a run, each daemon first once:
+false`; both speculate (the default). Per schema, a one-token request on each daemon
+first, so that every measured request finds its prompt in the slot's cache. For each
+schema and sampling (greedy; temperature 0.7 with a seed), twice a run, each daemon
+first once:
 
 - **forced**: `generate` with `json_schema` on the default daemon;
 - **no forced**: the same request on the other daemon (its n-gram drafts only);
@@ -23,7 +25,8 @@ false`; both speculate (the default). For each schema and sampling (greedy; temp
   `timings.predicted_per_second`.
 
 Per schema and sampling: decode tok/s of each (median over runs of the mean of the two
-requests a run), the paired ratios forced/free and forced/no-forced, the forced tokens
+requests a run), the paired ratios forced/free and forced/no-forced, the first token's
+time and the whole request's ratio forced/free (sending to last token), the forced tokens
 drafted and accepted, whether every document validates (jsonschema), and whether the
 forced daemon's text equals the other's byte for byte in every run.
 
@@ -276,6 +279,10 @@ async def one_run(params: dict[str, Any], schemas: list[str],
         for stream in (streams["forced"], streams["no_forced"]):
             await stream.request(_request("flat", "greedy", "forced", 8))  # warm-up
         for name in schemas:
+            # Every request finds its prompt in the slot's cache: the first-token and
+            # whole-request columns compare the documents, not a cold prompt on one side.
+            for stream in (streams["forced"], streams["no_forced"]):
+                await stream.request(_request(name, "greedy", "free", 1))
             for sampling in SAMPLINGS:
                 # The free request takes as many tokens as the document before it.
                 for order in (SIDES, ("no_forced", "forced", "free_plain", "free")):
@@ -289,6 +296,8 @@ async def one_run(params: dict[str, Any], schemas: list[str],
                             tokens = done["usage"]["completion_tokens"]
                         rows.append({"schema": name, "sampling": sampling, "side": side,
                                      "decode_tok_s": run["decode_tok_s"],
+                                     "first_token_ms": run["first_token_ms"],
+                                     "total_ms": run["total_ms"],
                                      "tokens": done["usage"]["completion_tokens"],
                                      "finish_reason": done["finish_reason"],
                                      "usage": done["usage"], "text": run["text"]})
@@ -336,6 +345,12 @@ def summarize(rows: list[dict[str, Any]], schemas: list[str]) -> list[dict[str, 
                                                            "decode_tok_s"),
                 "free_vs_free_plain": benchlib.paired_ratio(free, "decode_tok_s", free_plain,
                                                             "decode_tok_s"),
+                "forced_first_ms": statistics.median(row["first_token_ms"] for row in forced),
+                "free_first_ms": statistics.median(row["first_token_ms"] for row in free),
+                # The whole request, from sending it to its last token: the time ratio
+                # (the same prompt, as many tokens a side).
+                "forced_vs_free_total": benchlib.paired_ratio(free, "total_ms", forced,
+                                                              "total_ms"),
                 "free_same": sum(a["text"] == b["text"]
                                  for a, b in zip(free, free_plain, strict=True)),
                 "forced_drafted": sum(row["usage"]["forced_drafted_tokens"] for row in forced),
@@ -368,9 +383,10 @@ def print_table(lines: list[dict[str, Any]], header: str) -> None:
     print()
     print("| schema | sampling | doc tokens | forced tok/s | no-forced tok/s | free tok/s | "
           "forced/free | forced/no-forced | no-forced/free | forced accepted/drafted | "
-          "valid | same bytes | free: daemons' ratio, same bytes |"
+          "valid | same bytes | free: daemons' ratio, same bytes | first token ms, forced, "
+          "free | whole request, forced/free |"
           + (" llama-server tok/s | forced/llama-server | llama-server valid |" if server else ""))
-    print("|---" * (13 + 3 * server) + "|")
+    print("|---" * (15 + 3 * server) + "|")
     for line in lines:
         cells = (f"| {line['schema']} | {line['sampling']} | {line['tokens']:.0f} | "
                  f"{line['forced_tok_s']:.1f} | {line['no_forced_tok_s']:.1f} | "
@@ -378,7 +394,9 @@ def print_table(lines: list[dict[str, Any]], header: str) -> None:
                  f"{line['forced_vs_no_forced']:.2f} | {line['no_forced_vs_free']:.2f} | "
                  f"{line['forced_accepted']}/{line['forced_drafted']} | "
                  f"{line['valid']}/{line['documents']} | {line['identical']}/{line['pairs']} | "
-                 f"{line['free_vs_free_plain']:.2f}, {line['free_same']}/{line['pairs']} |")
+                 f"{line['free_vs_free_plain']:.2f}, {line['free_same']}/{line['pairs']} | "
+                 f"{line['forced_first_ms']:.0f}, {line['free_first_ms']:.0f} | "
+                 f"{line['forced_vs_free_total']:.2f} |")
         if server:
             cells += (f" {line['server_tok_s']:.1f} | {line['forced_vs_server']:.2f} | "
                       f"{line['server_valid']}/{line['server_documents']} |")

@@ -57,6 +57,7 @@ def generation_figures(started: float, first: float, last: float, tokens: int, *
     """The same figures for both sides, from the same instants."""
     return {
         "first_token_ms": (first - started) * 1e3,
+        "total_ms": (last - started) * 1e3,
         "decode_tok_s": (tokens - 1) / (last - first) if tokens > 1 and last > first
         else float("nan"),
         "tokens": tokens,
