@@ -11,8 +11,8 @@ bench.py's structured prompt (orders: JSON lines after two examples, a near-copy
 daemons up together, the default config and the same with `[speculative] forced_drafts =
 false`; both speculate (the default). Per schema, a one-token request on each daemon
 first, so that every measured request finds its prompt in the slot's cache. For each
-schema and sampling (greedy; temperature 0.7 with a seed), twice a run, each daemon
-first once:
+schema and sampling (greedy; temperature 0.7 with seeds 7, 8 and 9, each seed its own
+document), twice a run, each daemon first once:
 
 - **forced**: `generate` with `json_schema` on the default daemon;
 - **no forced**: the same request on the other daemon (its n-gram drafts only);
@@ -24,11 +24,12 @@ first once:
   with the same `json_schema` (its own conversion to a grammar), its own
   `timings.predicted_per_second`.
 
-Per schema and sampling: decode tok/s of each (median over runs of the mean of the two
-requests a run), the paired ratios forced/free and forced/no-forced, the first token's
-time and the whole request's ratio forced/free (sending to last token), the forced tokens
-drafted and accepted, whether every document validates (jsonschema), and whether the
-forced daemon's text equals the other's byte for byte in every run.
+Per schema and sampling: decode tok/s of each (the median of its requests), the paired
+ratios forced/free and forced/no-forced (the median over the pairs, each pair the same
+seed back to back), the first token's time and the whole request's ratio forced/free
+(sending to last token), the forced tokens drafted and accepted, whether every document
+validates (jsonschema), and in how many pairs the forced daemon's text equals the
+other's byte for byte.
 
     .venv/bin/python scripts/bench_forced.py [--runs 3] [--schemas flat,enums] [--json F]
         [--llama-server PATH]
@@ -225,34 +226,43 @@ SCHEMAS["arrays2"] = (_ARRAYS, _prompt(
 SCHEMAS["orders"] = (STRUCTURED_SCHEMA, STRUCTURED_PROMPT)
 SAMPLINGS: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},
-    "sampled": {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": 7},
+    "sampled": {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05},
 }
+# Sampled, each seed is one document: its own path through the drafts (a copy of the
+# example or not, a value drafted right or not), so one seed measures that document.
+SEEDS: dict[str, tuple[int | None, ...]] = {"greedy": (None,), "sampled": (7, 8, 9)}
 MAX_TOKENS = 400
 SIDES = ("forced", "no_forced", "free", "free_plain")
 
 
-def _request(name: str, sampling: str, side: str, max_tokens: int) -> dict[str, Any]:
+def _request(name: str, sampling: str, side: str, max_tokens: int,
+             seed: int | None = None) -> dict[str, Any]:
     schema, prompt = SCHEMAS[name]
     request: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "stream": True,
                                **SAMPLINGS[sampling]}
+    if seed is not None:
+        request["seed"] = seed
     if not side.startswith("free"):
         request["json_schema"] = schema
     return request
 
 
-def _server_request(name: str, sampling: str) -> dict[str, Any]:
+def _server_request(name: str, sampling: str, seed: int | None) -> dict[str, Any]:
     """The constrained request as llama-server's /completion takes it (its own schema
     conversion; greedy as top_k 1)."""
     schema, prompt = SCHEMAS[name]
     settings = dict(SAMPLINGS[sampling])
     if settings["temperature"] == 0.0:
         settings["top_k"] = 1
+    if seed is not None:
+        settings["seed"] = seed
     return {"prompt": prompt, "n_predict": MAX_TOKENS, "stream": False, "json_schema": schema,
             "cache_prompt": True, **settings}
 
 
-def _server_row(server: LlamaServer, name: str, sampling: str) -> dict[str, Any]:
-    status, reply = server.call("POST", "/completion", _server_request(name, sampling))
+def _server_row(server: LlamaServer, name: str, sampling: str,
+                seed: int | None) -> dict[str, Any]:
+    status, reply = server.call("POST", "/completion", _server_request(name, sampling, seed))
     if status != 200:
         raise RuntimeError(f"llama-server answered {status}: {reply}")
     tokens = int(reply["tokens_predicted"])
@@ -283,27 +293,28 @@ async def one_run(params: dict[str, Any], schemas: list[str],
             # whole-request columns compare the documents, not a cold prompt on one side.
             for stream in (streams["forced"], streams["no_forced"]):
                 await stream.request(_request(name, "greedy", "free", 1))
-            for sampling in SAMPLINGS:
+            for sampling, seed, order in (
+                    (kind, seed, order) for kind in SAMPLINGS for seed in SEEDS[kind]
+                    for order in (SIDES, ("no_forced", "forced", "free_plain", "free"))):
                 # The free request takes as many tokens as the document before it.
-                for order in (SIDES, ("no_forced", "forced", "free_plain", "free")):
-                    tokens = MAX_TOKENS
-                    for side in order:
-                        run = await streams[side].request(_request(
-                            name, sampling, side,
-                            tokens if side.startswith("free") else MAX_TOKENS))
-                        done = run["done"]
-                        if side == "forced":
-                            tokens = done["usage"]["completion_tokens"]
-                        rows.append({"schema": name, "sampling": sampling, "side": side,
-                                     "decode_tok_s": run["decode_tok_s"],
-                                     "first_token_ms": run["first_token_ms"],
-                                     "total_ms": run["total_ms"],
-                                     "tokens": done["usage"]["completion_tokens"],
-                                     "finish_reason": done["finish_reason"],
-                                     "usage": done["usage"], "text": run["text"]})
-                    if server is not None:
-                        rows.append(await asyncio.to_thread(_server_row, server, name,
-                                                            sampling))
+                tokens = MAX_TOKENS
+                for side in order:
+                    run = await streams[side].request(_request(
+                        name, sampling, side,
+                        tokens if side.startswith("free") else MAX_TOKENS, seed))
+                    done = run["done"]
+                    if side == "forced":
+                        tokens = done["usage"]["completion_tokens"]
+                    rows.append({"schema": name, "sampling": sampling, "seed": seed,
+                                 "side": side, "decode_tok_s": run["decode_tok_s"],
+                                 "first_token_ms": run["first_token_ms"],
+                                 "total_ms": run["total_ms"],
+                                 "tokens": done["usage"]["completion_tokens"],
+                                 "finish_reason": done["finish_reason"],
+                                 "usage": done["usage"], "text": run["text"]})
+                if server is not None:
+                    rows.append(await asyncio.to_thread(_server_row, server, name,
+                                                        sampling, seed))
     finally:
         for stream in (streams["forced"], streams["no_forced"]):
             await stream.close()
@@ -409,7 +420,8 @@ def run(params: dict[str, Any], runs: int, *, runner: Runner, header: str = "",
     rows: list[dict[str, Any]] = []
     for index in range(runs):
         log(f"[forced {index + 1}/{runs}] two daemons{' and llama-server' * bool(llama_server)}"
-            f", {len(names)} schemas x {len(SAMPLINGS)} samplings x 2 rounds ...")
+            f", {len(names)} schemas x (greedy + {len(SEEDS['sampled'])} seeds sampled) x 2 "
+            "rounds ...")
         rows.extend(runner(one_run(params, names, llama_server)))
     lines = summarize(rows, names)
     print_table(lines, header or f"{runs} runs")

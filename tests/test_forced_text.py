@@ -362,3 +362,11 @@ def test_a_cut_guess_keeps_the_tokens_before_its_second_value() -> None:
     guess = list(b'"paid", "customer": {"name": "Ada"}}')
     assert bytes(guess[:drafts.fitting(emitted, guess, 2)]) == b'"paid", "customer": {"name": "'
     assert drafts.fitting(emitted, guess) == len(guess) - 1  # the last "}" is refused
+
+
+def test_a_whole_document_leaves_nothing_to_draft() -> None:
+    whole = b'{"order_id": 1, "status": "new", "customer": {"name": "Ada"}, "items": []}'
+    drafts, emitted = byte_drafts(whole)
+    assert drafts.finished(emitted)
+    drafts, emitted = byte_drafts(whole[:-1])
+    assert not drafts.finished(emitted)  # the `}` (or a "note") is still to come

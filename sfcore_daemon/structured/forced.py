@@ -91,6 +91,11 @@ class ForcedText:
         return self._tracker.lost
 
     @property
+    def whole(self) -> bool:
+        """The document is complete: only whitespace or its end may follow."""
+        return self._tracker.whole
+
+    @property
     def string(self) -> bytes | None:
         """The string value being written, so far (None outside one)."""
         return None if self._string is None else bytes(self._string)
@@ -273,6 +278,18 @@ class ForcedDrafts:
         except Exception as exc:  # drafts are an optimisation (see class)
             self.failure = exc
             return []
+
+    def finished(self, emitted: list[int]) -> bool:
+        """The document `emitted` is complete: what follows is its end (or a space before
+        it), which no draft foretells better than the step's own row."""
+        if self.failure is not None:
+            return False
+        try:
+            self._catch_up(emitted)
+            return self._text.whole
+        except Exception as exc:  # drafts are an optimisation (see class)
+            self.failure = exc
+            return False
 
     def copy(self, emitted: list[int], room: int) -> tuple[list[int], list[int]]:
         """Inside a string value: the prompt's tokens after the text the value copies
