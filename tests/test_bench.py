@@ -162,7 +162,9 @@ async def test_forced_section_compares_three_sides_and_every_document_validates(
     assert "| nested | greedy |" in table and "| nested | sampled |" in table, table
     lines = results_json["lines"]
     assert [line["sampling"] for line in lines] == ["greedy", "sampled"]
-    for line in lines:
-        assert line["valid"] == line["documents"] == 4, line
+    # Forced and no forced, each daemon first once: greedy once, sampled once a seed.
+    for line, seeds in zip(lines, (1, 3), strict=True):
+        assert line["valid"] == line["documents"] == 4 * seeds, line
         assert 0 < line["forced_accepted"] <= line["forced_drafted"], line
         assert line["forced_tok_s"] > 0 and line["free_tok_s"] > 0, line
+        assert line["forced_first_ms"] > 0 and line["forced_vs_free_total"] > 0, line
