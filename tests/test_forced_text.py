@@ -366,7 +366,8 @@ def test_a_cut_guess_keeps_the_tokens_before_its_second_value() -> None:
 
 def test_a_whole_document_leaves_nothing_to_draft() -> None:
     whole = b'{"order_id": 1, "status": "new", "customer": {"name": "Ada"}, "items": []}'
+    # The n-gram drafter goes on with the prompt's next line: nothing of it is drafted.
     drafts, emitted = byte_drafts(whole)
-    assert drafts.finished(emitted)
+    assert drafts.fitting(emitted, list(b"\n{")) == 0
     drafts, emitted = byte_drafts(whole[:-1])
-    assert not drafts.finished(emitted)  # the `}` (or a "note") is still to come
+    assert drafts.fitting(emitted, list(b"}\n{")) == 1  # the `}` is still to come

@@ -93,10 +93,6 @@ def _propose(seq: Seq, room: int) -> Proposal:
     if forced_drafts is None or grammar is None or not job.grammar_live:
         return Proposal(continuation, length, DraftParts(guessed=len(continuation)))
     emitted = grammar.emitted
-    if forced_drafts.finished(emitted):
-        # The n-gram drafter would go on with the text after the document in the prompt
-        # (the next example's line): a row the end of generation always refuses.
-        return Proposal([], 0, NO_PARTS)
     forced = grammar.planned(room) or forced_drafts.propose(emitted, room)
     forcing = len(forced)
     if forcing >= MIN_DRAFT:

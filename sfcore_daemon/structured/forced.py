@@ -91,11 +91,6 @@ class ForcedText:
         return self._tracker.lost
 
     @property
-    def whole(self) -> bool:
-        """The document is complete: only whitespace or its end may follow."""
-        return self._tracker.whole
-
-    @property
     def string(self) -> bytes | None:
         """The string value being written, so far (None outside one)."""
         return None if self._string is None else bytes(self._string)
@@ -131,13 +126,16 @@ class ForcedText:
 
     def fits(self, data: bytes, values: int = 0) -> int:
         """How many of `data`'s first bytes the document can take from here: up to the
-        first byte no reading allows, or the byte that completes the document. Given
+        first byte no reading allows, or the byte that completes the document (none
+        once it is whole: what follows is its end, which no draft foretells). Given
         `values`, also up to the `values`-th value of the model's choosing that starts
         after forced bytes (a string's or a number's first byte, an enum's; not
         punctuation such as `,` or `]`)."""
         probe = self._tracker.copy()
         after_forced = False
         for index, byte in enumerate(data):
+            if probe.whole:
+                return index
             if values:
                 allowed = probe.nexts()
                 choices = None if allowed is None else allowed - _SPACE_SET
@@ -153,8 +151,6 @@ class ForcedText:
             probe.feed(bytes((byte,)))
             if probe.lost:
                 return index
-            if probe.whole:
-                return index + 1
         return len(data)
 
     def _wants_space(self, last: int, following: int) -> bool:
@@ -278,18 +274,6 @@ class ForcedDrafts:
         except Exception as exc:  # drafts are an optimisation (see class)
             self.failure = exc
             return []
-
-    def finished(self, emitted: list[int]) -> bool:
-        """The document `emitted` is complete: what follows is its end (or a space before
-        it), which no draft foretells better than the step's own row."""
-        if self.failure is not None:
-            return False
-        try:
-            self._catch_up(emitted)
-            return self._text.whole
-        except Exception as exc:  # drafts are an optimisation (see class)
-            self.failure = exc
-            return False
 
     def copy(self, emitted: list[int], room: int) -> tuple[list[int], list[int]]:
         """Inside a string value: the prompt's tokens after the text the value copies
