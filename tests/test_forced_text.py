@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from sfcore_daemon.structured.compiler import compile_schema
 from sfcore_daemon.structured.copying import PromptCopy
 from sfcore_daemon.structured.forced import ForcedDrafts, ForcedText
+from sfcore_daemon.structured.tracker import JsonTracker
+from tests.gbnf_match import accepts
 
 PROPERTY_SETTINGS = settings(max_examples=200, deadline=None, database=None,
                              suppress_health_check=[HealthCheck.too_slow,
@@ -108,6 +110,39 @@ def test_fits_stops_where_the_document_is_refused_or_complete() -> None:
     assert text.fits(b'}\n\nText:') == 1  # the document is whole after "}"
 
 
+def test_no_comma_fits_where_no_key_or_item_may_follow() -> None:
+    # The last key written, or maxItems reached: a guess that goes on with `, "` (the
+    # n-gram drafter's next key, a next item) is cut at the comma, not after it.
+    text = ForcedText(compile_schema(ORDER).shape)
+    text.feed(b'{"order_id": 1, "status": "new", "customer": {"name": "Ada"')
+    assert text.fits(b'}, "items"') == len(b'}, "items"')
+    assert text.fits(b', "') == 0
+    text.feed(b'}, "items": [{"sku": "a"}, {"sku": "b"}')
+    assert text.fits(b', {"sku"') == 0
+    assert text.fits(b'], "note": "') == len(b'], "note": "')
+    text.feed(b'], "note": "x"')
+    assert text.fits(b', "') == 0
+
+
+def test_a_string_escape_fits_as_the_grammar_has_it() -> None:
+    text = ForcedText(compile_schema(ORDER).shape)
+    text.feed(b'{"order_id": 1, "status": "new", "customer": {"name": "A')
+    assert text.fits(b'\\n\\/\\u00e9"') == len(b'\\n\\/\\u00e9"')
+    assert text.fits(b'\\x') == 1  # no such escape
+    assert text.fits(b'\\u00g') == 4
+    assert text.fits(b'\\uD7ff\\ud83d') == 9  # half a surrogate pair: refused
+
+
+def test_a_whole_date_is_closed_by_forced_text() -> None:
+    task = {"type": "object", "properties": {
+        "due": {"type": "string", "format": "date"}, "done": {"type": "boolean"}},
+        "required": ["due"]}
+    assert forced_after(task, b'{"due": "2026-07-1') == b""  # the day's last digit
+    assert forced_after(task, b'{"due": "2026-07-10') == b'"'  # , or } is the model's
+    assert forced_after({**task, "required": ["due", "done"]},
+                        b'{"due": "2026-07-10') == b'", "done":'
+
+
 def test_a_guess_is_cut_before_its_second_value_of_the_models_choosing() -> None:
     text = ForcedText(compile_schema(ORDER).shape)
     text.feed(b'{"order_id": 1, "status": ')
@@ -144,7 +179,7 @@ NAMES = st.from_regex(r"[a-z]{1,3}(_[a-z]{1,3})?", fullmatch=True)
 def _schemas(depth: int) -> st.SearchStrategy[dict[str, Any]]:
     leaves = st.one_of(
         st.just({"type": "string"}), st.just({"type": "integer"}),
-        st.just({"type": "boolean"}),
+        st.just({"type": "boolean"}), st.just({"type": "string", "format": "date"}),
         st.lists(st.from_regex(r"[a-c]{1,4}", fullmatch=True), min_size=1, max_size=4,
                  unique=True).map(lambda values: {"enum": values}))
     if depth == 0:
@@ -164,6 +199,8 @@ def _documents(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
     if "enum" in schema:
         return st.sampled_from(schema["enum"])
     kind = schema["type"]
+    if schema.get("format") == "date":
+        return st.dates().map(lambda day: day.isoformat())
     if kind == "string":
         # json.dumps escapes the other control characters, not DEL; the grammar has it
         # escaped only.
@@ -213,6 +250,34 @@ def test_every_forced_text_is_how_the_document_goes_on(case: tuple[dict[str, Any
         if at < len(document):
             text.feed(document[at:at + 1])
     assert not text.lost
+
+
+@PROPERTY_SETTINGS
+@given(schema_and_document(), st.data())
+def test_every_byte_that_fits_can_end_in_a_document_the_grammar_accepts(
+        case: tuple[dict[str, Any], bytes], data: st.DataObject) -> None:
+    # The converse of the property above: what `fits` lets a draft hold, the grammar
+    # allows (here: the punctuation or escape a guess would write next, then the
+    # tracker's shortest way to a whole document). Not whitespace: the tracker serves
+    # the schemas' grammar (one optional space) and json.gbnf's (a line break and
+    # indent) alike, so it takes any run of it, which costs a refused draft row at most.
+    schema, document = case
+    compiled = compile_schema(schema)
+    # At a character's boundary: llama.cpp's grammar reads the bits of a character's
+    # bytes without checking them, and so does the tracker.
+    at = data.draw(st.integers(0, len(document)).filter(
+        lambda at: at == len(document) or not 0x80 <= document[at] < 0xC0))
+    byte = data.draw(st.sampled_from(b',:]}"\\u0dD8a'))
+    text = ForcedText(compiled.shape)
+    text.feed(document[:at])
+    if text.lost or text.fits(bytes((byte,))) == 0:
+        return
+    tracker = JsonTracker(compiled.shape)
+    tracker.feed(document[:at] + bytes((byte,)))
+    endings = tracker.completions()
+    assert endings, (document[:at], byte)
+    whole = (document[:at] + bytes((byte,)) + endings[0]).decode()
+    assert accepts(compiled.gbnf, whole), whole
 
 
 @PROPERTY_SETTINGS

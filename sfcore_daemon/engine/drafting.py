@@ -46,7 +46,9 @@ class DraftPlan:
             room = min(seq.limit - seq.n_out - 1, share + settings.row_multiple - 1)
             proposal = _propose(seq, room)
             length = min(proposal.length, share)
-            if length:
+            # A one-token draft never pays (speculative.MIN_DRAFT), also where a
+            # document's check cut a longer one down to it.
+            if length >= MIN_DRAFT:
                 self._drafting.append((seq, proposal))
                 self._lengths.append(length)
                 spare -= length

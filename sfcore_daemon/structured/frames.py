@@ -73,7 +73,12 @@ class Frame:
 
 
 # String states.
-_S_START, _S_IN, _S_ESCAPE = range(3)
+_S_START, _S_IN, _S_ESCAPE, _S_SURROGATE = range(4)
+# After a backslash: the schema grammar's escapes (json.gbnf's lack `/`), and the digits
+# of a \u escape.
+_ESCAPED: Final = frozenset(b'"\\/bfnrtu')
+_HEX: Final = frozenset(b"0123456789abcdefABCDEF")
+_OCTAL: Final = frozenset(b"01234567")
 
 
 class StringFrame(Frame):
@@ -96,9 +101,16 @@ class StringFrame(Frame):
                 return KEEP, None
             return FAIL, None
         if self.hex_left:
+            # \uD800-\uDFFF (half a surrogate pair) is refused, as the grammar does.
+            if byte not in _HEX or (self.hex_left == 3 and self.state == _S_SURROGATE
+                                    and byte not in _OCTAL):
+                return FAIL, None
             self.hex_left -= 1
+            self.state = _S_SURROGATE if self.hex_left == 3 and byte in b"dD" else _S_IN
             return KEEP, None
         if state == _S_ESCAPE:
+            if byte not in _ESCAPED:
+                return FAIL, None
             self.state = _S_IN
             if byte == ord("u"):
                 self.hex_left = 4
@@ -257,7 +269,13 @@ class PatternFrame(Frame):
         return None if tail is None else tail + b'"'
 
     def nexts(self) -> Nexts:
-        return UNFORCED if self.opened else QUOTE
+        if not self.opened:
+            return QUOTE
+        # A value the pattern cannot lengthen (a date's day written) is closed next.
+        nfa, states = self.nfa, self.states
+        if not self.utf8 and nfa.accept in states and not any(nfa.edges[state] for state in states):
+            return QUOTE
+        return UNFORCED
 
     def in_text(self) -> bool:
         return self.opened

@@ -138,6 +138,13 @@ class _Object(Frame):
             return [shape.required[self.n_required]]
         return shape.optional[self.last_optional + 1:]
 
+    def _more_keys(self) -> bool:
+        """Whether another key may come: a required one, an optional one after the last
+        written, or any (additionalProperties)."""
+        shape = self.shape
+        return (self.n_required < len(shape.required) or shape.extra is not None
+                or self.last_optional + 1 < len(shape.optional))
+
     def _value_shape(self) -> Shape:
         shape = self.shape
         if shape.extra is not None:
@@ -178,6 +185,10 @@ class _Object(Frame):
             self.state = _O_VALUE
             return PUSH, _ValueStart(self._value_shape())
         if state == _O_AFTER and byte == ord(","):
+            if not self._more_keys():
+                # The grammar has no key left to follow it: refusing the comma here
+                # cuts a draft at its first refused byte, not at the key's first letter.
+                return FAIL, None
             self.state = _O_COMMA
             return KEEP, None
         if state in (_O_OPEN, _O_AFTER) and byte == ord("}"):
@@ -203,7 +214,7 @@ class _Object(Frame):
             return UNFORCED
         missing = self.n_required < len(shape.required)
         allowed = {SPACE}
-        if missing or shape.extra is not None or self.last_optional + 1 < len(shape.optional):
+        if self._more_keys():
             allowed.add(ord('"') if state == _O_OPEN else ord(","))
         if not missing:
             allowed.add(ord("}"))
@@ -266,6 +277,11 @@ class _Array(Frame):
             return shape.prefix[index] if index < len(shape.prefix) else None
         return shape.items
 
+    def _more_items(self) -> bool:
+        """Whether another item may follow the `count` begun (maxItems, prefixItems)."""
+        count = self.count
+        return (self.shape.max is None or count < self.shape.max) and self._item(count) is not None
+
     def _needed(self) -> int:
         shape = self.shape
         return len(shape.prefix) if shape.prefix is not None else shape.min
@@ -282,7 +298,7 @@ class _Array(Frame):
         if state in (_A_OPEN, _A_AFTER) and byte == ord("]"):
             return (DONE if self.count >= self._needed() else FAIL), None
         if state == _A_AFTER:
-            if byte == ord(","):
+            if byte == ord(",") and self._more_items():
                 self.state = _A_COMMA
                 return KEEP, None
             return FAIL, None
@@ -322,9 +338,8 @@ class _Array(Frame):
         if state == _A_START:
             return _OPEN_BRACKET
         if state == _A_AFTER:
-            more = self.shape.max is None or count < self.shape.max
             allowed = {SPACE}
-            if more and self._item(count) is not None:
+            if self._more_items():
                 allowed.add(ord(","))
             if count >= self._needed():
                 allowed.add(ord("]"))
