@@ -102,8 +102,7 @@ class StringFrame(Frame):
             return FAIL, None
         if self.hex_left:
             # \uD800-\uDFFF (half a surrogate pair) is refused, as the grammar does.
-            if byte not in _HEX or (self.hex_left == 3 and self.state == _S_SURROGATE
-                                    and byte not in _OCTAL):
+            if byte not in _HEX or (state == _S_SURROGATE and byte not in _OCTAL):
                 return FAIL, None
             self.hex_left -= 1
             self.state = _S_SURROGATE if self.hex_left == 3 and byte in b"dD" else _S_IN
