@@ -14,8 +14,8 @@ Installs sfcore-ai from the checkout this script lives in as a systemd service
   2. /etc/sfcore-ai/server_config.toml, copied from the repository's
      server_config.toml only if absent: an existing config is never overwritten;
   3. a venv in /opt/sfcore-ai/.venv with sfcore-ai and sfcore-client installed
-     from this checkout by pip (pip's wheel cache is reused, so llama-cpp-python
-     is compiled only if no wheel of it was built before); skipped when the
+     from this checkout by pip (llama-cpp-python from this machine's own wheel,
+     scripts/llama_wheel.py, compiled only if none was built for this CPU before); skipped when the
      installed sources are the same as this checkout's;
   4. sfcore-ai.service and sfcore-ai.socket into /etc/systemd/system, then
      systemctl daemon-reload if either changed;
@@ -178,8 +178,12 @@ source_fingerprint() {
     (
         cd "$repo"
         printf 'python %s\n' "$py_version"
-        find pyproject.toml README.md sfcore_daemon clients/python -type f \
-            \( -name '*.py' -o -name '*.toml' -o -name '*.md' -o -name py.typed \) \
+        # The llama-cpp-python build this machine needs (its CPU, the patches).
+        printf 'llama %s\n' "$("$venv/bin/python" scripts/llama_wheel.py --python "$venv/bin/python" --key 2>/dev/null)"
+        find pyproject.toml README.md sfcore_daemon clients/python scripts/llama_wheel.py \
+            scripts/llama-patches -type f \
+            \( -name '*.py' -o -name '*.toml' -o -name '*.md' -o -name py.typed \
+               -o -name '*.patch' \) \
             -not -path '*/__pycache__/*' -not -path '*.egg-info/*' -not -path '*/build/*' \
             -not -path '*/dist/*' -print0 \
             | LC_ALL=C sort -z | xargs -0 sha256sum
@@ -196,7 +200,17 @@ install_package() {
     tar -C "$repo/clients/python" --exclude=__pycache__ --exclude='*.egg-info' \
         --exclude=./build --exclude=./dist -cf - . \
         | tar -C "$stage/client" -xf -
-    # Never disable pip's cache: its wheel of llama-cpp-python saves a long compile.
+    # llama-cpp-python: this machine's wheel (patched, keyed by its CPU; built once,
+    # scripts/llama_wheel.py), so that pip below finds the pinned version installed.
+    local folder wheel
+    folder="$("$venv/bin/python" "$repo/scripts/llama_wheel.py" --python "$venv/bin/python" --key)" \
+        || die "cannot tell which llama-cpp-python build this machine needs (see above)"
+    wheel="$("$venv/bin/python" "$repo/scripts/llama_wheel.py" --python "$venv/bin/python")" \
+        || die "could not build llama-cpp-python (see above)"
+    if ! grep -qsF "$folder/" "$venv"/lib/python3*/site-packages/llama_cpp_python-*.dist-info/direct_url.json; then
+        "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+            --force-reinstall --no-deps "$wheel" || die "pip could not install $wheel"
+    fi
     if ! env -u PIP_NO_CACHE_DIR \
             CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
             "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
@@ -227,7 +241,7 @@ if [ "$venv_step" = 1 ]; then
         code_changed=1
         step package "installed sfcore-ai $version and sfcore-client from $repo into $venv" \
             "install sfcore-ai $version and sfcore-client from $repo into $venv with pip \
-(reusing its wheel cache; without a cached llama-cpp-python wheel that compiles for minutes)" \
+(llama-cpp-python from this machine's wheel in ~/.cache/sfcore-ai/wheels; without one it compiles for minutes)" \
             install_package
     fi
 else

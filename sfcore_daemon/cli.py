@@ -7,6 +7,7 @@ on stderr and a non-zero exit, never as a traceback.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -53,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--openai", metavar="ADDRESS",
                         help="override [openai] listen: serve the OpenAI-compatible HTTP API "
                              "on HOST:PORT (loopback) or unix:/path")
+    parser.add_argument("--self-check", action="store_true",
+                        help="load the model, decode one multi-token batch and exit: 0 when "
+                             "this llama.cpp build runs here")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return parser
 
@@ -84,6 +88,10 @@ def resolve_config(args: argparse.Namespace) -> Config:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # A fatal signal in native code (an illegal instruction in llama.cpp, the watchdog's
+    # SIGABRT) writes the signal and every thread's Python stack to stderr: the journal.
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
     set_library_defaults(os.environ)
     if argv[:1] == ["tune"]:
         from sfcore_daemon.tune.command import main as tune_main
@@ -119,11 +127,41 @@ def _main(args: argparse.Namespace) -> int:
         return EXIT_STARTUP
     from sfcore_daemon.system.logs import setup_logging
 
-    listener = setup_logging(config.log.level)
+    # The self-check prints its one line; only llama.cpp's warnings join it.
+    listener = setup_logging("warning" if args.self_check else config.log.level)
     try:
-        return _run(config, pinned)
+        return _self_check(config, pinned) if args.self_check else _run(config, pinned)
     finally:
         listener.stop()
+
+
+def _self_check(config: Config, pinned: list[int]) -> int:
+    """What the daemon does before `ready`, alone: load, one batched decode, free."""
+    from sfcore_daemon.llama import modelfile
+    from sfcore_daemon.llama.logrouter import route_llama_logs
+    from sfcore_daemon.llama.model import Model, ModelLoadError, llama_cpp_version
+    from sfcore_daemon.llama.selfcheck import check_batched_decode
+    from sfcore_daemon.system import cpus
+
+    n_threads, n_threads_batch = cpus.derive_threads(
+        pinned, config.runtime.n_threads, config.runtime.n_threads_batch)
+    try:
+        model_path = modelfile.resolve_model_path(config.model.path)
+        route_llama_logs()
+        model = Model.load(model_path, config.model, n_threads, n_threads_batch, slots=1)
+    except (modelfile.ModelSourceError, ModelLoadError) as exc:
+        print(f"sfcore-daemon: self-check: {exc}", file=sys.stderr)
+        return EXIT_STARTUP
+    try:
+        elapsed_ms = check_batched_decode(model)
+    except ModelLoadError as exc:
+        print(f"sfcore-daemon: self-check: {exc}", file=sys.stderr)
+        return EXIT_STARTUP
+    finally:
+        model.close(timeout=10.0)
+    print(f"self-check: ok: {model.info.name} decoded a batch in {elapsed_ms:.0f} ms with "
+          f"llama.cpp {llama_cpp_version()} on {n_threads} threads")
+    return 0
 
 
 def _run(config: Config, pinned: list[int]) -> int:

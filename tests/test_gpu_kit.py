@@ -21,7 +21,7 @@ from tests.harness import REPO, running_daemon
 
 GPU = REPO / "scripts" / "gpu"
 SHELL_SCRIPTS = [*sorted(GPU.glob("*.sh")), REPO / "scripts" / "gpu_check.sh",
-                 REPO / "scripts" / "bootstrap.sh"]
+                 REPO / "scripts" / "bootstrap.sh", REPO / "scripts" / "self-check.sh"]
 
 
 @pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: p.name)

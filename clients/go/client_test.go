@@ -9,9 +9,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -323,6 +325,90 @@ func TestLogprobsEntriesAndMetrics(t *testing.T) {
 	}
 	if req := <-requests; req["op"] != "metrics" || len(req) != 2 {
 		t.Fatalf("metrics request: %v", req)
+	}
+}
+
+// hardNumbers are decimals a parser that does not round correctly can land a ULP off: the
+// last few are halfway cases or long expansions.
+var hardNumbers = []string{
+	"-0.9871219318255093",
+	"0.1",
+	"2.2250738585072014e-308",
+	"2.2250738585072011e-308",
+	"5e-324",
+	"1.7976931348623157e308",
+	"9007199254740993",
+	"-0.30000000000000004",
+	"1e23",
+	"8.98846567431158e307",
+	"1.00000000000000011102230246251565404236316680908203125",
+	"1.00000000000000011102230246251565404236316680908203125000000000000000001",
+	"0." + strings.Repeat("0", 323) + "24703282292062328",
+}
+
+func TestTheDaemonsNumbersComeThroughExactly(t *testing.T) {
+	// The fake daemon writes each decimal as given: re-encoding it would hand the client
+	// Go's shortest form of the float instead.
+	number := make(chan string, 1)
+	path := fakeDaemon(t, func(req map[string]any, w *bufio.Writer) bool {
+		n := <-number
+		entry := `{"token":1,"text":"x","bytes":[120],"logprob":` + n +
+			`,"top_logprobs":[{"token":1,"text":"x","bytes":[120],"logprob":` + n + `}]}`
+		id := fmt.Sprint(req["id"])
+		switch {
+		case req["op"] == "stats":
+			fmt.Fprintf(w, `{"type":"stats","id":%s,"uptime_s":%s,"decode_tok_s":%s}`+"\n", id, n, n)
+		case req["stream"] == true:
+			fmt.Fprintf(w, `{"type":"token","id":%s,"text":"x","logprobs":[%s]}`+"\n", id, entry)
+			fmt.Fprintf(w, `{"type":"done","id":%s,"text":"","finish_reason":"stop","logprobs":[]}`+"\n",
+				id)
+		default:
+			fmt.Fprintf(w, `{"type":"done","id":%s,"text":"","finish_reason":"tool_calls",`+
+				`"timings":{"decode_tok_s":%s},"logprobs":[%s],"tool_calls":[{"id":"c",`+
+				`"type":"function","function":{"name":"f","arguments":{"v":%s}}}]}`+"\n",
+				id, n, entry, n)
+		}
+		return true
+	})
+	c := mustDial(t, path)
+	ctx := context.Background()
+	for _, n := range hardNumbers {
+		want, err := strconv.ParseFloat(n, 64)
+		if err != nil {
+			t.Fatal(err)
+		}
+		exact := func(what string, got float64) {
+			if math.Float64bits(got) != math.Float64bits(want) {
+				t.Errorf("%.40s: %s is %v, not %v", n, what, got, want)
+			}
+		}
+		number <- n
+		whole, err := c.Generate(ctx, "p", &Options{Logprobs: Int(1)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		exact("logprob", whole.Logprobs[0].Logprob)
+		exact("top logprob", whole.Logprobs[0].TopLogprobs[0].Logprob)
+		exact("timing", whole.Timings.DecodeTokS)
+		exact("argument", whole.ToolCalls[0].Function.Arguments["v"].(float64))
+		var args struct{ V float64 }
+		if err := whole.ToolCalls[0].Function.Decode(&args); err != nil {
+			t.Fatal(err)
+		}
+		exact("decoded argument", args.V)
+		number <- n
+		streamed, err := c.StreamGenerate(ctx, "p", &Options{Logprobs: Int(1)},
+			func(string) error { return nil })
+		if err != nil {
+			t.Fatal(err)
+		}
+		exact("streamed logprob", streamed.Logprobs[0].Logprob)
+		number <- n
+		st, err := c.Stats(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		exact("stats", st.DecodeTokS)
 	}
 }
 

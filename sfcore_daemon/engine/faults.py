@@ -13,6 +13,9 @@ so a test picks the one request it breaks. The points:
 - "closer": the grammar's draw, when the request's JSON closer (closer.py) rides along;
 - "end": ending the request, before its slot's state is kept.
 
+"warmup_trap" (read by llama/selfcheck.py): the warm-up decode dies of SIGILL, as a
+llama.cpp build that cannot run on this CPU does.
+
 Unset (as in production) every check is one comparison with an empty dict.
 """
 

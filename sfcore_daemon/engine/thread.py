@@ -24,6 +24,7 @@ from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.model import EngineClosed, LoadAborted, Model, ModelLoadError
 from sfcore_daemon.llama.modelfile import known_sha256
 from sfcore_daemon.llama.sampling import import_numpy_beside
+from sfcore_daemon.llama.selfcheck import check_batched_decode
 
 # How long the start-up waits for the store to index its folder (headers only: a few
 # milliseconds for hundreds of files); only a hung disk takes longer.
@@ -76,6 +77,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._load_ticks = 0
+        self.warm_up_ms = 0.0
         self._abort_load = False
         self._load_progress = C.llama_progress_callback(self._on_load_progress)
 
@@ -213,9 +215,6 @@ class Engine:
         return True
 
     def warm_up(self) -> None:
-        """One decode before serving, so the first request does not pay for first-touch costs."""
-        model = self.loaded_model()
-        bos = C.llama_vocab_bos(model.vocab)
-        one_token = (C.llama_token * 1)(bos if bos >= 0 else 0)
-        C.llama_decode(model.ctx, C.llama_batch_get_one(one_token, 1))
-        C.llama_memory_clear(model.memory, False)
+        """One batched decode before serving: the first request does not pay for
+        first-touch costs, and a build that cannot run on this CPU dies now (selfcheck)."""
+        self.warm_up_ms = check_batched_decode(self.loaded_model())

@@ -148,9 +148,10 @@ class Server:
                 loop.call_soon_threadsafe(self._decode_stopped, future)
 
         engine.stopped.add_done_callback(decode_stopped)
-        log.info("model %s (%s, %s parameters, %.1f MB) from %s loaded in %.0f ms",
-                 info.name, info.architecture, f"{info.n_params:,}", info.size_bytes / 1e6,
-                 info.path, engine.load_seconds * 1000)
+        log.info("model %s (%s, %s parameters, %.1f MB) from %s loaded in %.0f ms; "
+                 "warm-up batch decoded in %.0f ms", info.name, info.architecture,
+                 f"{info.n_params:,}", info.size_bytes / 1e6, info.path,
+                 engine.load_seconds * 1000, engine.warm_up_ms)
         log.info("%s", engine.loaded_model().placement)
         log.info("n_ctx=%d n_batch=%d n_ubatch=%d threads=%d threads_batch=%d cpus=%s "
                  "reproducible=%s chat_template=%s", engine.n_ctx, model_config.n_batch,

@@ -256,6 +256,49 @@ test("tool fields go out as the protocol has them; a done's tool_calls are typed
     { role: "tool", tool_call_id: "call_2", content: "2" }]);
 });
 
+test("the daemon's numbers come through exactly", async () => {
+  // Decimals a parser that does not round correctly can land a ULP off: the last few are
+  // halfway cases or long expansions.
+  const numbers = ["-0.9871219318255093", "0.1", "2.2250738585072014e-308",
+    "2.2250738585072011e-308", "5e-324", "1.7976931348623157e308", "9007199254740993",
+    "-0.30000000000000004", "1e23", "8.98846567431158e307",
+    "1.00000000000000011102230246251565404236316680908203125",
+    "1.00000000000000011102230246251565404236316680908203125000000000000000001",
+    `0.${"0".repeat(323)}24703282292062328`];
+  let n;
+  // Each decimal written as given: JSON.stringify would send the float's shortest form.
+  const { socketPath } = await fakeDaemon((request, socket) => {
+    const entry = `{"token":1,"text":"x","bytes":[120],"logprob":${n},` +
+      `"top_logprobs":[{"token":1,"text":"x","bytes":[120],"logprob":${n}}]}`;
+    const id = request.id;
+    if (request.op === "stats") {
+      socket.write(`{"type":"stats","id":${id},"decode_tok_s":${n}}\n`);
+    } else if (request.stream) {
+      socket.write(`{"type":"token","id":${id},"text":"x","logprobs":[${entry}]}\n` +
+        `{"type":"done","id":${id},"text":"","finish_reason":"stop","logprobs":[]}\n`);
+    } else {
+      socket.write(`{"type":"done","id":${id},"text":"","finish_reason":"tool_calls",` +
+        `"timings":{"decode_tok_s":${n}},"logprobs":[${entry}],"tool_calls":[{"id":"c",` +
+        `"type":"function","function":{"name":"f","arguments":{"v":${n}}}}]}\n`);
+    }
+  });
+  const client = await connect(socketPath);
+  after(() => client.close());
+  for (n of numbers) {
+    const want = Number(n);
+    const whole = await client.generate("p", { logprobs: 1 });
+    const stream = client.streamGenerate("p", { logprobs: 1 });
+    for await (const piece of stream) void piece;
+    const stats = await client.stats();
+    assert.equal(whole.logprobs[0].logprob, want, n);
+    assert.equal(whole.logprobs[0].topLogprobs[0].logprob, want, n);
+    assert.equal(whole.timings.decodeTokS, want, n);
+    assert.equal(whole.toolCalls[0].function.arguments.v, want, n);
+    assert.equal(stream.result.logprobs[0].logprob, want, n);
+    assert.equal(stats.decode_tok_s, want, n);
+  }
+});
+
 test("leaving an iteration early sends cancel for the request", async () => {
   const { socketPath, state } = await fakeDaemon((request, socket) => {
     if (request.op === "generate") {

@@ -1942,6 +1942,63 @@ mod tests {
     }
 
     #[test]
+    fn the_daemons_numbers_come_through_exactly() {
+        // Each must come out as the f64 nearest its decimal, as std's parse rounds it; the
+        // last few are halfway cases or long expansions that only a correctly rounding
+        // parser gets right.
+        let least_subnormal_and_a_bit = format!("0.{}24703282292062328", "0".repeat(323));
+        let numbers = [
+            "-0.9871219318255093",
+            "0.1",
+            "2.2250738585072014e-308",
+            "2.2250738585072011e-308",
+            "5e-324",
+            "1.7976931348623157e308",
+            "9007199254740993",
+            "-0.30000000000000004",
+            "1e23",
+            "8.98846567431158e307",
+            "1.00000000000000011102230246251565404236316680908203125",
+            "1.00000000000000011102230246251565404236316680908203125000000000000000001",
+            &least_subnormal_and_a_bit,
+        ];
+        for number in numbers {
+            let expected: f64 = number.parse().unwrap();
+            let exact = |got: f64| assert_eq!(got.to_bits(), expected.to_bits(), "{number}");
+            let entry = format!(
+                "{{\"token\":1,\"text\":\"x\",\"bytes\":[120],\"logprob\":{number},\
+                 \"top_logprobs\":[{{\"token\":1,\"text\":\"x\",\"bytes\":[120],\"logprob\":{number}}}]}}"
+            );
+            let token = format!(
+                "{{\"type\":\"token\",\"id\":\"a\",\"text\":\"x\",\"logprobs\":[{entry}]}}"
+            );
+            let Reply::Token { logprobs, .. } = parse_reply(token.as_bytes()).unwrap() else {
+                panic!()
+            };
+            exact(logprobs[0].logprob);
+            exact(logprobs[0].top_logprobs[0].logprob);
+            let done = format!(
+                "{{\"type\":\"done\",\"id\":\"a\",\"text\":\"\",\"finish_reason\":\"stop\",\
+                 \"timings\":{{\"decode_tok_s\":{number}}},\"logprobs\":[{entry}],\
+                 \"tool_calls\":[{{\"id\":\"c\",\"type\":\"function\",\
+                 \"function\":{{\"name\":\"f\",\"arguments\":{{\"v\":{number}}}}}}}]}}"
+            );
+            let Reply::Done(done) = parse_reply(done.as_bytes()).unwrap() else {
+                panic!()
+            };
+            exact(done.timings.decode_tok_s);
+            exact(done.logprobs.unwrap()[0].logprob);
+            let calls = done.tool_calls.unwrap();
+            exact(calls[0].function.arguments["v"].as_f64().unwrap());
+            let other = format!("{{\"type\":\"stats\",\"v\":{number}}}");
+            let Reply::Other { line, .. } = parse_reply(other.as_bytes()).unwrap() else {
+                panic!()
+            };
+            exact(line["v"].as_f64().unwrap());
+        }
+    }
+
+    #[test]
     fn a_reply_for_another_request_breaks_the_connection() {
         let script = vec![(
             r#""op":"generate""#,
