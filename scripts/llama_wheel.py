@@ -230,7 +230,7 @@ def build(inputs: BuildInputs, python: str, destination: Path, environ: dict[str
         work = Path(work_dir)
         say(f"downloading the {inputs.requirement} sdist")
         subprocess.run([python, "-m", "pip", "download", "--quiet", "--no-deps",
-                        "--no-binary", ":all:", "-d", str(work),
+                        "--no-binary", "llama-cpp-python", "-d", str(work),
                         inputs.requirement], check=True, timeout=1800)
         sdists = list(work.glob("llama_cpp_python-*.tar.gz"))
         if len(sdists) != 1:
