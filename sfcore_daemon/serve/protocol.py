@@ -92,7 +92,8 @@ class GenerateRequest(_GenerationOptions, tag="generate", kw_only=True):
 
 
 # A function's name as OpenAI allows it (it is also what a call must name exactly).
-ToolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+# msgspec matches with re.search: `\Z`, since `$` also matches before a final newline.
+ToolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}\Z")]
 # Tools one request may offer; each is a JSON Schema compiled into the call's grammar.
 MAX_TOOLS: Final = 64
 

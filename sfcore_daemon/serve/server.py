@@ -20,7 +20,7 @@ from sfcore_daemon.config import Config
 from sfcore_daemon.engine.thread import Engine
 from sfcore_daemon.llama.model import LoadAborted
 from sfcore_daemon.serve import protocol
-from sfcore_daemon.serve.chat import ChatTemplateError, resolve_template
+from sfcore_daemon.serve.chat import ChatTemplateError, TemplateBudgetError, resolve_template
 from sfcore_daemon.serve.connection import Connection, peer_credentials, peer_groups
 from sfcore_daemon.serve.ops import Ops
 from sfcore_daemon.serve.scheduler import Scheduler
@@ -135,6 +135,11 @@ class Server:
                 model_template=info.chat_template, configured=model_config.chat_template,
                 architecture=info.architecture, bos_token=engine.bos_text,
                 eos_token=engine.eos_text)
+        except TemplateBudgetError as exc:
+            # The model's own template is tried first, so it is the one, if it has one.
+            source = (f"the chat template in {info.path}" if info.chat_template
+                      else "model.chat_template")
+            raise StartupError(f"{source}: refused: {exc} on a four-message chat") from None
         except ChatTemplateError as exc:
             raise StartupError(f"model.chat_template: {exc}") from None
         state.engine = engine
