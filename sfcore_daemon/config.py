@@ -235,6 +235,13 @@ class OpenAIConfig(_Section, frozen=True):
     # The model's id in /v1/models and in replies. Empty: the model file's name
     # without .gguf.
     model_id: str = ""
+    # Time limits on a connection's phases, so that one that never finishes a request
+    # holds no descriptor for long: a request's headers, from its first byte; its body,
+    # from the end of its headers (answered 408); a reply the client leaves unread
+    # (no byte taken for this long). Between requests: [server] idle_timeout_s.
+    header_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 10.0
+    body_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 30.0
+    write_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 30.0
 
     @property
     def address(self) -> ListenAddress | None:

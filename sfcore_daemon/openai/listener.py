@@ -13,6 +13,7 @@ hand-written parser, no second process, nothing on the decode thread.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import socket
@@ -22,6 +23,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from sfcore_daemon.config import Config, ListenAddress
+from sfcore_daemon.openai.guard import ConnectionPool, ServerLog
 from sfcore_daemon.openai.routes import Routes, json_response
 from sfcore_daemon.openai.translate import ApiError
 from sfcore_daemon.serve import protocol
@@ -33,6 +35,7 @@ log = logging.getLogger(__name__)
 # How long closing waits for a handler still writing after the drain (it has its
 # generation's last bytes to send, or a client that stopped reading).
 _CLOSE_GRACE_S = 5.0
+_NEVER_S = 10.0 * 365 * 86400
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -66,49 +69,39 @@ class OpenAIListener:
         self._listening = listening
         self.url = url_of(listening.sock)
         self._runner: web.AppRunner | None = None
-        self._site: web.SockSite | None = None
+        self._server: asyncio.AbstractServer | None = None
 
     def describe(self) -> str:
         return f"OpenAI API on {self.url}"
 
     async def start(self, state: ServerState) -> None:
+        config = self._config
         routes = Routes(state)
+        pool = ConnectionPool(config, state.stats)
         app = web.Application(
-            client_max_size=self._config.server.max_line_bytes,
-            middlewares=[_errors, self._connection_limit,
-                         *_auth(self._config.openai.api_key)],
+            client_max_size=config.server.max_line_bytes,
+            middlewares=[pool.track, _errors, pool.read_body,
+                         *_auth(config.openai.api_key)],
         )
         routes.add_to(app)
+        idle_s = config.server.idle_timeout_s
         self._runner = web.AppRunner(
             app, handle_signals=False, access_log=None, handler_cancellation=True,
-            shutdown_timeout=_CLOSE_GRACE_S,
-            keepalive_timeout=self._config.server.idle_timeout_s or 3600.0)
+            shutdown_timeout=_CLOSE_GRACE_S, logger=ServerLog(state.stats),
+            # The pool closes idle connections (and counts them); aiohttp's own timer
+            # only after it, or never, as [server] idle_timeout_s = 0 says.
+            keepalive_timeout=idle_s + 1.0 if idle_s else _NEVER_S)
         await self._runner.setup()
-        self._site = web.SockSite(self._runner, self._listening.sock, backlog=512)
-        await self._site.start()
+        assert self._runner.server is not None
+        # Not a SockSite: the pool wraps aiohttp's protocol factory.
+        self._server = await asyncio.get_running_loop().create_server(
+            pool.factory(self._runner.server), sock=self._listening.sock, backlog=512)
         log.info("serving the OpenAI API on %s", self.url)
 
-    @web.middleware
-    async def _connection_limit(self, request: web.Request,
-                                handler: _Handler) -> web.StreamResponse:
-        """`server.max_connections` HTTP connections at most (counted apart from the
-        NDJSON ones): one more is answered 429 and closed, so that no client can take
-        every file descriptor the daemon has."""
-        server = self._runner.server if self._runner is not None else None
-        limit = self._config.server.max_connections
-        if server is not None and len(server.connections) > limit:
-            error = ApiError.from_code(
-                protocol.TOO_MANY_CONNECTIONS,
-                f"server.max_connections ({limit}) HTTP connections are already open")
-            response = json_response(error.body(), error.status)
-            response.force_close()
-            return response
-        return await handler(request)
-
     async def stop_accepting(self) -> None:
-        if self._site is not None:
-            site, self._site = self._site, None
-            await site.stop()
+        if self._server is not None:
+            server, self._server = self._server, None
+            server.close()
 
     async def close(self) -> None:
         if self._runner is not None:

@@ -1,0 +1,316 @@
+"""The HTTP listener's defences, on real daemons: a time limit on every phase of a
+connection, and room kept for real requests beside idle and half-sent connections.
+
+Two daemons, each shared by the module's tests (one event loop): one on loopback TCP with
+short time limits; one on a Unix socket with an API key. Raw sockets throughout: what is
+tested is what a client library hides or refuses to send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from sfcore_daemon.system import fdlimit
+from tests.harness import Daemon, running_daemon
+
+module_test = pytest.mark.asyncio(loop_scope="module")
+KEY = "guard-key"
+WAIT_S = 30.0
+NOBODY = 65534
+IDLE_S = 2.0
+HEADER_S = 1.0
+BODY_S = 1.0
+LIMIT = 32  # server.max_connections
+TCP_CONFIG: dict[str, Any] = {
+    "openai": {"listen": "127.0.0.1:0", "header_timeout_s": HEADER_S,
+               "body_timeout_s": BODY_S},
+    "server": {"idle_timeout_s": IDLE_S, "max_connections": LIMIT, "max_line_bytes": 65536},
+    "generation": {"max_tokens": 4},
+}
+
+
+@dataclass
+class Listener:
+    daemon: Daemon
+    target: str  # "127.0.0.1:PORT" or "unix:/path"
+
+    @property
+    def port(self) -> int:
+        return int(self.target.rsplit(":", 1)[1])
+
+    async def open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self.target.startswith("unix:"):
+            return await asyncio.wait_for(
+                asyncio.open_unix_connection(self.target.removeprefix("unix:")), WAIT_S)
+        return await asyncio.wait_for(asyncio.open_connection("127.0.0.1", self.port), WAIT_S)
+
+    def blocking(self) -> socket.socket:
+        if self.target.startswith("unix:"):
+            sock = socket.socket(socket.AF_UNIX)
+            sock.settimeout(WAIT_S)
+            sock.connect(self.target.removeprefix("unix:"))
+            return sock
+        return socket.create_connection(("127.0.0.1", self.port), timeout=WAIT_S)
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[tuple[asyncio.StreamReader,
+                                                      asyncio.StreamWriter]]:
+        reader, writer = await self.open()
+        try:
+            yield reader, writer
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await asyncio.wait_for(writer.wait_closed(), WAIT_S)
+
+    async def exchange(self, data: bytes) -> tuple[int, dict[str, str], bytes]:
+        async with self.connection() as (reader, writer):
+            writer.write(data)
+            return await read_reply(reader)
+
+    async def http_stats(self) -> dict[str, Any]:
+        async with self.daemon.client() as client:
+            stats: dict[str, Any] = (await client.final({"op": "stats"}))["http"]
+            return stats
+
+
+def request(method: str, path: str, *, host: str | None = "localhost",
+            headers: Iterable[tuple[str, str]] = (), body: bytes | None = None) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1"]
+    if host is not None:
+        lines.append(f"Host: {host}")
+    lines += [f"{name}: {value}" for name, value in headers]
+    if body is not None:
+        lines.append(f"Content-Length: {len(body)}")
+    return "\r\n".join(lines).encode() + b"\r\n\r\n" + (body or b"")
+
+
+async def read_reply(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT_S)
+    status_line, *header_lines = head.decode().split("\r\n")
+    headers = {}
+    for line in header_lines:
+        if line:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+    length = int(headers.get("content-length", "0"))
+    body = await asyncio.wait_for(reader.readexactly(length), WAIT_S)
+    return int(status_line.split()[1]), headers, body
+
+
+def openai_error(status: int, body: bytes, expected: int, code: str | None = None) -> str:
+    """The error's message, after checking OpenAI's shape."""
+    assert status == expected, (status, body)
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    if code is not None:
+        assert error["code"] == code, error
+    message: str = error["message"]
+    return message
+
+
+async def closed_within(reader: asyncio.StreamReader, timeout: float) -> float:
+    """Seconds until the daemon closes the connection (EOF or reset)."""
+    started = time.monotonic()
+    with contextlib.suppress(ConnectionError):
+        rest = await asyncio.wait_for(reader.read(), timeout)
+        assert rest == b"", rest
+    return time.monotonic() - started
+
+
+def url_target(daemon: Daemon) -> str:
+    ready = next(note for note in daemon.notifications if note.startswith("READY=1"))
+    match = re.search(r"OpenAI API on (?:http://)?(\S+)", ready)
+    assert match, ready
+    return match[1]
+
+
+def assert_clean_log(daemon: Daemon) -> None:
+    log = daemon.log
+    assert "Traceback" not in log, log
+    assert " ERROR " not in log and " CRITICAL " not in log, log
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def tcp() -> AsyncIterator[Listener]:
+    async with running_daemon(TCP_CONFIG) as daemon:
+        listener = Listener(daemon, url_target(daemon))
+        assert listener.target.startswith("127.0.0.1:"), listener.target
+        yield listener
+        assert await daemon.stop() == 0  # its log is whole once it has exited
+        assert_clean_log(daemon)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def unix() -> AsyncIterator[Listener]:
+    directory = tempfile.mkdtemp(prefix="sfg", dir="/tmp")  # sun_path holds 108 bytes
+    config = {"openai": {"listen": f"unix:{directory}/o.sock", "api_key": KEY,
+                         "write_timeout_s": 1.0},
+              # Left to the write timeout, not to the generation's own limit.
+              "server": {"max_output_buffer_bytes": 1 << 28}}
+    try:
+        async with running_daemon(config) as daemon:
+            yield Listener(daemon, url_target(daemon))
+            assert await daemon.stop() == 0
+            assert_clean_log(daemon)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# --- time limits ------------------------------------------------------------------------
+
+
+@module_test
+async def test_idle_connections_close_after_idle_timeout(tcp: Listener) -> None:
+    before = await tcp.http_stats()
+    async with tcp.connection() as (silent, _), tcp.connection() as (served, writer):
+        # One never sends a byte; the other is idle after a first reply (keep-alive).
+        writer.write(request("GET", "/health"))
+        assert (await read_reply(served))[0] == 200
+        for reader in (silent, served):
+            waited = await closed_within(reader, IDLE_S + 10)
+            assert waited < IDLE_S + 5
+    after = await tcp.http_stats()
+    assert after["closed"]["idle_timeout"] >= before["closed"]["idle_timeout"] + 2
+
+
+@module_test
+async def test_half_sent_headers_are_closed_after_header_timeout(tcp: Listener) -> None:
+    async with tcp.connection() as (reader, writer):
+        writer.write(b"GET /health HTTP/1.1\r\nHost: local")
+        # Trickling more of them does not buy time: the limit counts from the first byte.
+        await asyncio.sleep(HEADER_S / 2)
+        writer.write(b"ho")
+        waited = await closed_within(reader, HEADER_S + 10)
+    assert waited < HEADER_S + 3
+
+
+@module_test
+async def test_a_half_sent_body_gets_408_after_body_timeout(tcp: Listener) -> None:
+    before = await tcp.http_stats()
+    async with tcp.connection() as (reader, writer):
+        started = time.monotonic()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+        status, headers, body = await read_reply(reader)
+        elapsed = time.monotonic() - started
+        assert "body_timeout_s" in openai_error(status, body, 408, "request_timeout")
+        assert headers.get("connection") == "close"
+        await closed_within(reader, WAIT_S)
+    assert BODY_S * 0.9 <= elapsed < BODY_S + 5
+    after = await tcp.http_stats()
+    assert after["closed"]["body_timeout"] == before["closed"]["body_timeout"] + 1
+    assert after["responses"]["408"] == before["responses"]["408"] + 1
+
+
+@module_test
+async def test_health_answers_at_once_beside_hundreds_of_idle_and_half_sent(
+        tcp: Listener) -> None:
+    count = 300
+    before = await tcp.http_stats()
+    heads = [b"", b"GET /v1/models HTTP/1.1\r\nHost: loc",
+             b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 1000\r\n\r\n{"]
+    sockets = []
+    try:
+        for index in range(count):
+            sock = tcp.blocking()
+            sockets.append(sock)
+            if heads[index % 3]:
+                sock.sendall(heads[index % 3])
+        started = time.monotonic()
+        status, _, body = await tcp.exchange(request("GET", "/health"))
+        health_s = time.monotonic() - started
+        assert status == 200 and json.loads(body)["status"] == "ok"
+        assert health_s < 1.0, health_s
+        # A real request gets in and is answered too.
+        status, _, body = await tcp.exchange(request(
+            "POST", "/v1/completions", body=b'{"prompt": "Hi", "max_tokens": 2}'))
+        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] <= 2
+        # The daemon holds about max_connections of them, not all: its descriptors stay
+        # within the budget it checked at start-up.
+        descriptors = len(os.listdir(f"/proc/{tcp.daemon.process.pid}/fd"))
+        assert descriptors < LIMIT + 2 + fdlimit.MARGIN, descriptors
+    finally:
+        for sock in sockets:
+            sock.close()
+    after = await tcp.http_stats()
+    assert after["closed"]["evicted"] >= before["closed"]["evicted"] + count - LIMIT
+    print(f"GET /health beside {count} idle and half-sent connections: "
+          f"{health_s * 1000:.1f} ms")
+
+
+@module_test
+async def test_one_request_past_max_connections_busy_ones_gets_429() -> None:
+    config = {"openai": {"listen": "127.0.0.1:0"}, "server": {"max_connections": 2}}
+    # Two of these fit the KV pool (n_ctx 4096) side by side.
+    streaming = request("POST", "/v1/completions", body=json.dumps({
+        "prompt": "Count from 1 to 1000: 1, 2, 3,", "stream": True, "max_tokens": 1500,
+        "temperature": 0}).encode())
+    async with running_daemon(config) as daemon:
+        listener = Listener(daemon, url_target(daemon))
+        async with listener.connection() as (first, first_writer), \
+                listener.connection() as (second, second_writer):
+            for reader, writer in ((first, first_writer), (second, second_writer)):
+                writer.write(streaming)
+                head = await asyncio.wait_for(reader.readuntil(b"\n\n"), WAIT_S)
+                assert head.startswith(b"HTTP/1.1 200"), head
+            # Two requests run: a third gets 429 and its connection is closed.
+            async with listener.connection() as (third, writer):
+                writer.write(request("GET", "/health"))
+                status, _, body = await read_reply(third)
+                openai_error(status, body, 429, "too_many_connections")
+                await closed_within(third, WAIT_S)
+        # Once they are gone, all is served again.
+        assert (await listener.exchange(request("GET", "/health")))[0] == 200
+        stats = (await listener.http_stats())
+        assert stats["closed"]["refused"] == 1 and stats["responses"]["429"] == 1
+
+
+@module_test
+async def test_a_reply_left_unread_is_aborted_after_write_timeout(unix: Listener) -> None:
+    before = await unix.http_stats()
+    metrics = request("GET", "/metrics", headers=[("Authorization", f"Bearer {KEY}")])
+    sock = unix.blocking()
+    try:
+        # Far more reply bytes than the socket's buffers hold, and none of them read.
+        sock.sendall(metrics * 300)
+        # No event to wait on from outside: the counter is polled, bounded.
+        async with asyncio.timeout(WAIT_S):
+            while True:
+                stats = await unix.http_stats()
+                if stats["closed"]["write_timeout"] > before["closed"]["write_timeout"]:
+                    break
+                await asyncio.sleep(0.1)
+    finally:
+        sock.close()
+    assert (await unix.exchange(request("GET", "/health")))[0] == 200
+
+
+@module_test
+async def test_http_counters_are_in_the_metrics(unix: Listener) -> None:
+    status, _, body = await unix.exchange(request(
+        "GET", "/metrics", headers=[("Authorization", f"Bearer {KEY}")]))
+    assert status == 200
+    text = body.decode()
+    for line in ("# TYPE sfcore_http_connections gauge",
+                 "# TYPE sfcore_http_connections_accepted_total counter",
+                 'sfcore_http_connections_closed_total{reason="write_timeout"}',
+                 'sfcore_http_responses_total{status="401"}',
+                 'sfcore_http_responses_total{status="403"}',
+                 'sfcore_http_responses_total{status="413"}',
+                 'sfcore_http_responses_total{status="429"}'):
+        assert line in text, line
