@@ -1,9 +1,11 @@
 """The HTTP listener's defences, on real daemons: a time limit on every phase of a
-connection, and room kept for real requests beside idle and half-sent connections.
+connection, room kept for real requests beside idle and half-sent connections, web pages
+kept out (Host, Origin), and `allowed_uids` on HTTP as on the socket.
 
 Two daemons, each shared by the module's tests (one event loop): one on loopback TCP with
-short time limits; one on a Unix socket with an API key. Raw sockets throughout: what is
-tested is what a client library hides or refuses to send.
+short time limits, a listed origin and host, and allowed_uids = [0]; one on a Unix socket
+with an API key and allowed_uids = [0]. Raw sockets throughout: what is tested is what a
+client library hides or refuses to send.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
 
 from sfcore_daemon.system import fdlimit
-from tests.harness import Daemon, running_daemon
+from tests.harness import Daemon, run_cli, running_daemon
 
 module_test = pytest.mark.asyncio(loop_scope="module")
 KEY = "guard-key"
@@ -37,8 +40,10 @@ BODY_S = 1.0
 LIMIT = 32  # server.max_connections
 TCP_CONFIG: dict[str, Any] = {
     "openai": {"listen": "127.0.0.1:0", "header_timeout_s": HEADER_S,
-               "body_timeout_s": BODY_S},
-    "server": {"idle_timeout_s": IDLE_S, "max_connections": LIMIT, "max_line_bytes": 65536},
+               "body_timeout_s": BODY_S, "allowed_origins": ["https://app.example"],
+               "allowed_hosts": ["proxy.example"]},
+    "server": {"idle_timeout_s": IDLE_S, "max_connections": LIMIT, "allowed_uids": [0],
+               "max_line_bytes": 65536},
     "generation": {"max_tokens": 4},
 }
 
@@ -158,10 +163,12 @@ async def tcp() -> AsyncIterator[Listener]:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def unix() -> AsyncIterator[Listener]:
     directory = tempfile.mkdtemp(prefix="sfg", dir="/tmp")  # sun_path holds 108 bytes
+    os.chmod(directory, 0o711)  # the unprivileged client goes through it
     config = {"openai": {"listen": f"unix:{directory}/o.sock", "api_key": KEY,
                          "write_timeout_s": 1.0},
-              # Left to the write timeout, not to the generation's own limit.
-              "server": {"max_output_buffer_bytes": 1 << 28}}
+              "server": {"allowed_uids": [0], "socket_mode": "0666",
+                         # Left to the write timeout, not to the generation's own limit.
+                         "max_output_buffer_bytes": 1 << 28}}
     try:
         async with running_daemon(config) as daemon:
             yield Listener(daemon, url_target(daemon))
@@ -300,6 +307,124 @@ async def test_a_reply_left_unread_is_aborted_after_write_timeout(unix: Listener
     assert (await unix.exchange(request("GET", "/health")))[0] == 200
 
 
+# --- web pages --------------------------------------------------------------------------
+
+
+@module_test
+async def test_foreign_host_and_origin_get_403_and_own_ones_are_served(tcp: Listener) -> None:
+    port = tcp.port
+    before = await tcp.http_stats()
+    served = [f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "localhost",
+              "LOCALHOST", "proxy.example", "proxy.example:8443"]
+    for host in served:
+        assert (await tcp.exchange(request("GET", "/health", host=host)))[0] == 200, host
+    refused = ["evil.example", f"evil.example:{port}", "localhost:1", "127.0.0.2",
+               "localhost.evil.example", "\u00e9vil"]
+    for host in refused:
+        status, _, body = await tcp.exchange(request("GET", "/v1/models", host=host))
+        assert "allowed_hosts" in openai_error(status, body, 403, "forbidden")
+    # A form or a fetch without preflight from another page: refused before it runs.
+    chat = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+    for origin in ("http://evil.example", "null", f"http://localhost:{port + 1}"):
+        status, headers, body = await tcp.exchange(request(
+            "POST", "/v1/chat/completions", headers=[("Origin", origin),
+                                                     ("Content-Type", "text/plain")],
+            body=chat))
+        assert "allowed_origins" in openai_error(status, body, 403, "forbidden")
+        assert "access-control-allow-origin" not in headers
+    # The listener's own origin, and the listed one (which gets CORS headers).
+    status, headers, _ = await tcp.exchange(request(
+        "GET", "/health", host=f"127.0.0.1:{port}",
+        headers=[("Origin", f"http://127.0.0.1:{port}")]))
+    assert status == 200 and "access-control-allow-origin" not in headers
+    status, headers, _ = await tcp.exchange(request(
+        "GET", "/health", headers=[("Origin", "https://app.example")]))
+    assert status == 200
+    assert headers["access-control-allow-origin"] == "https://app.example"
+    status, headers, _ = await tcp.exchange(request(
+        "OPTIONS", "/v1/chat/completions", headers=[
+            ("Origin", "https://app.example"), ("Access-Control-Request-Method", "POST"),
+            ("Access-Control-Request-Headers", "authorization, content-type")]))
+    assert status == 204
+    assert headers["access-control-allow-origin"] == "https://app.example"
+    assert headers["access-control-allow-headers"] == "authorization, content-type"
+    assert "POST" in headers["access-control-allow-methods"]
+    after = await tcp.http_stats()
+    assert after["responses"]["403"] == before["responses"]["403"] + len(refused) + 3
+
+
+@module_test
+async def test_on_a_unix_listener_host_must_name_the_local_machine(unix: Listener) -> None:
+    # curl --unix-socket and the SDKs' Unix transports send "localhost" (or the base
+    # URL's name); any port is taken, as there is none.
+    for host in ("localhost", "localhost:8080", "127.0.0.1", "[::1]"):
+        assert (await unix.exchange(request("GET", "/health", host=host)))[0] == 200, host
+    status, _, body = await unix.exchange(request("GET", "/health", host="evil.example"))
+    openai_error(status, body, 403, "forbidden")
+
+
+# --- who may connect --------------------------------------------------------------------
+
+# The unprivileged client, standard library only: one request with Connection: close,
+# then everything up to EOF; prints the status and the body.
+CLIENT = r"""
+import json, os, socket, sys
+target, data = sys.argv[1], bytes.fromhex(sys.argv[2])
+if target.startswith("unix:"):
+    s = socket.socket(socket.AF_UNIX)
+    address = target[5:]
+else:
+    s = socket.socket()
+    address = ("127.0.0.1", int(target.rsplit(":", 1)[1]))
+s.settimeout(30)
+s.connect(address)
+s.sendall(data)
+reply = b""
+while chunk := s.recv(65536):
+    reply += chunk
+head, _, body = reply.partition(b"\r\n\r\n")
+print(json.dumps({"uid": os.getuid(), "status": int(head.split()[1]),
+                  "body": body.decode()}))
+"""
+
+
+async def request_as(uid: int, target: str, data: bytes) -> tuple[int, bytes]:
+    process = await asyncio.create_subprocess_exec(
+        "/usr/bin/python3", "-I", "-c", CLIENT, target, data.hex(),
+        user=uid, group=uid, extra_groups=[],
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, cwd="/")
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), WAIT_S)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 0, err.decode()
+    result = json.loads(out)
+    assert result["uid"] == uid
+    return result["status"], result["body"].encode()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a client as another uid needs root")
+@pytest.mark.skipif(not os.access("/usr/bin/python3", os.X_OK),
+                    reason="needs /usr/bin/python3 for the unprivileged client")
+@module_test
+async def test_allowed_uids_refuse_another_user_on_http(tcp: Listener, unix: Listener) -> None:
+    auth = [("Authorization", f"Bearer {KEY}"), ("Connection", "close")]
+    for listener in (tcp, unix):
+        data = request("GET", "/v1/models", headers=auth)
+        # Root is listed; nobody, holding the key, is not.
+        assert (await request_as(0, listener.target, data))[0] == 200
+        status, body = await request_as(NOBODY, listener.target, data)
+        message = openai_error(status, body, 403, "forbidden")
+        assert "uid 65534" in message and "allowed_uids" in message, message
+        # Not even /health: the socket refuses such a peer everything too.
+        status, body = await request_as(NOBODY, listener.target,
+                                        request("GET", "/health", headers=auth[1:]))
+        openai_error(status, body, 403, "forbidden")
+
+
 @module_test
 async def test_http_counters_are_in_the_metrics(unix: Listener) -> None:
     status, _, body = await unix.exchange(request(
@@ -314,3 +439,37 @@ async def test_http_counters_are_in_the_metrics(unix: Listener) -> None:
                  'sfcore_http_responses_total{status="413"}',
                  'sfcore_http_responses_total{status="429"}'):
         assert line in text, line
+
+
+# --- start-up ---------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_remote_listener_without_api_key_needs_an_explicit_opt_in(
+        tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('[openai]\nlisten = "0.0.0.0:0"\nallow_remote = true\n')
+    code, output = await run_cli("--config", str(config), "--socket", str(tmp_path / "s"))
+    assert code == 2 and output.count("\n") == 1, output
+    assert "Traceback" not in output and "api_key" in output, output
+    opted_in = {"openai": {"listen": "0.0.0.0:0", "allow_remote": True,
+                           "allow_remote_without_key": True}}
+    async with running_daemon(opted_in, wait_ready=False) as daemon:
+        assert await daemon.stop() == 0  # its log is whole once it has exited
+        assert "has no api_key and answers anyone" in daemon.log
+
+
+def test_tcp_peer_uid_reads_the_kernel_table() -> None:
+    from sfcore_daemon.system.peers import tcp_peer_uid
+
+    for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+        with socket.create_server((host, 0), family=family) as server:
+            with socket.create_connection(server.getsockname()[:2]) as client:
+                accepted, _ = server.accept()
+                with accepted:
+                    peer, local = accepted.getpeername()[:2], accepted.getsockname()[:2]
+                    assert client.getsockname()[:2] == peer
+                    assert tcp_peer_uid(peer, local) == os.geteuid()
+                    # No socket on this host is at that address.
+                    assert tcp_peer_uid((host, 1), local) is None
+

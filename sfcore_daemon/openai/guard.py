@@ -53,7 +53,7 @@ class HttpConnection(asyncio.Protocol):
     what it sees (bytes in, writes stalled, gone)."""
 
     __slots__ = ("_pool", "inner", "transport", "phase", "_timer", "_write_timer",
-                 "_next_request", "close_after")
+                 "_next_request", "close_after", "peer")
 
     def __init__(self, pool: ConnectionPool, inner: web.RequestHandler) -> None:
         self._pool = pool
@@ -66,6 +66,9 @@ class HttpConnection(asyncio.Protocol):
         self._next_request = False
         # Close once the reply is written (a refusal, a body left unread).
         self.close_after = False
+        # The access check's verdict on the peer, kept for the connection's later
+        # requests (openai/gate.py); None: not checked yet.
+        self.peer: str | None = None
 
     # --- asyncio.Protocol, forwarded ---
 

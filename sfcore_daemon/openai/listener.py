@@ -23,6 +23,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from sfcore_daemon.config import Config, ListenAddress
+from sfcore_daemon.openai.gate import Gate
 from sfcore_daemon.openai.guard import ConnectionPool, ServerLog
 from sfcore_daemon.openai.routes import Routes, json_response
 from sfcore_daemon.openai.translate import ApiError
@@ -78,11 +79,13 @@ class OpenAIListener:
         config = self._config
         routes = Routes(state)
         pool = ConnectionPool(config, state.stats)
+        gate = Gate(config, self._listening.sock, pool)
         app = web.Application(
             client_max_size=config.server.max_line_bytes,
-            middlewares=[pool.track, _errors, pool.read_body,
+            middlewares=[pool.track, _errors, gate.check, pool.read_body,
                          *_auth(config.openai.api_key)],
         )
+        app.on_response_prepare.append(gate.add_cors_headers)
         routes.add_to(app)
         idle_s = config.server.idle_timeout_s
         self._runner = web.AppRunner(
@@ -97,6 +100,11 @@ class OpenAIListener:
         self._server = await asyncio.get_running_loop().create_server(
             pool.factory(self._runner.server), sock=self._listening.sock, backlog=512)
         log.info("serving the OpenAI API on %s", self.url)
+        openai = config.openai
+        if not openai.api_key and openai.address is not None \
+                and not openai.address.is_loopback:
+            log.warning("the OpenAI API on %s has no api_key and answers anyone who reaches "
+                        "it ([openai] allow_remote_without_key = true)", self.url)
 
     async def stop_accepting(self) -> None:
         if self._server is not None:
