@@ -91,6 +91,9 @@ class OpenAIListener:
         self._runner = web.AppRunner(
             app, handle_signals=False, access_log=None, handler_cancellation=True,
             shutdown_timeout=_CLOSE_GRACE_S, logger=ServerLog(state.stats),
+            # A body is read whole before any handler (guard.py); one left unread is a
+            # refused request's, closed on rather than read for another 10 s.
+            lingering_time=0,
             # The pool closes idle connections (and counts them); aiohttp's own timer
             # only after it, or never, as [server] idle_timeout_s = 0 says.
             keepalive_timeout=idle_s + 1.0 if idle_s else _NEVER_S)
@@ -132,8 +135,10 @@ async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse
     except web.HTTPException as http_error:
         if http_error.status < 400:
             raise
+        # The path is the client's bytes (undecodable ones as surrogates): escaped.
+        path = ascii(request.path)[1:-1]
         failure = ApiError(http_error.status,
-                           f"{request.method} {request.path}: {http_error.reason}", None,
+                           f"{request.method} {path}: {http_error.reason}", None,
                            "not_found" if http_error.status == 404 else None)
     except ConnectionError:
         raise
@@ -153,7 +158,8 @@ def _auth(api_key: str) -> list[Middleware]:
     @web.middleware
     async def check_key(request: web.Request, handler: _Handler) -> web.StreamResponse:
         if request.path not in ("/health", "/v1/health"):
-            given = request.headers.get("Authorization", "").encode()
+            # The header's own bytes: aiohttp hands undecodable ones on as surrogates.
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             # Constant time: how much of a guess matched must not show in the timing.
             if not hmac.compare_digest(given, expected):
                 raise ApiError(401, "a valid API key is needed: send Authorization: "
