@@ -8,7 +8,13 @@ drains, and closes its connections after the generations have ended.
 Why aiohttp: its server runs on the daemon's own (uv)loop, parses HTTP in C
 (llhttp), holds streamed writes to the client's pace (`StreamResponse.write` waits
 for the socket to drain), and cancels a handler whose client hung up; no
-hand-written parser, no second process, nothing on the decode thread.
+hand-written parser, no second process, nothing on the decode thread. What it does
+not bound, a connection's time in each phase and the room left at max_connections,
+guard.py adds around its protocol; who may use the listener is gate.py's.
+
+The middlewares, outermost first: the pool's `track` (phase, reply counted),
+`_errors` (OpenAI's error shape), the gate (peer uid, Host, Origin), the body read
+(`read_body`, then busy), the API key.
 """
 
 from __future__ import annotations
