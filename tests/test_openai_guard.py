@@ -444,8 +444,19 @@ async def test_invalid_utf8_in_a_body_is_400_and_in_authorization_401(
     openai_error(status, reply, 404)
     status, _, reply = await tcp.exchange(b"GET /v1/\xff HTTP/1.1\r\nHost: localhost\r\n\r\n")
     assert status == 400, reply
+    # aiohttp answers Expect before any middleware, with the header's text in its 417.
+    status, _, reply = await tcp.exchange(
+        b"GET /health HTTP/1.1\r\nHost: localhost\r\nExpect: 100-\xac\r\n\r\n")
+    openai_error(status, reply, 417, "expectation_failed")
+    async with tcp.connection() as (reader, writer):
+        writer.write(request("POST", "/v1/completions", headers=[("Expect", "100-continue")],
+                             body=b'{"prompt": "Hi", "max_tokens": 1}'))
+        assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT_S) \
+            == b"HTTP/1.1 100 Continue\r\n\r\n"
+        assert (await read_reply(reader))[0] == 200
     after = await tcp.http_stats()
     assert after["responses"]["400"] == before["responses"]["400"] + 2
+    assert after["responses"]["417"] == before["responses"].get("417", 0) + 1
     before = await unix.http_stats()
     for value in (b"Bearer \xff\xfe", b"Bearer " + KEY.encode() + b"\xc3\xa9", b"\xe2\x82\xac"):
         status, _, reply = await unix.exchange(

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 _CLOSE_GRACE_S = 5.0
 _NEVER_S = 10.0 * 365 * 86400
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_RequestHandler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 
 def open_http_socket(address: ListenAddress, socket_mode: int) -> ListeningSocket:
@@ -104,10 +105,12 @@ class OpenAIListener:
             # only after it, or never, as [server] idle_timeout_s = 0 says.
             keepalive_timeout=idle_s + 1.0 if idle_s else _NEVER_S)
         await self._runner.setup()
-        assert self._runner.server is not None
+        server = self._runner.server
+        assert server is not None
+        server.request_handler = _screen_expect(server.request_handler, state)
         # Not a SockSite: the pool wraps aiohttp's protocol factory.
         self._server = await asyncio.get_running_loop().create_server(
-            pool.factory(self._runner.server), sock=self._listening.sock, backlog=512)
+            pool.factory(server), sock=self._listening.sock, backlog=512)
         log.info("serving the OpenAI API on %s", self.url)
         openai = config.openai
         if not openai.api_key and openai.address is not None \
@@ -126,6 +129,26 @@ class OpenAIListener:
             await runner.cleanup()
         self._listening.sock.close()
         self._listening.remove()
+
+
+def _screen_expect(handle: _RequestHandler, state: ServerState) -> _RequestHandler:
+    """aiohttp answers an `Expect` header before any middleware runs, and words its 417
+    with the header's text: undecodable bytes there (which it hands on as surrogates)
+    made that a 500 with a traceback. So an expectation other than 100-continue is
+    refused here first, 417 in OpenAI's shape; 100-continue is left to aiohttp."""
+
+    async def screened(request: web.BaseRequest) -> web.StreamResponse:
+        expect = request.headers.get("Expect")
+        if expect is None or expect.lower() == "100-continue":
+            return await handle(request)
+        state.stats.http_response(417)
+        error = ApiError(417, "Expect: only 100-continue is supported", None,
+                         "expectation_failed")
+        response = json_response(error.body(), error.status)
+        response.force_close()
+        return response
+
+    return screened
 
 
 @web.middleware
