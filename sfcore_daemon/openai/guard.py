@@ -237,7 +237,10 @@ class ConnectionPool:
         self.enter(connection, BODY)
         try:
             response = await handler(request)
-            self.stats.http_response(response.status)
+            transport = connection.transport
+            # Not counted: the reply to a client that hung up, or one closed on.
+            if transport is not None and not transport.is_closing():
+                self.stats.http_response(response.status)
             if connection.close_after:
                 response.force_close()
             return response
