@@ -152,7 +152,7 @@ class Routes:
         except msgspec.ValidationError as exc:
             self._count_error(protocol.INVALID_REQUEST)
             raise ApiError.invalid(str(exc)) from None
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # invalid UTF-8 in a string
             self._count_error(protocol.BAD_JSON)
             raise ApiError(400, f"the body is not valid JSON: {exc}", None, "bad_json") from None
 

@@ -379,6 +379,15 @@ class ConnectionCounts(Struct, kw_only=True):
     rejected: int
 
 
+class HttpCounts(Struct, kw_only=True):
+    """The OpenAI listener's connections and replies."""
+
+    current: int  # open now
+    total: int  # accepted since start
+    closed: dict[str, int]  # closed by the daemon, by why (stats.HTTP_CLOSED)
+    responses: dict[str, int]  # replies by HTTP status, "200" ... "503"
+
+
 class SlotUse(Struct, kw_only=True):
     slot: int
     busy: bool
@@ -445,6 +454,7 @@ class StatsReply(_Reply, tag="stats", kw_only=True):
     tokens: TokenCounts
     errors: dict[str, int]
     connections: ConnectionCounts
+    http: HttpCounts
     decode_tok_s: float
     slots: list[SlotUse]
     grammar: GrammarCounts
