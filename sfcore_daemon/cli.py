@@ -193,6 +193,7 @@ def _run(config: Config, pinned: list[int]) -> int:
             from sfcore_daemon.openai.listener import open_http_socket
 
             http = open_http_socket(address, config.server.socket_mode_bits)
+        _check_descriptors(config, http is not None)
         return _serve(config, pinned, model_path, listening=listening, http=http,
                       n_threads=n_threads, n_threads_batch=n_threads_batch)
     except StartupError as exc:
@@ -203,6 +204,17 @@ def _run(config: Config, pinned: list[int]) -> int:
             http.sock.close()
             http.remove()
         listening.remove()
+
+
+def _check_descriptors(config: Config, http: bool) -> None:
+    from sfcore_daemon.system.fdlimit import ensure_descriptors
+
+    # Each listener holds at most max_connections, and one more for the moment it takes
+    # to refuse it (NDJSON) or to close an idle one for it (HTTP).
+    limit = config.server.max_connections
+    listeners = 2 if http else 1
+    ensure_descriptors(listeners * (limit + 1), f"server.max_connections = {limit} on "
+                       + ("each of the NDJSON and HTTP listeners" if http else "the socket"))
 
 
 def _serve(config: Config, pinned: list[int], model_path: str, *,

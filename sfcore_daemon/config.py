@@ -222,6 +222,12 @@ def parse_listen(text: str) -> ListenAddress:
     return ListenAddress(host, port, "")
 
 
+# An origin as browsers send it (scheme://host[:port]), or "*"; a Host header's value
+# (name or name:port), or "*".
+Origin = Annotated[str, msgspec.Meta(pattern=r"^(\*|[A-Za-z][A-Za-z0-9+.-]*://[^/\s]+)$")]
+HostName = Annotated[str, msgspec.Meta(pattern=r"^(\*|[^\s/*]+)$")]
+
+
 class OpenAIConfig(_Section, frozen=True):
     # Empty: no HTTP listener. "127.0.0.1:8080" (a loopback address and port),
     # "[::1]:8080", or "unix:/path/to.sock". Anything not loopback needs allow_remote.
@@ -235,6 +241,23 @@ class OpenAIConfig(_Section, frozen=True):
     # The model's id in /v1/models and in replies. Empty: the model file's name
     # without .gguf.
     model_id: str = ""
+    # A remote listener (allow_remote) with no api_key serves anyone who reaches it:
+    # refused at start-up unless this is true too (and then a warning is logged).
+    allow_remote_without_key: bool = False
+    # Time limits on a connection's phases, so that one that never finishes a request
+    # holds no descriptor for long: a request's headers, from its first byte; its body,
+    # from the end of its headers (answered 408); a reply the client leaves unread
+    # (no byte taken for this long). Between requests: [server] idle_timeout_s.
+    header_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 10.0
+    body_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 30.0
+    write_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 30.0
+    # Browsers: a request with an Origin header is refused (403) unless it is the
+    # listener's own origin or listed here ("https://app.example", or "*": any); listed
+    # ones get CORS headers. On a loopback or Unix listener the Host header must name
+    # localhost, 127.0.0.1 or [::1] (a DNS-rebinding page sends its own name), or a
+    # name listed here ("proxy.example" any port, "proxy.example:8443", "*": any).
+    allowed_origins: tuple[Origin, ...] = ()
+    allowed_hosts: tuple[HostName, ...] = ()
 
     @property
     def address(self) -> ListenAddress | None:
@@ -242,10 +265,16 @@ class OpenAIConfig(_Section, frozen=True):
 
     def __post_init__(self) -> None:
         address = self.address
-        if address is not None and not address.is_loopback and not self.allow_remote:
+        if address is None or address.is_loopback:
+            return
+        if not self.allow_remote:
             raise ValueError(
                 f"listen = {self.listen!r} is not a loopback address: other hosts could "
                 "reach it. Set allow_remote = true (and an api_key) to serve them")
+        if not self.api_key and not self.allow_remote_without_key:
+            raise ValueError(
+                f"listen = {self.listen!r} with allow_remote and no api_key would serve "
+                "anyone who reaches it: set api_key (or allow_remote_without_key = true)")
 
 
 class LogConfig(_Section, frozen=True):

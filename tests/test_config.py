@@ -103,10 +103,23 @@ def test_the_openai_flag_sets_the_listener_and_is_held_to_loopback(tmp_path: Pat
         with pytest.raises(ConfigError, match=message):
             resolve_config(build_parser().parse_args(
                 ["--config", str(path), "--openai", address]))
-    remote = write(tmp_path, '[openai]\nallow_remote = true\n')
+    remote = write(tmp_path, '[openai]\nallow_remote = true\napi_key = "k"\n')
     config = resolve_config(build_parser().parse_args(
         ["--config", str(remote), "--openai", "0.0.0.0:8080"]))
     assert config.openai.address is not None and not config.openai.address.is_loopback
+    # Remote and no key: only with the second, explicit opt-in.
+    keyless = write(tmp_path, '[openai]\nallow_remote = true\n')
+    with pytest.raises(ConfigError, match="allow_remote_without_key"):
+        resolve_config(build_parser().parse_args(
+            ["--config", str(keyless), "--openai", "0.0.0.0:8080"]))
+    opted_in = write(tmp_path, '[openai]\nallow_remote = true\nallow_remote_without_key = true\n')
+    config = resolve_config(build_parser().parse_args(
+        ["--config", str(opted_in), "--openai", "0.0.0.0:8080"]))
+    assert config.openai.api_key == "" and config.openai.allow_remote_without_key
+    # Origins and hosts are checked for their shape.
+    for key, value in (("allowed_origins", '["app.example"]'), ("allowed_hosts", '["a b"]')):
+        with pytest.raises(ConfigError, match=key):
+            load_config(write(tmp_path, f"[openai]\n{key} = {value}\n"))
 
 
 def test_override_values_are_validated() -> None:

@@ -128,6 +128,24 @@ async def test_queue_full_and_nothing_accepted_is_lost() -> None:
             assert (await extra.final(HEALTH))["queue_depth"] == 0
 
 
+async def test_a_full_queue_refuses_before_any_costly_check() -> None:
+    """Capacity is checked first: a request the queue cannot take is answered
+    queue_full before its schema is compiled (an invalid one would say so otherwise)."""
+    bad_schema = {"type": "object", "properties": {"x": {"type": "strin"}}}
+    async with running_daemon({"server": {"max_queue": 0, "slots": 1}}) as daemon:
+        async with daemon.client() as runner, daemon.client() as extra:
+            await runner.start_streaming({"id": "run", "prompt": "Tell a story.",
+                                          "max_tokens": 60})
+            error = await extra.final({"id": "over", "prompt": "Hi", "json_schema": bad_schema})
+            assert error["code"] == "queue_full" and error["id"] == "over", error
+            assert done_of(await runner.reply())["usage"]["completion_tokens"] == 60
+            # With room again, the same request reaches the schema check.
+            error = await extra.final({"id": "now", "prompt": "Hi", "json_schema": bad_schema})
+            assert error["code"] == "invalid_request", error
+            stats = await extra.final({"op": "stats"})
+            assert stats["errors"]["queue_full"] == 1
+
+
 async def test_queue_full_on_a_pipelined_connection_keeps_reply_order() -> None:
     async with running_daemon({"server": {"max_queue": 0, "slots": 1}}) as daemon:
         async with daemon.client() as client:

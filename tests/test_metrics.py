@@ -54,6 +54,10 @@ SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "sfcore_connections": ("gauge", ()),
     "sfcore_connections_accepted": ("counter", ()),
     "sfcore_connections_rejected": ("counter", ()),
+    "sfcore_http_connections": ("gauge", ()),
+    "sfcore_http_connections_accepted": ("counter", ()),
+    "sfcore_http_connections_closed": ("counter", ("reason",)),
+    "sfcore_http_responses": ("counter", ("status",)),
     "sfcore_first_token_seconds": ("histogram", ()),
     "sfcore_inter_token_gap_seconds": ("histogram", ()),
     "sfcore_queue_wait_seconds": ("histogram", ()),
@@ -223,6 +227,10 @@ async def test_scrapes_count_what_the_generations_did() -> None:
         assert value(samples, "sfcore_slots_busy") == 0
         assert value(samples, "sfcore_queue_depth") == 0
         assert value(samples, "sfcore_connections") == 1  # this NDJSON client
+        # The scrape without a key; this scrape's own 200 is counted once it is written.
+        assert value(samples, "sfcore_http_responses_total", status="401") == 1
+        assert value(samples, "sfcore_http_responses_total", status="200") == 0
+        assert value(samples, "sfcore_http_connections") >= 1  # the session's
         steps = value(samples, "sfcore_decode_steps_total")
         assert steps >= 1
         # Each prompt's evaluated tokens, and every token but a generation's last, were

@@ -282,7 +282,7 @@ async def test_a_client_that_hangs_up_mid_stream_cancels_its_generation(tcp: End
                        "temperature": 0, "stream": True}).encode()
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), WAIT_S)
     try:
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      b"Content-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         await writer.drain()

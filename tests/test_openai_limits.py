@@ -125,24 +125,6 @@ async def test_a_client_that_stops_reading_is_cancelled_and_the_daemon_serves_on
         assert status == 200 and body["usage"]["completion_tokens"] == 4
 
 
-async def test_one_connection_past_max_connections_gets_429_and_is_closed() -> None:
-    async with running_daemon({**LISTEN, "server": {"max_connections": 2}}) as daemon:
-        async with raw_http(daemon) as first, raw_http(daemon) as second:
-            for http in (first, second):
-                http.writer.write(request_bytes("/health", method="GET"))
-                assert (await http.json_reply())[0] == 200
-            async with raw_http(daemon) as third:
-                third.writer.write(request_bytes("/health", method="GET"))
-                status, body = await third.json_reply()
-                assert status == 429
-                assert body["error"]["code"] == "too_many_connections"
-                assert await asyncio.wait_for(third.reader.read(), REPLY_TIMEOUT_S) == b""
-        # Once those are gone, a new connection is served again.
-        async with raw_http(daemon) as http:
-            http.writer.write(request_bytes("/health", method="GET"))
-            assert (await http.json_reply())[0] == 200
-
-
 async def test_sigterm_lets_a_running_stream_finish_and_refuses_new_requests() -> None:
     async with running_daemon(LISTEN) as daemon:
         async with raw_http(daemon) as idle, raw_http(daemon) as streaming:

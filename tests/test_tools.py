@@ -113,6 +113,9 @@ async def test_tools_that_cannot_be_offered_are_refused_with_the_field() -> None
         ({"tools": TOOLS, "format": "json"}, "exclude each other"),
         ({"tools": [{"type": "function", "function": {"name": "bad name"}}]},
          "$.tools[0].function.name"),
+        # `$` would match before the final newline; the whole name must match.
+        ({"tools": [{"type": "function", "function": {"name": "get_weather\n"}}]},
+         "$.tools[0].function.name"),
     ]
     async with running_daemon() as daemon, daemon.client() as client:
         for fields, where in cases:

@@ -8,11 +8,18 @@ drains, and closes its connections after the generations have ended.
 Why aiohttp: its server runs on the daemon's own (uv)loop, parses HTTP in C
 (llhttp), holds streamed writes to the client's pace (`StreamResponse.write` waits
 for the socket to drain), and cancels a handler whose client hung up; no
-hand-written parser, no second process, nothing on the decode thread.
+hand-written parser, no second process, nothing on the decode thread. What it does
+not bound, a connection's time in each phase and the room left at max_connections,
+guard.py adds around its protocol; who may use the listener is gate.py's.
+
+The middlewares, outermost first: the pool's `track` (phase, reply counted),
+`_errors` (OpenAI's error shape), the gate (peer uid, Host, Origin), the body read
+(`read_body`, then busy), the API key.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import socket
@@ -22,6 +29,8 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from sfcore_daemon.config import Config, ListenAddress
+from sfcore_daemon.openai.gate import Gate
+from sfcore_daemon.openai.guard import ConnectionPool, ServerLog
 from sfcore_daemon.openai.routes import Routes, json_response
 from sfcore_daemon.openai.translate import ApiError
 from sfcore_daemon.serve import protocol
@@ -33,7 +42,9 @@ log = logging.getLogger(__name__)
 # How long closing waits for a handler still writing after the drain (it has its
 # generation's last bytes to send, or a client that stopped reading).
 _CLOSE_GRACE_S = 5.0
+_NEVER_S = 10.0 * 365 * 86400
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_RequestHandler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 
 def open_http_socket(address: ListenAddress, socket_mode: int) -> ListeningSocket:
@@ -66,49 +77,51 @@ class OpenAIListener:
         self._listening = listening
         self.url = url_of(listening.sock)
         self._runner: web.AppRunner | None = None
-        self._site: web.SockSite | None = None
+        self._server: asyncio.AbstractServer | None = None
 
     def describe(self) -> str:
         return f"OpenAI API on {self.url}"
 
     async def start(self, state: ServerState) -> None:
+        config = self._config
         routes = Routes(state)
+        pool = ConnectionPool(config, state.stats)
+        gate = Gate(config, self._listening.sock, pool)
         app = web.Application(
-            client_max_size=self._config.server.max_line_bytes,
-            middlewares=[_errors, self._connection_limit,
-                         *_auth(self._config.openai.api_key)],
+            client_max_size=config.server.max_line_bytes,
+            middlewares=[pool.track, _errors, gate.check, pool.read_body,
+                         *_auth(config.openai.api_key)],
         )
+        app.on_response_prepare.append(gate.add_cors_headers)
         routes.add_to(app)
+        idle_s = config.server.idle_timeout_s
         self._runner = web.AppRunner(
             app, handle_signals=False, access_log=None, handler_cancellation=True,
-            shutdown_timeout=_CLOSE_GRACE_S,
-            keepalive_timeout=self._config.server.idle_timeout_s or 3600.0)
+            shutdown_timeout=_CLOSE_GRACE_S, logger=ServerLog(state.stats),
+            # A body is read whole before any handler (guard.py); one left unread is a
+            # refused request's, closed on rather than read for another 10 s.
+            lingering_time=0,
+            # The pool closes idle connections (and counts them); aiohttp's own timer
+            # only after it, or never, as [server] idle_timeout_s = 0 says.
+            keepalive_timeout=idle_s + 1.0 if idle_s else _NEVER_S)
         await self._runner.setup()
-        self._site = web.SockSite(self._runner, self._listening.sock, backlog=512)
-        await self._site.start()
+        server = self._runner.server
+        assert server is not None
+        server.request_handler = _screen_expect(server.request_handler, state)
+        # Not a SockSite: the pool wraps aiohttp's protocol factory.
+        self._server = await asyncio.get_running_loop().create_server(
+            pool.factory(server), sock=self._listening.sock, backlog=512)
         log.info("serving the OpenAI API on %s", self.url)
-
-    @web.middleware
-    async def _connection_limit(self, request: web.Request,
-                                handler: _Handler) -> web.StreamResponse:
-        """`server.max_connections` HTTP connections at most (counted apart from the
-        NDJSON ones): one more is answered 429 and closed, so that no client can take
-        every file descriptor the daemon has."""
-        server = self._runner.server if self._runner is not None else None
-        limit = self._config.server.max_connections
-        if server is not None and len(server.connections) > limit:
-            error = ApiError.from_code(
-                protocol.TOO_MANY_CONNECTIONS,
-                f"server.max_connections ({limit}) HTTP connections are already open")
-            response = json_response(error.body(), error.status)
-            response.force_close()
-            return response
-        return await handler(request)
+        openai = config.openai
+        if not openai.api_key and openai.address is not None \
+                and not openai.address.is_loopback:
+            log.warning("the OpenAI API on %s has no api_key and answers anyone who reaches "
+                        "it ([openai] allow_remote_without_key = true)", self.url)
 
     async def stop_accepting(self) -> None:
-        if self._site is not None:
-            site, self._site = self._site, None
-            await site.stop()
+        if self._server is not None:
+            server, self._server = self._server, None
+            server.close()
 
     async def close(self) -> None:
         if self._runner is not None:
@@ -116,6 +129,26 @@ class OpenAIListener:
             await runner.cleanup()
         self._listening.sock.close()
         self._listening.remove()
+
+
+def _screen_expect(handle: _RequestHandler, state: ServerState) -> _RequestHandler:
+    """aiohttp answers an `Expect` header before any middleware runs, and words its 417
+    with the header's text: undecodable bytes there (which it hands on as surrogates)
+    made that a 500 with a traceback. So an expectation other than 100-continue is
+    refused here first, 417 in OpenAI's shape; 100-continue is left to aiohttp."""
+
+    async def screened(request: web.BaseRequest) -> web.StreamResponse:
+        expect = request.headers.get("Expect")
+        if expect is None or expect.lower() == "100-continue":
+            return await handle(request)
+        state.stats.http_response(417)
+        error = ApiError(417, "Expect: only 100-continue is supported", None,
+                         "expectation_failed")
+        response = json_response(error.body(), error.status)
+        response.force_close()
+        return response
+
+    return screened
 
 
 @web.middleware
@@ -131,8 +164,10 @@ async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse
     except web.HTTPException as http_error:
         if http_error.status < 400:
             raise
+        # The path is the client's bytes (undecodable ones as surrogates): escaped.
+        path = ascii(request.path)[1:-1]
         failure = ApiError(http_error.status,
-                           f"{request.method} {request.path}: {http_error.reason}", None,
+                           f"{request.method} {path}: {http_error.reason}", None,
                            "not_found" if http_error.status == 404 else None)
     except ConnectionError:
         raise
@@ -152,7 +187,8 @@ def _auth(api_key: str) -> list[Middleware]:
     @web.middleware
     async def check_key(request: web.Request, handler: _Handler) -> web.StreamResponse:
         if request.path not in ("/health", "/v1/health"):
-            given = request.headers.get("Authorization", "").encode()
+            # The header's own bytes: aiohttp hands undecodable ones on as surrogates.
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             # Constant time: how much of a guess matched must not show in the timing.
             if not hmac.compare_digest(given, expected):
                 raise ApiError(401, "a valid API key is needed: send Authorization: "

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -151,7 +152,7 @@ class Routes:
         except msgspec.ValidationError as exc:
             self._count_error(protocol.INVALID_REQUEST)
             raise ApiError.invalid(str(exc)) from None
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # invalid UTF-8 in a string
             self._count_error(protocol.BAD_JSON)
             raise ApiError(400, f"the body is not valid JSON: {exc}", None, "bad_json") from None
 
@@ -208,15 +209,7 @@ class Routes:
             return _hang_up(request)
         response = web.StreamResponse(headers=_SSE_HEADERS)
         await response.prepare(request)
-        data = reply.shape.opening()
-        while True:
-            data += reply.take()
-            if data:
-                await response.write(data)
-                data = b""
-            if reply.ended:
-                break
-            await reply.ready.wait()
+        await pump(reply, response.write)
         if reply.gone:
             return _hang_up(request, response)
         await response.write_eof()
@@ -236,6 +229,23 @@ class Routes:
         scheduler = self.state.scheduler
         if scheduler is not None and not generation.replied:
             scheduler.abandon(generation)
+
+
+async def pump(reply: HttpReply, write: Callable[[bytes], Awaitable[None]]) -> None:
+    """Write the stream's events as they come, its opening first and its closing (the
+    finish reason, usage, `[DONE]`) last. `write` waits for a slow reader: the reply may
+    end meanwhile, so whether it had ended is read before each take, and the loop stops
+    only after a take that saw the end."""
+    data = reply.shape.opening()
+    while True:
+        ended = reply.ended
+        data += reply.take()
+        if data:
+            await write(data)
+            data = b""
+        if ended:
+            return
+        await reply.ready.wait()
 
 
 def _include_usage(body: schema.SamplingFields) -> bool:

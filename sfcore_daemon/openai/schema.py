@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from sfcore_daemon.serve.protocol import MAX_LOGPROBS
+from sfcore_daemon.serve.protocol import MAX_LOGPROBS, ToolName
 
 PositiveInt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
@@ -28,9 +28,6 @@ class ContentPart(Struct, kw_only=True):
 
     type: str
     text: str | None = None
-
-
-ToolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
 
 class FunctionCallIn(Struct, kw_only=True):

@@ -2,8 +2,10 @@
 
 `Admission.admit` is the one way in, whatever front end decoded the request: it takes
 the request, the sink its reply goes to and the time it arrived, and goes down in
-order: the grammar the request asks for (checked and compiled), the prompt (a chat
-rendered through its template), its tokens (off the event loop when long), the
+order, cheap checks before costly work: draining, a queue that is surely full, the
+grammar the request asks for (checked and compiled), the prompt (a chat rendered
+through its template), its tokens (off the event loop when long, or when tools are
+rendered), whether the client is still there after each costly step, the
 GrammarSampler, the sampling settings with their defaults, max_tokens clipped to the
 room the prompt leaves, and the scheduler. A request that cannot run raises `Refused`,
 which the front end answers as an error line in the request's place.
@@ -19,7 +21,7 @@ from sfcore_daemon.engine.thread import Engine
 from sfcore_daemon.llama.model import EngineClosed
 from sfcore_daemon.llama.sampling import Sampling
 from sfcore_daemon.serve import protocol, tools
-from sfcore_daemon.serve.chat import ChatTemplateError, Segment
+from sfcore_daemon.serve.chat import ChatTemplateError
 from sfcore_daemon.serve.output import Generation, ReplySink
 from sfcore_daemon.serve.protocol import ChatRequest, GenerateRequest, GenerationRequest
 from sfcore_daemon.serve.scheduler import QueueFull
@@ -128,6 +130,11 @@ class Admission:
         state = self._state
         request_id = request.id
         assert request_id is not None
+        # Capacity first: a request the queue would refuse costs no compile or render.
+        if state.draining:
+            raise self._refused(protocol.SHUTTING_DOWN, "the daemon is shutting down")
+        if state.scheduler is not None and state.scheduler.surely_full():
+            raise self._refused(protocol.QUEUE_FULL, self._queue_full_message())
         try:
             # Checking and converting take about a millisecond per 2 KB of grammar (a
             # second for a schema of a megabyte): a worker thread, unless it is small.
@@ -136,6 +143,9 @@ class Admission:
             spec = (await asyncio.to_thread(request_grammar, request, native)
                     if _long_grammar(request) else request_grammar(request, native))
             engine = await state.loaded_engine()
+            if sink.gone:  # left during the compile or the load: render nothing for it
+                state.stats.by_outcome["cancelled"] += 1
+                return None
             prompt = await self._prompt(engine, request)
             grammar = (GrammarSampler.create(engine.loaded_model(), spec.text, spec.field,
                                              prompt, state.config.server.grammar_budget_s,
@@ -197,10 +207,14 @@ class Admission:
             scheduler.submit(generation)
         except QueueFull:
             # Answered through the generation, so it is counted as one that failed.
-            generation.fail(protocol.QUEUE_FULL,
-                            f"every slot is busy and {scheduler.queue_depth} requests are waiting "
-                            "(server.max_queue)")
+            generation.fail(protocol.QUEUE_FULL, self._queue_full_message())
         return generation
+
+    def _queue_full_message(self) -> str:
+        scheduler = self._state.scheduler
+        assert scheduler is not None
+        return (f"every slot is busy and {scheduler.queue_depth} requests are waiting "
+                "(server.max_queue)")
 
     def _refused(self, code: str, message: str) -> Refused:
         self._state.stats.by_outcome["error"] += 1
@@ -217,25 +231,29 @@ class Admission:
                 "of its own and model.chat_template names none (set it to a llama.cpp "
                 "built-in name such as \"chatml\", or to a Jinja template)")
         native = template.tool_renderer is not None
-        tool_plan = tools.plan(request, native) if request.tools else None
-        # "required" or a named function: the answer starts as the call, so the marker
-        # is the prompt's last text (content: never a special token).
-        opening = tools.CALL_MARKER + "\n" if tool_plan is not None and tool_plan.forced else ""
-        if native and tools.uses_tools(request):
-            messages, extras, definitions = tools.native_render(request, tool_plan)
+        with_tools = tools.uses_tools(request)
 
-            def render() -> list[Segment]:
-                return template.render(messages, extras, definitions)
-        else:
-            messages = (tools.render(request, tool_plan) if tools.uses_tools(request)
-                        else [(message.role, message.content) for message in request.messages])
+        def build() -> list[int]:
+            tool_plan = tools.plan(request, native) if request.tools else None
+            # "required" or a named function: the answer starts as the call, so the
+            # marker is the prompt's last text (content: never a special token).
+            forced = tool_plan is not None and tool_plan.forced
+            opening = [(tools.CALL_MARKER + "\n", True)] if forced else []
+            if native and with_tools:
+                messages, extras, definitions = tools.native_render(request, tool_plan)
+                segments = template.render(messages, extras, definitions)
+            else:
+                segments = template.render(
+                    tools.render(request, tool_plan) if with_tools
+                    else [(message.role, message.content) for message in request.messages])
+            return engine.tokenize_segments([*segments, *opening])
 
-            def render() -> list[Segment]:
-                return template.render(messages)
-        size = sum(len(content) for _, content in messages)
+        # Tool definitions (up to a megabyte) are planned and rendered with the chat:
+        # never on the event loop, whatever the messages' size.
+        if with_tools:
+            return await asyncio.to_thread(build)
         return await off_loop_if_long(
-            size, lambda: engine.tokenize_segments(
-                [*render(), *([(opening, True)] if opening else [])]))
+            sum(len(message.content) for message in request.messages), build)
 
     def _exclusive(self, request: GenerationRequest) -> bool:
         """Whether a request must have the batch to itself: in reproducible mode its

@@ -57,6 +57,20 @@ class ChatTemplateError(Exception):
     """The request cannot be rendered (no template, or the template refused it)."""
 
 
+class TemplateBudgetError(ChatTemplateError):
+    """A Jinja template rendered past its time or size budget (serve/sandbox.py)."""
+
+
+# A plain conversation every template must render within the budget at start-up.
+_SAMPLE_CHAT: tuple[ChatMessage, ...] = (
+    ("system", "You are a helpful assistant."), ("user", "Hello!"),
+    ("assistant", "Hi! How can I help?"), ("user", "What is 2 + 2?"))
+_SAMPLE_TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                    "b": {"type": "integer"}}}}}]
+
+
 def builtin_template_names() -> frozenset[str]:
     count = C.llama_chat_builtin_templates(None, 0)
     names = (ctypes.c_char_p * count)()
@@ -140,18 +154,39 @@ def resolve_template(
     builtins = builtin_template_names()
     if model_template:
         try:
-            return ChatTemplate("model", *_jinja_renderers(model_template, bos_token, eos_token))
+            return _checked(ChatTemplate(
+                "model", *_jinja_renderers(model_template, bos_token, eos_token)))
+        except TemplateBudgetError:
+            raise
         except ChatTemplateError as exc:
             log.warning("ignoring the model's own chat template: %s", exc)
     if configured:
         if configured in builtins:
             return ChatTemplate(configured, _builtin_renderer(configured))
-        return ChatTemplate("jinja", *_jinja_renderers(configured, bos_token, eos_token))
+        return _checked(ChatTemplate("jinja",
+                                     *_jinja_renderers(configured, bos_token, eos_token)))
     for prefix_len in (len(architecture), *range(len(architecture) - 1, 0, -1)):
         name = _BUILTIN_FOR_ARCHITECTURE.get(architecture[:prefix_len])
         if name is not None and name in builtins:
             return ChatTemplate(name, _builtin_renderer(name))
     return None
+
+
+def _checked(template: ChatTemplate) -> ChatTemplate:
+    """`template`, once it has rendered a plain chat (and, if it renders tools, a chat with
+    one tool) within the budget: TemplateBudgetError otherwise. A template that refuses
+    the sample (a system turn, say) is not the budget's business."""
+    samples: list[Callable[[], object]] = [lambda: template.render(_SAMPLE_CHAT)]
+    if template.tool_renderer is not None:
+        samples.append(lambda: template.render(_SAMPLE_CHAT, None, _SAMPLE_TOOLS))
+    for sample in samples:
+        try:
+            sample()
+        except TemplateBudgetError:
+            raise
+        except ChatTemplateError:
+            pass
+    return template
 
 
 def _builtin_renderer(name: str) -> Callable[[Sequence[ChatMessage]], str]:
@@ -186,13 +221,14 @@ def _jinja_renderers(source: str, bos_token: str, eos_token: str,
                      ) -> tuple[Callable[[Sequence[ChatMessage]], str], ToolRenderer | None]:
     # jinja2 only when a Jinja template is in use: never on the startup path otherwise.
     import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from sfcore_daemon.serve import sandbox
 
     def raise_exception(message: str) -> None:
         raise ChatTemplateError(f"the chat template refused the messages: {message}")
 
     # trim_blocks/lstrip_blocks as Hugging Face renders these templates.
-    environment = ImmutableSandboxedEnvironment(
+    environment = sandbox.BudgetedSandbox(
         trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
     environment.globals["raise_exception"] = raise_exception
     try:
@@ -203,15 +239,17 @@ def _jinja_renderers(source: str, bos_token: str, eos_token: str,
     def render(messages: Sequence[ChatMessage]) -> str:
         # `tools` as Hugging Face passes it when there are none: templates test it.
         return render_context({
-            "messages": [{"role": role, "content": content} for role, content in messages],
+            "messages": sandbox.BudgetedList(
+                {"role": role, "content": content} for role, content in messages),
             "tools": None})
 
     def render_tools(messages: Sequence[ChatMessage], extras: Sequence[dict[str, Any]],
                      tools: list[dict[str, Any]]) -> str:
         return render_context({
-            "messages": [{"role": role, "content": content, **fields}
-                         for (role, content), fields in zip(messages, extras, strict=True)],
-            "tools": tools})
+            "messages": sandbox.BudgetedList(
+                {"role": role, "content": content, **fields}
+                for (role, content), fields in zip(messages, extras, strict=True)),
+            "tools": sandbox.BudgetedList(tools)})
 
     def render_context(fields: dict[str, Any]) -> str:
         context: dict[str, Any] = {
@@ -221,7 +259,9 @@ def _jinja_renderers(source: str, bos_token: str, eos_token: str,
             "eos_token": eos_token,
         }
         try:
-            return template.render(context)
+            return sandbox.render(template, context)
+        except sandbox.TemplateBudgetExceeded as exc:
+            raise TemplateBudgetError(f"the chat template went past its budget: {exc}") from None
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as exc:

@@ -124,6 +124,15 @@ def exposition(state: ServerState) -> str:
             stats.connections_total)
     out.one("connections_rejected_total", "counter", "NDJSON connections refused "
             "(server.max_connections).", stats.connections_rejected)
+    out.one("http_connections", "gauge", "HTTP connections open now (OpenAI listener).",
+            stats.http_current)
+    out.one("http_connections_accepted_total", "counter", "HTTP connections accepted.",
+            stats.http_total)
+    out.by("http_connections_closed_total", "counter", "HTTP connections the daemon closed, "
+           "by why: a time limit, room made for another, or refused.", "reason",
+           stats.http_closed)
+    out.by("http_responses_total", "counter", "HTTP replies, by status.", "status",
+           stats.http_responses)
     out.histogram("first_token_seconds", "Time from a generation's arrival to its first "
                   "token.", stats.first_token)
     out.histogram("inter_token_gap_seconds", "Time between a generation's consecutive "

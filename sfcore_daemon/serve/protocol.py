@@ -92,7 +92,8 @@ class GenerateRequest(_GenerationOptions, tag="generate", kw_only=True):
 
 
 # A function's name as OpenAI allows it (it is also what a call must name exactly).
-ToolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+# msgspec matches with re.search: `\Z`, since `$` also matches before a final newline.
+ToolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}\Z")]
 # Tools one request may offer; each is a JSON Schema compiled into the call's grammar.
 MAX_TOOLS: Final = 64
 
@@ -378,6 +379,15 @@ class ConnectionCounts(Struct, kw_only=True):
     rejected: int
 
 
+class HttpCounts(Struct, kw_only=True):
+    """The OpenAI listener's connections and replies."""
+
+    current: int  # open now
+    total: int  # accepted since start
+    closed: dict[str, int]  # closed by the daemon, by why (stats.HTTP_CLOSED)
+    responses: dict[str, int]  # replies by HTTP status, "200" ... "503"
+
+
 class SlotUse(Struct, kw_only=True):
     slot: int
     busy: bool
@@ -444,6 +454,7 @@ class StatsReply(_Reply, tag="stats", kw_only=True):
     tokens: TokenCounts
     errors: dict[str, int]
     connections: ConnectionCounts
+    http: HttpCounts
     decode_tok_s: float
     slots: list[SlotUse]
     grammar: GrammarCounts

@@ -67,6 +67,13 @@ class Scheduler:
     def queue_depth(self) -> int:
         return len(self.waiting)
 
+    def surely_full(self) -> bool:
+        """Whether a request arriving now would be refused `queue_full` whatever its
+        prompt: admission asks before it compiles a grammar or renders a template."""
+        if self.waiting:
+            return len(self.waiting) >= self._max_queue
+        return self._max_queue == 0 and len(self.running) >= self.slots
+
     def submit(self, generation: Generation) -> None:
         if not self.waiting and self._try_start(generation):
             return

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 from sfcore_daemon.config import Config
 from sfcore_daemon.engine.thread import Engine
 from sfcore_daemon.llama.model import LoadAborted
-from sfcore_daemon.serve import protocol
-from sfcore_daemon.serve.chat import ChatTemplateError, resolve_template
+from sfcore_daemon.serve import access, protocol
+from sfcore_daemon.serve.chat import ChatTemplateError, TemplateBudgetError, resolve_template
 from sfcore_daemon.serve.connection import Connection, peer_credentials, peer_groups
 from sfcore_daemon.serve.ops import Ops
 from sfcore_daemon.serve.scheduler import Scheduler
@@ -135,6 +135,11 @@ class Server:
                 model_template=info.chat_template, configured=model_config.chat_template,
                 architecture=info.architecture, bos_token=engine.bos_text,
                 eos_token=engine.eos_text)
+        except TemplateBudgetError as exc:
+            # The model's own template is tried first, so it is the one, if it has one.
+            source = (f"the chat template in {info.path}" if info.chat_template
+                      else "model.chat_template")
+            raise StartupError(f"{source}: refused: {exc} on a four-message chat") from None
         except ChatTemplateError as exc:
             raise StartupError(f"model.chat_template: {exc}") from None
         state.engine = engine
@@ -278,7 +283,7 @@ class Server:
         server_config = self.config.server
         if self.state.draining:
             return protocol.SHUTTING_DOWN, "the daemon is shutting down"
-        restricted = bool(server_config.allowed_uids or server_config.allowed_gids)
+        restricted = access.restricted(server_config)
         if restricted or log.isEnabledFor(logging.DEBUG):
             sock = writer.get_extra_info("socket")
             creds = peer_credentials(sock)
@@ -287,12 +292,9 @@ class Server:
                 if creds is None:
                     return protocol.FORBIDDEN, "cannot read the peer's credentials"
                 _, uid, gid = creds
-                allowed = uid in server_config.allowed_uids or bool(
-                    server_config.allowed_gids
-                    and ({gid} | peer_groups(sock)) & set(server_config.allowed_gids))
-                if not allowed:
-                    return (protocol.FORBIDDEN, f"uid {uid} (gid {gid}) is not in "
-                            "server.allowed_uids and none of its groups in server.allowed_gids")
+                why = access.refusal(server_config, uid, gid, lambda: peer_groups(sock))
+                if why is not None:
+                    return protocol.FORBIDDEN, why
         if len(self.connections) >= server_config.max_connections:
             return (protocol.TOO_MANY_CONNECTIONS,
                     f"server.max_connections ({server_config.max_connections}) already open")

@@ -14,6 +14,7 @@ from sfcore_daemon.serve.protocol import (
     CacheCounts,
     ConnectionCounts,
     GrammarCounts,
+    HttpCounts,
     RequestCounts,
     RequestId,
     SlotUse,
@@ -24,6 +25,15 @@ from sfcore_daemon.serve.protocol import (
 from sfcore_daemon.store.promptstore import PromptStore
 
 OUTCOMES = (*protocol.FINISH_REASONS, "error")
+# Why the OpenAI listener closed a connection: no request within [server]
+# idle_timeout_s; headers or body not in within their [openai] limits; a reply left
+# unread for write_timeout_s; closed to make room for a new connection (idle or still
+# sending, at server.max_connections); refused after its request (429 for one busy
+# connection too many, 403 for a uid allowed_uids does not list).
+HTTP_CLOSED = ("idle_timeout", "header_timeout", "body_timeout", "write_timeout", "evicted",
+               "refused")
+# Always present (so that each has its series from the start); others as they occur.
+HTTP_STATUSES = ("200", "400", "401", "403", "404", "408", "413", "429", "500", "503")
 
 
 class Stats:
@@ -39,6 +49,10 @@ class Stats:
         self.connections_current = 0
         self.connections_total = 0
         self.connections_rejected = 0
+        self.http_current = 0
+        self.http_total = 0
+        self.http_closed = dict.fromkeys(HTTP_CLOSED, 0)
+        self.http_responses = dict.fromkeys(HTTP_STATUSES, 0)
         # Tokens after each generation's first, and the time they took (for the mean rate).
         self._decode_tokens = 0
         self._decode_ns = 0
@@ -77,6 +91,14 @@ class Stats:
             self._decode_tokens += completion_tokens - 1
             self._decode_ns += decode_ns
 
+    def http_response(self, status: int) -> None:
+        key = str(status)
+        self.http_responses[key] = self.http_responses.get(key, 0) + 1
+
+    def http_counts(self) -> HttpCounts:
+        return HttpCounts(current=self.http_current, total=self.http_total,
+                          closed=dict(self.http_closed), responses=dict(self.http_responses))
+
     def cache_hit(self, source: str, cached_tokens: int) -> None:
         if source in self.cache_hits:
             self.cache_hits[source] += 1
@@ -111,6 +133,7 @@ class Stats:
             connections=ConnectionCounts(current=self.connections_current,
                                          total=self.connections_total,
                                          rejected=self.connections_rejected),
+            http=self.http_counts(),
             decode_tok_s=round(rate, 2),
             slots=slots,
             grammar=GrammarCounts(requests=self.grammar_requests, tokens=self.grammar_tokens,
