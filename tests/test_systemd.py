@@ -320,7 +320,7 @@ def test_dry_run_changes_nothing_and_includes_the_venv(install: Install) -> None
                      f"would install {install.etc}/server_config.toml",
                      f"would create {install.prefix}/.venv (Python 3.",
                      "would install sfcore-ai 0.1.0 and sfcore-client from",
-                     "reusing its wheel cache",
+                     "llama-cpp-python from this machine's wheel",
                      f"would install {install.unit_dir}/sfcore-ai.service",
                      "would run systemctl daemon-reload", "would enable sfcore-ai.service",
                      "would start sfcore-ai.service", "dry run: nothing was changed"):
