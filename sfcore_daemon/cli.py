@@ -149,16 +149,13 @@ def _self_check(config: Config, pinned: list[int]) -> int:
         model_path = modelfile.resolve_model_path(config.model.path)
         route_llama_logs()
         model = Model.load(model_path, config.model, n_threads, n_threads_batch, slots=1)
+        try:
+            elapsed_ms = check_batched_decode(model)
+        finally:
+            model.close(timeout=10.0)
     except (modelfile.ModelSourceError, ModelLoadError) as exc:
         print(f"sfcore-daemon: self-check: {exc}", file=sys.stderr)
         return EXIT_STARTUP
-    try:
-        elapsed_ms = check_batched_decode(model)
-    except ModelLoadError as exc:
-        print(f"sfcore-daemon: self-check: {exc}", file=sys.stderr)
-        return EXIT_STARTUP
-    finally:
-        model.close(timeout=10.0)
     print(f"self-check: ok: {model.info.name} decoded a batch in {elapsed_ms:.0f} ms with "
           f"llama.cpp {llama_cpp_version()} on {n_threads} threads")
     return 0
