@@ -2,7 +2,7 @@
 
 `Admission.admit` is the one way in, whatever front end decoded the request: it takes
 the request, the sink its reply goes to and the time it arrived, and goes down in
-order, cheap checks before costly work: draining, a queue that is surely full, the
+order, cheap checks before costly work: a queue that is surely full, the
 grammar the request asks for (checked and compiled), the prompt (a chat rendered
 through its template), its tokens (off the event loop when long, or when tools are
 rendered), whether the client is still there after each costly step, the
@@ -131,8 +131,7 @@ class Admission:
         request_id = request.id
         assert request_id is not None
         # Capacity first: a request the queue would refuse costs no compile or render.
-        if state.draining:
-            raise self._refused(protocol.SHUTTING_DOWN, "the daemon is shutting down")
+        # (Draining is each front end's check, right before this call.)
         if state.scheduler is not None and state.scheduler.surely_full():
             raise self._refused(protocol.QUEUE_FULL, self._queue_full_message())
         try:
