@@ -35,7 +35,7 @@ RUN_TIMEOUT_S = 120
 
 # name -> (type, label names); every series the daemon promises (docs/operations.md).
 SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "sfcore_requests": ("counter", ("op",)),
+    "sfcore_requests": ("counter", ("api", "op")),
     "sfcore_generations": ("counter", ("outcome",)),
     "sfcore_errors": ("counter", ("code",)),
     "sfcore_prompt_tokens": ("counter", ()),
@@ -221,8 +221,8 @@ async def test_scrapes_count_what_the_generations_did() -> None:
         first = await scrape(session, url)
         samples = check_scrape(first)
         expect_generations(samples, usages)
-        assert value(samples, "sfcore_requests_total", op="generate") == len(usages)
-        assert value(samples, "sfcore_requests_total", op="metrics") == 1
+        assert value(samples, "sfcore_requests_total", op="generate", api="ndjson") == len(usages)
+        assert value(samples, "sfcore_requests_total", op="metrics", api="http") == 1
         assert value(samples, "sfcore_slots") == SLOTS
         assert value(samples, "sfcore_slots_busy") == 0
         assert value(samples, "sfcore_queue_depth") == 0
@@ -256,7 +256,10 @@ async def test_scrapes_count_what_the_generations_did() -> None:
         second = await scrape(session, url)
         later = check_scrape(second)
         expect_generations(later, usages)
-        assert value(later, "sfcore_requests_total", op="metrics") == 6
+        # Two scrapes over HTTP, four through the socket (the op, both clients, the CLI).
+        assert value(later, "sfcore_requests_total", op="metrics", api="http") == 2
+        assert value(later, "sfcore_requests_total", op="metrics", api="ndjson") == 4
+        assert value(later, "sfcore_requests_total", op="generate", api="completions") == 1
         assert value(later, "sfcore_decode_steps_total") > steps
         before, after = counter_values(first), counter_values(second)
         assert before.keys() == after.keys()

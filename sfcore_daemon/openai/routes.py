@@ -88,7 +88,7 @@ class Routes:
 
     async def metrics(self, _request: web.Request) -> web.Response:
         """Prometheus' scrape (serve/metrics.py); needs the API key when one is set."""
-        self._count("metrics")
+        self._count("metrics", "http")
         return web.Response(body=exposition(self.state).encode(),
                             headers={"Content-Type": CONTENT_TYPE})
 
@@ -118,20 +118,20 @@ class Routes:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._completion(request, schema.chat_decoder, translate.chat_request,
-                                      ChatShape, "chat")
+                                      ChatShape, "chat", "chat_completions")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._completion(request, schema.completion_decoder,
                                       translate.completion_request, CompletionShape,
-                                      "generate")
+                                      "generate", "completions")
 
     async def _completion(self, request: web.Request, decoder: msgspec.json.Decoder[Any],
                           mapping: Any, shape_type: type[ChatShape | CompletionShape],
-                          op: str) -> web.StreamResponse:
+                          op: str, api: str) -> web.StreamResponse:
         """Decode, map to the daemon's own request (`op`), and generate."""
         arrived_ns = time.perf_counter_ns()
         body = await self._decode(request, decoder)
-        self._count(op)
+        self._count(op, api)
         shape = shape_type(self.model_id, self._fingerprint(), _include_usage(body))
         try:
             daemon_request: GenerationRequest = mapping(body, shape.id)
@@ -140,10 +140,10 @@ class Routes:
             raise
         return await self._generate(request, daemon_request, shape, arrived_ns)
 
-    def _count(self, op: str) -> None:
+    def _count(self, op: str, api: str) -> None:
         stats = self.state.stats
         stats.requests_total += 1
-        stats.by_op[op] += 1
+        stats.count_request(op, api)
 
     async def _decode(self, request: web.Request, decoder: msgspec.json.Decoder[Any]) -> Any:
         data = await request.read()

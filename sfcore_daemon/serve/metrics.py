@@ -99,8 +99,11 @@ def exposition(state: ServerState) -> str:
     """The whole scrape: what `Stats` counts, the scheduler and store now, the process."""
     out = Exposition()
     stats = state.stats
-    out.by("requests_total", "counter", "Requests received, by op (NDJSON and HTTP).", "op",
-           stats.by_op)
+    out.family("requests_total", "counter", "Requests received, by op and by the API "
+               "they came through (ndjson, chat_completions, completions, responses, "
+               "messages).",
+               [((("api", api), ("op", op)), count)
+                for (op, api), count in sorted(stats.by_op_api.items())])
     out.by("generations_total", "counter", "Generations ended, by outcome (finish reason, "
            "or error).", "outcome", stats.by_outcome)
     out.by("errors_total", "counter", "Error replies, by error code.", "code", stats.errors)

@@ -90,7 +90,7 @@ class Ops:
         """Answer one decoded request; False when the connection must close after it."""
         request_id = request.id
         assert request_id is not None  # decode_request assigns one
-        self.stats.by_op[protocol.op_name(request)] += 1
+        self.stats.count_request(protocol.op_name(request), "ndjson")
         # Ops that answer later hold their place in the reply order from here on; an
         # error of ours is answered in that place, never in a new one behind it.
         slot: ReplySlot | None = None

@@ -34,6 +34,12 @@ HTTP_CLOSED = ("idle_timeout", "header_timeout", "body_timeout", "write_timeout"
                "refused")
 # Always present (so that each has its series from the start); others as they occur.
 HTTP_STATUSES = ("200", "400", "401", "403", "404", "408", "413", "429", "500", "503")
+# The front end a request came through: the NDJSON socket, an HTTP API, or "http" for
+# the listener's other routes (/metrics).
+APIS = ("ndjson", "chat_completions", "completions", "responses", "messages", "http")
+# The (op, api) pairs the HTTP listener's routes count.
+HTTP_OPS = (("chat", "chat_completions"), ("generate", "completions"), ("chat", "responses"),
+            ("chat", "messages"), ("metrics", "http"))
 
 
 class Stats:
@@ -41,6 +47,9 @@ class Stats:
         self.started = time.monotonic()
         self.requests_total = 0
         self.by_op = dict.fromkeys(protocol.KNOWN_OPS, 0)
+        # (op, api) -> requests: the `requests_total` series, each there from the start.
+        self.by_op_api: dict[tuple[str, str], int] = dict.fromkeys(
+            [(op, "ndjson") for op in protocol.KNOWN_OPS] + list(HTTP_OPS), 0)
         self.by_outcome = dict.fromkeys(OUTCOMES, 0)
         self.errors = dict.fromkeys(protocol.ERROR_CODES, 0)
         self.prompt_tokens = 0
@@ -81,6 +90,12 @@ class Stats:
         self.queue_wait = Histogram()
         self.token_gap = Histogram()
 
+
+    def count_request(self, op: str, api: str) -> None:
+        """One request of the daemon's `op`, arrived through `api` (one of APIS)."""
+        self.by_op[op] += 1
+        key = (op, api)
+        self.by_op_api[key] = self.by_op_api.get(key, 0) + 1
     def generation_ended(self, outcome: str, prompt_tokens: int, cached_tokens: int,
                          completion_tokens: int, decode_ns: int) -> None:
         self.by_outcome[outcome] += 1
