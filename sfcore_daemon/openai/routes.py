@@ -118,16 +118,16 @@ class Routes:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._completion(request, schema.chat_decoder, translate.chat_request,
-                                      ChatShape, "chat", "chat_completions")
+                                      ChatShape, "chat", api="chat_completions")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._completion(request, schema.completion_decoder,
                                       translate.completion_request, CompletionShape,
-                                      "generate", "completions")
+                                      "generate", api="completions")
 
     async def _completion(self, request: web.Request, decoder: msgspec.json.Decoder[Any],
                           mapping: Any, shape_type: type[ChatShape | CompletionShape],
-                          op: str, api: str) -> web.StreamResponse:
+                          op: str, *, api: str) -> web.StreamResponse:
         """Decode, map to the daemon's own request (`op`), and generate."""
         arrived_ns = time.perf_counter_ns()
         body = await self._decode(request, decoder)
