@@ -209,6 +209,25 @@ class Admission:
             generation.fail(protocol.QUEUE_FULL, self._queue_full_message())
         return generation
 
+    async def prompt_tokens(self, request: ChatRequest) -> int:
+        """How many tokens `request`'s prompt is, rendered and tokenized as `admit`
+        would (template, tools, a forced call's opening): a request's count without
+        its generation. Refused for a request `admit` would refuse before generating."""
+        state = self._state
+        try:
+            template = state.chat_template
+            native = template is not None and template.tool_renderer is not None
+            if _long_grammar(request):
+                await asyncio.to_thread(request_grammar, request, native)
+            else:
+                request_grammar(request, native)
+            engine = await state.loaded_engine()
+            return len(await self._prompt(engine, request))
+        except (ChatTemplateError, GrammarError) as exc:
+            raise Refused(protocol.INVALID_REQUEST, str(exc)) from None
+        except EngineClosed:
+            raise Refused(protocol.SHUTTING_DOWN, "the daemon is shutting down") from None
+
     def _queue_full_message(self) -> str:
         scheduler = self._state.scheduler
         assert scheduler is not None
