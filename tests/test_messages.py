@@ -26,7 +26,8 @@ from tests.tool_round_trip import ADD, WEATHER, local_result
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 KEY = "messages-key"
-WAIT_S = 60.0
+# Generous: a grammar-held call on a loaded 2-core machine takes tens of seconds.
+WAIT_S = 180.0
 MAX_LINE_BYTES = 16384
 COLORS: list[Any] = [{"role": "user", "content": "Name three colors of the rainbow."}]
 GREEDY: dict[str, Any] = {"temperature": 0}
@@ -112,10 +113,10 @@ async def test_text_whole_and_streamed_are_the_same_message(daemon: Endpoint) ->
     assert whole.type == "message" and whole.role == "assistant"
     assert whole.id.startswith("msg_") and whole.model == "gemma-3-270m-q4_k_m"
     assert [block.type for block in whole.content] == ["text"]
-    text = whole.content[0].text  # type: ignore[union-attr]
+    text = whole.content[0].text
     assert text and streamed_text == text
     assert [block.type for block in streamed.content] == ["text"]
-    assert streamed.content[0].text == text  # type: ignore[union-attr]
+    assert streamed.content[0].text == text
     assert whole.stop_reason == streamed.stop_reason
     assert whole.stop_reason in ("end_turn", "max_tokens")
     assert whole.stop_sequence is None
@@ -152,7 +153,7 @@ async def test_a_stop_sequence_ends_the_message_and_is_named(daemon: Endpoint) -
                                "extra_body": GREEDY}
     async with sdk(daemon) as client:
         free = await client.messages.create(**options)
-        text = free.content[0].text  # type: ignore[union-attr]
+        text = free.content[0].text
         assert len(text) > 12, text
         stop = text[8:11]
         expected = text[:text.index(stop)]
@@ -162,7 +163,7 @@ async def test_a_stop_sequence_ends_the_message_and_is_named(daemon: Endpoint) -
             streamed = await stream.get_final_message()
     for message in (whole, streamed):
         assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
-        assert message.content[0].text == expected  # type: ignore[union-attr]
+        assert message.content[0].text == expected
 
 
 # --- tools --------------------------------------------------------------------------------
@@ -183,14 +184,15 @@ def check_calls(message: anthropic.types.Message, names: set[str]) -> list[Any]:
 async def test_a_tool_round_trip(daemon: Endpoint) -> None:
     async with sdk(daemon) as client:
         first = await client.messages.create(
-            model="m", max_tokens=64, messages=ASK_WEATHER, tools=TOOLS,  # type: ignore[arg-type]
-            tool_choice={"type": "any"}, extra_body=GREEDY)
+            model="m", max_tokens=40, messages=ASK_WEATHER, tools=TOOLS,
+            tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body=GREEDY)
         calls = check_calls(first, {"get_weather", "add"})
+        assert len(calls) == 1
         results = [{"type": "tool_result", "tool_use_id": call.id,
                     "content": local_result(call.name, call.input)} for call in calls]
         turns: list[Any] = [*ASK_WEATHER, first.to_param(), {"role": "user", "content": results}]
         async with client.messages.stream(
-                model="m", max_tokens=24, messages=turns, tools=TOOLS,  # type: ignore[arg-type]
+                model="m", max_tokens=24, messages=turns, tools=TOOLS,
                 tool_choice={"type": "none"}, extra_body=GREEDY) as stream:
             answer = await stream.get_final_message()
     assert answer.stop_reason in ("end_turn", "max_tokens"), answer
@@ -201,21 +203,20 @@ async def test_tool_choice_tool_streams_one_call_and_auto_stays_valid(
         daemon: Endpoint) -> None:
     async with sdk(daemon) as client:
         async with client.messages.stream(
-                model="m", max_tokens=48, tools=TOOLS,  # type: ignore[arg-type]
+                model="m", max_tokens=32, tools=TOOLS,
                 messages=[{"role": "user", "content": "Add 2 and 3."}],
                 tool_choice={"type": "tool", "name": "add"}) as stream:
             kinds = [event.type async for event in stream]
             forced = await stream.get_final_message()
         assert len(check_calls(forced, {"add"})) == 1
         assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
-        for seed in range(2):
-            auto = await client.messages.create(
-                model="m", max_tokens=48, messages=ASK_WEATHER, tools=TOOLS,  # type: ignore[arg-type]
-                extra_body={"temperature": 1.0, "top_k": 40, "top_p": 0.95, "seed": seed})
-            if auto.stop_reason == "tool_use":
-                check_calls(auto, {"get_weather", "add"})
-            else:
-                assert all(block.type == "text" for block in auto.content), auto
+        auto = await client.messages.create(
+            model="m", max_tokens=32, messages=ASK_WEATHER, tools=TOOLS,
+            extra_body={"temperature": 1.0, "top_k": 40, "top_p": 0.95, "seed": 3})
+        if auto.stop_reason == "tool_use":
+            check_calls(auto, {"get_weather", "add"})
+        else:
+            assert all(block.type == "text" for block in auto.content), auto
 
 
 # --- count_tokens ---------------------------------------------------------------------
@@ -303,7 +304,7 @@ async def test_errors_are_in_anthropic_s_shape(daemon: Endpoint) -> None:
     async with sdk(daemon, api_key="wrong") as client:
         with pytest.raises(anthropic.AuthenticationError) as caught:
             await client.messages.create(model="m", max_tokens=2, messages=hi)
-    assert caught.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    assert caught.value.body["error"]["type"] == "authentication_error"
     async with sdk(daemon) as client:
         with pytest.raises(anthropic.BadRequestError) as bad:
             await client.messages.create(model="m", max_tokens=2, messages=hi,
