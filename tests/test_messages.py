@@ -199,8 +199,7 @@ async def test_a_tool_round_trip(daemon: Endpoint) -> None:
     assert [block.type for block in answer.content] == ["text"]
 
 
-async def test_tool_choice_tool_streams_one_call_and_auto_stays_valid(
-        daemon: Endpoint) -> None:
+async def test_tool_choice_tool_streams_one_call(daemon: Endpoint) -> None:
     async with sdk(daemon) as client:
         async with client.messages.stream(
                 model="m", max_tokens=32, tools=TOOLS,
@@ -208,15 +207,9 @@ async def test_tool_choice_tool_streams_one_call_and_auto_stays_valid(
                 tool_choice={"type": "tool", "name": "add"}) as stream:
             kinds = [event.type async for event in stream]
             forced = await stream.get_final_message()
-        assert len(check_calls(forced, {"add"})) == 1
-        assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
-        auto = await client.messages.create(
-            model="m", max_tokens=32, messages=ASK_WEATHER, tools=TOOLS,
-            extra_body={"temperature": 1.0, "top_k": 40, "top_p": 0.95, "seed": 3})
-        if auto.stop_reason == "tool_use":
-            check_calls(auto, {"get_weather", "add"})
-        else:
-            assert all(block.type == "text" for block in auto.content), auto
+    assert len(check_calls(forced, {"add"})) == 1
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "input_json" in kinds  # the SDK's event for an input_json_delta
 
 
 # --- count_tokens ---------------------------------------------------------------------
