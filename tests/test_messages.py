@@ -122,7 +122,8 @@ async def test_text_whole_and_streamed_are_the_same_message(daemon: Endpoint) ->
     assert whole.stop_sequence is None
     assert whole.usage.input_tokens == streamed.usage.input_tokens > 0
     assert whole.usage.output_tokens == streamed.usage.output_tokens
-    assert (whole.stop_reason == "max_tokens") == (whole.usage.output_tokens == 16)
+    if whole.stop_reason == "max_tokens":
+        assert whole.usage.output_tokens == 16
     assert await metric(daemon, "chat", "messages") == before + 2
 
 
