@@ -273,12 +273,27 @@ async def test_errors_are_in_anthropic_s_shape(daemon: Endpoint) -> None:
         ({"messages": hi, "max_tokens": 3, "tools": TOOLS,
           "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
         ({"messages": hi, "max_tokens": 3, "tools": [
-            {"name": "bad", "input_schema": {"type": "object", "minProperties": "x"}}]},
+            {"name": "bad", "input_schema": {"type": "object", "allOf": [{"type": "object"}]}}]},
          "tools[0].input_schema"),
     ]
     for body, field in refused:
         status, reply, _ = await post(daemon, "/v1/messages", {"model": "m", **body})
         assert_error(status, reply, 400, "invalid_request_error", field)
+    # An agent's tool as its own validator wants it (Claude Code's web fetch has a "uri"
+    # format): what the grammar cannot enforce is relaxed, not refused
+    # (structured/lenient.py), and the call holds to the rest.
+    fetch = {"name": "fetch", "input_schema": {
+        "type": "object", "required": ["url"], "additionalProperties": False,
+        "properties": {"url": {"type": "string", "format": "uri"},
+                       "timeout": {"type": "number", "maximum": 600}},
+        "propertyNames": {"pattern": "^[a-z]+$"}}}
+    status, reply, _ = await post(daemon, "/v1/messages", {
+        "model": "m", "messages": [{"role": "user", "content": "Fetch example.com"}],
+        "max_tokens": 48, "tools": [fetch], "tool_choice": {"type": "tool", "name": "fetch"}})
+    assert status == 200, reply
+    call = reply["content"][-1]
+    assert call["type"] == "tool_use" and call["name"] == "fetch"
+    assert isinstance(call["input"]["url"], str) and set(call["input"]) <= {"url", "timeout"}
     status, reply, _ = await post(daemon, "/v1/messages", b"{not json")
     assert_error(status, reply, 400, "invalid_request_error")
     status, reply, _ = await post(daemon, "/v1/messages", {"messages": hi, "max_tokens": 3},

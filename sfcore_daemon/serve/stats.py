@@ -39,7 +39,7 @@ HTTP_STATUSES = ("200", "400", "401", "403", "404", "408", "413", "429", "500", 
 APIS = ("ndjson", "chat_completions", "completions", "responses", "messages", "http")
 # The (op, api) pairs the HTTP listener's routes count.
 HTTP_OPS = (("chat", "chat_completions"), ("generate", "completions"), ("chat", "responses"),
-            ("chat", "messages"), ("metrics", "http"))
+            ("chat", "messages"), ("tokenize", "messages"), ("metrics", "http"))
 
 
 class Stats:
