@@ -7,6 +7,8 @@ is tests/test_adaptive_threads.py.
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -147,5 +149,5 @@ def test_never_oscillates_and_stays_in_range(phases: list[tuple[float, float, fl
         assert 1 <= policy.threads <= full
         assert policy.threads_batch == limits.full_batch - (full - policy.threads)
     times = drive.changed_at
-    assert all(b - a >= limits.dwell_ns for a, b in zip(times, times[1:], strict=False))
+    assert all(b - a >= limits.dwell_ns for a, b in itertools.pairwise(times))
     assert drive.policy.changes == len(times)
