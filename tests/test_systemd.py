@@ -30,7 +30,6 @@ import pytest
 import tomli_w
 
 from sfcore_daemon.system import openmp
-
 from tests.harness import (
     BASE_CONFIG,
     READY_TIMEOUT_S,
