@@ -3,28 +3,31 @@
 The others' load comes from a file the test writes (SFCORE_CPU_LOAD_FILE, read by
 system/cpuload.py instead of the kernel's counters): the machine running the tests is
 busy with other work anyway, so only a load the test decides gives the same result on
-every run. Each wait is for an event (a `done` line, then one `stats` reply), bounded
-by a deadline; nothing sleeps. The policy's logic itself is tests/test_threadpolicy.py.
+every run. The test looks at `stats` every few streamed tokens (events, not a clock),
+within a deadline; nothing sleeps. The policy's logic itself is tests/test_threadpolicy.py.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sfcore_daemon.system import openmp
-from tests.harness import Client, running_daemon
+from tests.harness import Client, Daemon, running_daemon
 
-DEADLINE_S = 120.0
-# Long enough for two of the policy's 0.5 s windows on a slow, loaded machine.
+DEADLINE_S = 180.0
+# Long enough for many of the policy's 0.5 s windows even on a fast, idle machine.
 LONG = {"prompt": "Count from one to one thousand in words: one, two, three,",
-        "max_tokens": 400, "temperature": 0}
+        "max_tokens": 2000, "temperature": 0}
 CONFIG: dict[str, Any] = {"runtime": {"n_threads": 2, "n_threads_batch": 2},
                           "model": {"n_ctx": 4096}}
 NO_USER_SPIN = {"GOMP_SPINCOUNT": "", "OMP_WAIT_POLICY": ""}
+# Tokens between two looks at `stats` while a generation streams.
+LOOK_EVERY = 8
 
 
 async def threads_of(client: Client) -> dict[str, Any]:
@@ -33,16 +36,34 @@ async def threads_of(client: Client) -> dict[str, Any]:
     return threads
 
 
-async def generate_until(client: Client, decode_threads: int) -> dict[str, Any]:
-    """Long generations, one after the other, until `stats` shows `decode_threads`."""
+async def decode_until(daemon: Daemon, done: Callable[[dict[str, Any], float], bool]
+                       ) -> dict[str, Any]:
+    """Stream long generations, one after the other, and look at `stats` (on a second
+    connection) every LOOK_EVERY tokens until `done(threads, seconds decoding)`; the
+    generation running then is left (its connection closed)."""
     deadline = time.monotonic() + DEADLINE_S
-    while True:
-        done = await client.final(LONG)
-        assert done["type"] == "done", done
-        threads = await threads_of(client)
-        if threads["decode"] == decode_threads:
-            return threads
-        assert time.monotonic() < deadline, f"still {threads} after {DEADLINE_S} s"
+    async with daemon.client() as watcher:
+        while True:
+            async with daemon.client() as generating:
+                await generating.send(LONG)
+                first, count = 0.0, 0
+                while True:
+                    line = await generating.recv()
+                    assert line is not None and line["type"] in ("token", "done"), line
+                    first = first or time.monotonic()
+                    count += 1
+                    if line["type"] == "token" and count % LOOK_EVERY:
+                        continue
+                    threads = await threads_of(watcher)
+                    if done(threads, time.monotonic() - first):
+                        return threads
+                    assert time.monotonic() < deadline, f"still {threads} after {DEADLINE_S} s"
+                    if line["type"] == "done":
+                        break
+
+
+def decoding_with(count: int) -> Callable[[dict[str, Any], float], bool]:
+    return lambda threads, _seconds: threads["decode"] == count
 
 
 async def metric(client: Client, name: str) -> float:
@@ -62,15 +83,16 @@ async def test_threads_go_down_under_load_and_come_back(tmp_path: Path) -> None:
         async with daemon.client() as client:
             assert await threads_of(client) == {"decode": 2, "batch": 2, "configured": 2,
                                                 "adaptive": True, "changes": 0}
-            down = await generate_until(client, 1)
+            down = await decode_until(daemon, decoding_with(1))
             assert down == {"decode": 1, "batch": 1, "configured": 2, "adaptive": True,
                             "changes": 1}
             assert await metric(client, "sfcore_decode_threads") == 1
             load.write_text("0.0")  # the load is gone
-            up = await generate_until(client, 2)
+            up = await decode_until(daemon, decoding_with(2))
             assert up["changes"] == 2 and up["batch"] == 2
             assert await metric(client, "sfcore_decode_threads") == 2
             assert await metric(client, "sfcore_decode_thread_changes_total") == 2
+        assert await daemon.stop() == 0  # every change is logged by the time it exits
         log = daemon.log
         assert "decoding with 1 threads (1 batch threads): other processes use 1.5 of" in log
         assert "decoding with 2 threads (2 batch threads): other processes use 0.0 of" in log
@@ -88,9 +110,9 @@ async def test_turned_off_the_count_stays_and_the_users_spin_count_wins(
                                            "GOMP_SPINCOUNT": "12345",
                                            "OMP_WAIT_POLICY": ""}) as daemon:
         async with daemon.client() as client:
-            # Two long generations: the adaptive daemon changes within one.
-            for _ in range(2):
-                assert (await client.final(LONG))["type"] == "done"
+            # Four seconds of decoding: the adaptive daemon changes within about one.
+            await decode_until(daemon, lambda threads, seconds: (
+                threads["changes"] > 0 or seconds > 4.0))
             assert await threads_of(client) == {"decode": 2, "batch": 2, "configured": 2,
                                                 "adaptive": False, "changes": 0}
             assert await metric(client, "sfcore_decode_thread_changes_total") == 0

@@ -34,16 +34,19 @@ class ThreadMonitor:
     async def run(self) -> None:
         policy, scheduler = self._policy, self._scheduler
         load = OtherLoad(self._cpus)
-        while True:
-            await scheduler.wait_busy()
-            load.reset()
-            policy.others_cpus = load.sample()
-            while scheduler.busy:
-                await asyncio.sleep(SAMPLE_S)
+        try:
+            while True:
+                await scheduler.wait_busy()
+                load.reset()
                 policy.others_cpus = load.sample()
+                while scheduler.busy:
+                    await asyncio.sleep(SAMPLE_S)
+                    policy.others_cpus = load.sample()
+                    self.log_changes()
                 self.log_changes()
+                policy.others_cpus = None  # stale by the next generation
+        finally:  # cancelled at shutdown: a change since the last look is logged too
             self.log_changes()
-            policy.others_cpus = None  # stale by the next generation
 
     def log_changes(self) -> None:
         policy = self._policy
