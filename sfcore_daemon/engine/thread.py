@@ -67,7 +67,9 @@ class Engine:
         # The thread counts in force: fewer while other processes hold the cores
         # ([runtime] adaptive_threads; engine/threadpolicy.py).
         self.threads = ThreadPolicy(
-            ThreadLimits(n_threads, n_threads_batch, cpus or os.cpu_count() or 1),
+            # (More threads than CPUs, as configured, is not the others' doing.)
+            ThreadLimits(n_threads, n_threads_batch,
+                         max(n_threads, cpus or os.cpu_count() or 1)),
             adaptive_threads)
         self._prefill_per_step = prefill_per_step
         self.drafts = drafts
