@@ -37,6 +37,15 @@ class Drive:
                 self.changed_at.append(self.now)
 
 
+def test_short_requests_with_idle_time_between_decide_as_a_long_one() -> None:
+    drive = Drive(ThreadPolicy(TWO_CORES))
+    for others, step_ms in ((0.0, 8), (1.0, 30), (0.0, 12)):
+        for _ in range(20):  # 0.3 s of decoding, then 2 s idle
+            drive.run(0.3, step_ms, others)
+            drive.now += 2 * S
+    assert drive.policy.changes == 2 and drive.policy.threads == 2
+
+
 def test_a_quiet_machine_keeps_every_thread() -> None:
     drive = Drive(ThreadPolicy(TWO_CORES))
     drive.run(60, 8, 0.1)

@@ -94,8 +94,6 @@ class StepLoop:
         active = self._active
         while True:
             if not active:
-                if self._threads is not None:
-                    self._threads.idle()
                 job = inbox.get()  # idle: sleep until work comes
                 if job is None:
                     self._states.keep_all()

@@ -82,16 +82,12 @@ class ThreadPolicy:
             return False
         if now_ns < end:
             return False
+        # A window spans the idle time between requests (only steps' times count), so
+        # many short requests decide as one long one does.
         mean = self._sum_ns / self._steps
         self._sum_ns = self._steps = 0
         self._window_end = now_ns + self.limits.window_ns
         return self._window(mean, now_ns)
-
-    def idle(self) -> None:
-        """No decoding for a while: the next window starts with the next step."""
-        self._sum_ns = self._steps = 0
-        self._window_end = None
-        self._direction = self._agreeing = 0
 
     def _window(self, mean_ns: float, now: int) -> bool:
         others = self.others_cpus

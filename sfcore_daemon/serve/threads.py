@@ -4,8 +4,8 @@ While the scheduler runs a generation, a task reads the other processes' CPU loa
 every `SAMPLE_S` (system/cpuload.py) into the engine's `ThreadPolicy.others_cpus`,
 a plain float the decode thread reads at the end of each of its windows: the decode
 thread itself never reads /proc, logs or waits. Idle, the task sleeps until the next
-generation starts (no wake-ups on an idle machine). Each change the decode thread made
-is logged here, once.
+generation starts (no wake-ups on an idle machine); its first reading then covers the
+idle time. Each change the decode thread made is logged here, once.
 """
 
 from __future__ import annotations
@@ -34,17 +34,18 @@ class ThreadMonitor:
     async def run(self) -> None:
         policy, scheduler = self._policy, self._scheduler
         load = OtherLoad(self._cpus)
+        load.sample()  # the first reading, for the first generation's first sample
         try:
             while True:
                 await scheduler.wait_busy()
-                load.reset()
+                # The others' load since the last reading (the idle time included): the
+                # decode thread's first window of this generation has it.
                 policy.others_cpus = load.sample()
                 while scheduler.busy:
                     await asyncio.sleep(SAMPLE_S)
                     policy.others_cpus = load.sample()
                     self.log_changes()
                 self.log_changes()
-                policy.others_cpus = None  # stale by the next generation
         finally:  # cancelled at shutdown: a change since the last look is logged too
             self.log_changes()
 

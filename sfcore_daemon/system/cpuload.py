@@ -38,13 +38,9 @@ class OtherLoad:
         self._file = os.environ.get(_LOAD_FILE_ENV) or None
         self._last: tuple[float, float, float] | None = None
 
-    def reset(self) -> None:
-        """Forget the last reading (the next `sample` only takes one)."""
-        self._last = None
-
     def sample(self) -> float | None:
-        """The others' load in CPUs since the last call; None on the first call after a
-        reset, or when the counters cannot be read."""
+        """The others' load in CPUs since the last call; None on the first call, or
+        when the counters cannot be read."""
         if self._file is not None:
             return self._from_file(self._file)
         try:
