@@ -62,10 +62,6 @@ async def decode_until(daemon: Daemon, done: Callable[[dict[str, Any], float], b
                         break
 
 
-def decoding_with(count: int) -> Callable[[dict[str, Any], float], bool]:
-    return lambda threads, _seconds: threads["decode"] == count
-
-
 async def metric(client: Client, name: str) -> float:
     text = (await client.final({"op": "metrics"}))["text"]
     values = [float(line.split()[-1]) for line in text.splitlines()
@@ -83,19 +79,23 @@ async def test_threads_go_down_under_load_and_come_back(tmp_path: Path) -> None:
         async with daemon.client() as client:
             assert await threads_of(client) == {"decode": 2, "batch": 2, "configured": 2,
                                                 "adaptive": True, "changes": 0}
-            down = await decode_until(daemon, decoding_with(1))
-            assert down == {"decode": 1, "batch": 1, "configured": 2, "adaptive": True,
-                            "changes": 1}
-            assert await metric(client, "sfcore_decode_threads") == 1
+            # Down to one thread. The step down is a trial the real machine judges:
+            # one window later the count may be back at two, if one thread decoded
+            # slower here (tests/test_threadpolicy.py covers both outcomes).
+            await decode_until(daemon, lambda threads, _seconds: threads["changes"] >= 1)
             load.write_text("0.0")  # the load is gone
-            up = await decode_until(daemon, decoding_with(2))
-            assert up["changes"] == 2 and up["batch"] == 2
+            up = await decode_until(daemon, lambda threads, _seconds: (
+                threads["changes"] >= 2 and threads["decode"] == 2))
+            assert up == {"decode": 2, "batch": 2, "configured": 2, "adaptive": True,
+                          "changes": 2}
             assert await metric(client, "sfcore_decode_threads") == 2
             assert await metric(client, "sfcore_decode_thread_changes_total") == 2
         assert await daemon.stop() == 0  # every change is logged by the time it exits
         log = daemon.log
-        assert "decoding with 1 threads (1 batch threads): other processes use 1.5 of" in log
-        assert "decoding with 2 threads (2 batch threads): other processes use 0.0 of" in log
+        assert ("decoding with 1 threads (1 batch threads): other processes use 1.5 of 2 "
+                "CPUs (change 1)") in log
+        assert "decoding with 2 threads (2 batch threads): " in log
+        assert "(change 2)" in log and "(change 3)" not in log
         assert (f"OpenMP: GNU libgomp, GOMP_SPINCOUNT={openmp.SPIN_DEFAULT}; "
                 "adaptive threads on") in log
 

@@ -16,6 +16,12 @@ room for one more thread (with a quarter core to spare). Either only after `conf
 windows in a row and `dwell_ns` since the last change; a step down soon after a step
 up doubles the dwell before the next step up (to `max_dwell_ns`), so a load that comes
 and goes with each probe cannot make the count oscillate.
+
+A step down is a trial: whether fewer threads decode faster beside a given load depends
+on the machine and the spin window (with a short one, two threads beside one busy
+process may still beat one). The first window after it is compared with the last one
+before; slower steps put the count back at once, and no step down follows for
+`hold_ns` (doubled after each failed trial, up to `max_hold_ns`).
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ class ThreadLimits:
     confirm: int = 2  # windows in a row that must agree before a change
     dwell_ns: int = 3 * _S  # at least this long between changes
     max_dwell_ns: int = 60 * _S
+    hold_ns: int = 30 * _S  # no step down for this long after a failed trial
+    max_hold_ns: int = 600 * _S
 
 
 class ThreadPolicy:
@@ -56,8 +64,8 @@ class ThreadPolicy:
         self.threads_batch = limits.full_batch
         self.changes = 0  # plain int: the loop logs each change it sees
         self.others_cpus: float | None = None
-        # The others' load at the last change (for the loop's log line).
-        self.others_at_change = 0.0
+        # Why the last change was made, for the loop's log line.
+        self.reason = ""
         # The mean step at full threads on a quiet machine (ns), once seen.
         self.baseline_ns: float | None = None
         self._sum_ns = 0
@@ -68,6 +76,10 @@ class ThreadPolicy:
         self._last_change: int | None = None
         self._last_up: int | None = None
         self._up_dwell = limits.dwell_ns
+        # During a trial (after a step down): the count before it and its last mean step.
+        self._trial: tuple[int, float] | None = None
+        self._hold_until = 0
+        self._hold_ns = limits.hold_ns
 
     def step(self, elapsed_ns: int, now_ns: int) -> bool:
         """One decode step (no prompt rows) took `elapsed_ns`; True when the counts
@@ -90,10 +102,12 @@ class ThreadPolicy:
         return self._window(mean, now_ns)
 
     def _window(self, mean_ns: float, now: int) -> bool:
+        limits = self.limits
+        if self._trial is not None:
+            return self._judge_trial(mean_ns, now)
         others = self.others_cpus
         if others is None:
             return False
-        limits = self.limits
         room = limits.cpus - others
         if self.threads == limits.full and room >= limits.full - _UP_MARGIN:
             # Quiet enough to measure the baseline: fast down, slow up (contexts grow).
@@ -114,7 +128,26 @@ class ThreadPolicy:
         dwell = self._up_dwell if direction > 0 else limits.dwell_ns
         if self._last_change is not None and now - self._last_change < dwell:
             return False
-        self._change(want, others, now)
+        if direction < 0 and now < self._hold_until:
+            return False
+        if direction < 0:
+            self._trial = (self.threads, mean_ns)
+        self._change(want, now, f"other processes use {others:.1f} of {limits.cpus} CPUs")
+        return True
+
+    def _judge_trial(self, mean_ns: float, now: int) -> bool:
+        """The first window after a step down: keep the count if its steps are no
+        slower than before it, else go back (an exception to the dwell)."""
+        assert self._trial is not None
+        before, before_ns = self._trial
+        self._trial = None
+        if mean_ns <= before_ns:
+            self._hold_ns = self.limits.hold_ns
+            return False
+        self._hold_until = now + self._hold_ns
+        self._hold_ns = min(self.limits.max_hold_ns, 2 * self._hold_ns)
+        self._change(before, now, f"{self.threads} threads decoded no faster "
+                     f"({mean_ns / 1e6:.1f} against {before_ns / 1e6:.1f} ms a step)")
         return True
 
     def _wanted(self, room: float, mean_ns: float) -> int:
@@ -129,7 +162,7 @@ class ThreadPolicy:
             return min(limits.full, math.floor(room + _UP_MARGIN))
         return 0
 
-    def _change(self, want: int, others: float, now: int) -> None:
+    def _change(self, want: int, now: int, reason: str) -> None:
         limits = self.limits
         if want < self.threads and self._last_up is not None and (
                 now - self._last_up < 2 * self._up_dwell):
@@ -142,7 +175,7 @@ class ThreadPolicy:
         self.threads = want
         # Batch threads (drafts and prompt chunks run as batches) give up as many.
         self.threads_batch = max(1, limits.full_batch - (limits.full - want))
-        self.others_at_change = others
+        self.reason = reason
         self._last_change = now
         self._direction = self._agreeing = 0
         self.changes += 1

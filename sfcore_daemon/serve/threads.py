@@ -53,9 +53,8 @@ class ThreadMonitor:
         policy = self._policy
         if policy.changes != self._logged:
             self._logged = policy.changes
-            log.info("decoding with %d threads (%d batch threads): other processes use "
-                     "%.1f of %d CPUs (change %d)", policy.threads, policy.threads_batch,
-                     policy.others_at_change, policy.limits.cpus, policy.changes)
+            log.info("decoding with %d threads (%d batch threads): %s (change %d)",
+                     policy.threads, policy.threads_batch, policy.reason, policy.changes)
 
 
 def thread_counts(policy: ThreadPolicy | None) -> ThreadCounts:
