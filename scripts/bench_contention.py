@@ -127,6 +127,7 @@ def environment(**values: str | None) -> Iterator[None]:
 class DaemonSide:
     def __init__(self, daemon: Daemon, label: str) -> None:
         self.daemon, self.label = daemon, label
+        self.log_text = ""  # its log, once stopped
 
     @classmethod
     async def start(cls, params: dict[str, Any], label: str, spin: str | None,
@@ -159,10 +160,12 @@ class DaemonSide:
 
     async def stop(self) -> str:
         log_path = self.daemon.log_path
-        text = await self.daemon.stop()
-        if log_path is not None:
-            log_path.unlink(missing_ok=True)
-        return text
+        try:
+            self.log_text = await self.daemon.stop()
+        finally:
+            if log_path is not None:
+                log_path.unlink(missing_ok=True)
+        return self.log_text
 
 
 class ServerSide:
@@ -296,7 +299,12 @@ async def run_loads(params: dict[str, Any], args: argparse.Namespace) -> dict[st
             lead = paired(samples["daemon"]["busy1"], samples["llama-server"]["busy1"])
             checks.append(("daemon beside 1 busy >= 1.3x llama-server beside 1 busy",
                            lead, lead >= 1.3))
-    print(f"\nDaemon threads at the end: {threads}\n")
+    changes = [line.split(": ", 1)[-1] for line in daemon.log_text.splitlines()
+               if "decoding with" in line]
+    print(f"\nDaemon threads at the end: {threads}; its changes:")
+    for line in changes[:12]:
+        print(f"- {line}")
+    print()
     for name, value, met in checks:
         print(f"- {name}: {value:.2f} {'met' if met else 'NOT met'}")
     return {"samples": samples, "threads": threads}
