@@ -41,11 +41,12 @@ class ThreadMonitor:
                 # The others' load since the last reading (the idle time included): the
                 # decode thread's first window of this generation has it.
                 policy.others_cpus = load.sample()
-                while scheduler.busy:
+                busy = True
+                while busy:  # (one sleep at least per turn: never a busy loop)
                     await asyncio.sleep(SAMPLE_S)
                     policy.others_cpus = load.sample()
                     self.log_changes()
-                self.log_changes()
+                    busy = scheduler.busy
         finally:  # cancelled at shutdown: a change since the last look is logged too
             self.log_changes()
 
