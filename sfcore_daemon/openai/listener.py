@@ -31,6 +31,7 @@ from aiohttp.typedefs import Middleware
 from sfcore_daemon.config import Config, ListenAddress
 from sfcore_daemon.openai.gate import Gate
 from sfcore_daemon.openai.guard import ConnectionPool, ServerLog
+from sfcore_daemon.openai.responses_routes import ResponsesRoutes
 from sfcore_daemon.openai.routes import Routes, json_response
 from sfcore_daemon.openai.translate import ApiError
 from sfcore_daemon.serve import protocol
@@ -94,6 +95,7 @@ class OpenAIListener:
         )
         app.on_response_prepare.append(gate.add_cors_headers)
         routes.add_to(app)
+        ResponsesRoutes(routes).add_to(app)
         idle_s = config.server.idle_timeout_s
         self._runner = web.AppRunner(
             app, handle_signals=False, access_log=None, handler_cancellation=True,
