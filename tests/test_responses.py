@@ -262,3 +262,28 @@ async def test_an_agent_loop_of_the_agents_sdk(tcp: Endpoint) -> None:
     assert "function_call" in kinds and "function_call_output" in kinds
     assert isinstance(answered.final_output, str) and answered.final_output
     assert WAIT_S  # every SDK call above is bounded by the client's timeout
+
+
+@module_test
+async def test_a_conversation_by_previous_response_id_starts_each_turn_warm() -> None:
+    """Each turn sends only its new message; the prompt it renders to starts with the
+    last turn's, whose state the prompt store kept (a daemon of its own: the module's
+    is reproducible, and keeps no states)."""
+    instructions = "You are a helpful assistant. " + " ".join(
+        f"Rule {number}: answer in plain words, and keep each answer short."
+        for number in range(40))  # past [cache] min_tokens (256)
+    config = {"openai": {"listen": "127.0.0.1:0"}, "server": {"slots": 1}}
+    turns = []
+    async with endpoint(config) as found, found.sdk() as client:
+        previous: str | None = None
+        for question in ("My name is Ann.", "What is my name?", "Say it once more."):
+            reply = await client.responses.create(
+                model=MODEL_ID, instructions=instructions, input=question,
+                previous_response_id=previous, max_output_tokens=8, temperature=0)
+            assert reply.usage is not None
+            turns.append(reply.usage)
+            previous = reply.id
+    assert turns[0].input_tokens > 256
+    for before, after in zip(turns, turns[1:], strict=False):
+        assert after.input_tokens > before.input_tokens + before.output_tokens
+        assert after.input_tokens_details.cached_tokens >= before.input_tokens, turns
