@@ -64,7 +64,13 @@ LABELS = {"chained": "daemon, previous_response_id", "whole": "daemon, whole eac
 
 
 class HttpResponses(HttpChat):
-    """HttpChat's keep-alive connection, streaming /v1/responses."""
+    """HttpChat's keep-alive connection, streaming /v1/responses; `fresh`: a new
+    connection for every request (llama-server closes its connection after a streamed
+    reply), opened before the request's clock starts."""
+
+    def __init__(self, host: str, port: int, fresh: bool = False) -> None:
+        super().__init__(host, port)
+        self.fresh = fresh
 
     async def respond(self, body: dict[str, Any]) -> dict[str, Any]:
         reader, writer = await self._connect()
@@ -119,7 +125,7 @@ class HttpResponses(HttpChat):
                     pass
                 await reader.readline()
         self.idle_since = time.monotonic()
-        if (not chunked and "content-length" not in headers) \
+        if self.fresh or (not chunked and "content-length" not in headers) \
                 or headers.get("connection", "").lower() == "close":
             await self.close()
         if final.get("status") == "failed" or not final:
@@ -213,7 +219,7 @@ async def measure(params: dict[str, Any], runs: int, llama_server: str | None
         if llama_server:
             server = await asyncio.to_thread(LlamaServer.start, llama_server, params, 1,
                                              ["--jinja"])
-            peer = HttpResponses("127.0.0.1", server.port)
+            peer = HttpResponses("127.0.0.1", server.port, fresh=True)
             clients.append(peer)
             sides["llama-server"] = lambda text, turns: conversation_whole(peer, text, turns)
         names = list(sides)

@@ -150,7 +150,9 @@ class ResponsesShape:
             into += self._open_message()
         self._text.append(text)
         if entries is not None:
-            self._logprobs = [*(self._logprobs or ()), *entries]
+            if self._logprobs is None:
+                self._logprobs = []
+            self._logprobs.extend(entries)
         into += self._event("response.output_text.delta", item_id=self._message_id,
                             output_index=0, content_index=0, delta=text,
                             logprobs=_delta_logprobs(entries or []))
