@@ -148,7 +148,7 @@ def next_items(response: dict[str, Any]) -> list[dict[str, Any]]:
     for item in response.get("output") or ():
         if item.get("type") == "message":
             text = "".join(part.get("text", "") for part in item.get("content") or ())
-            items.append({"role": "assistant", "content": text})
+            items.append({"type": "message", "role": "assistant", "content": text})
         elif item.get("type") == "function_call":
             items.append({"type": "function_call", "call_id": item["call_id"],
                           "name": item["name"], "arguments": item["arguments"]})
@@ -169,7 +169,7 @@ async def conversation_chained(client: HttpResponses, instructions: str,
         body: dict[str, Any] = {
             "instructions": instructions, "tools": TOOLS, "tool_choice": "auto",
             "max_output_tokens": MAX_OUTPUT, "temperature": 0.0, "top_k": 1, "stream": True,
-            "input": [*carried, {"role": "user", "content": question}]}
+            "input": [*carried, {"type": "message", "role": "user", "content": question}]}
         if previous is not None:
             body["previous_response_id"] = previous
         turn = await client.respond(body)
@@ -187,7 +187,7 @@ async def conversation_whole(client: HttpResponses, instructions: str,
     figures = []
     history: list[dict[str, Any]] = []
     for question in turns:
-        history.append({"role": "user", "content": question})
+        history.append({"type": "message", "role": "user", "content": question})
         turn = await client.respond({
             "instructions": instructions, "tools": TOOLS, "tool_choice": "auto",
             "max_output_tokens": MAX_OUTPUT, "temperature": 0.0, "top_k": 1, "stream": True,

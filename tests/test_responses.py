@@ -265,9 +265,12 @@ async def test_an_agent_loop_of_the_agents_sdk(tcp: Endpoint) -> None:
                                               max_turns=2)
         assert len(called) == 1 and called_once.final_output == local_result(
             "get_weather", {"city": called[0]})
+        # Cut at the end of its first sentence (a stop string): the SDK takes a response
+        # cut at max_output_tokens (`incomplete`) for an error.
         answerer = agents.Agent(name="answerer", model=model,
-                                model_settings=agents.ModelSettings(temperature=0,
-                                                                    max_tokens=32))
+                                model_settings=agents.ModelSettings(
+                                    temperature=0, max_tokens=64,
+                                    extra_body={"stop": [".", "\n"]}))
         answered = await agents.Runner.run(answerer, called_once.to_input_list(), max_turns=1)
     kinds = [item.get("type") for item in called_once.to_input_list()]
     assert "function_call" in kinds and "function_call_output" in kinds
