@@ -31,8 +31,6 @@ decode and first token through /v1/chat/completions, NDJSON chat and llama-serve
 forced calls validate, on the daemon and on llama-server. `--only forced` runs the
 forced-drafts section (scripts/bench_forced.py): constrained decode on four schemas (six
 prompts) with and without forced drafts, against the same prompts' free decode.
-`--only responses` runs the Responses-API section (scripts/bench_responses.py): a 6-turn
-agent conversation by previous_response_id, whole each turn, and on llama-server.
 
     .venv/bin/python scripts/bench.py [--runs 5] [--tokens 128] [--json bench_results.json]
     .venv/bin/python scripts/bench.py --only concurrency --runs 3 [--slots 4]
@@ -701,7 +699,7 @@ def main() -> int:
                         help="path of llama.cpp's llama-bench (default: $LLAMA_BENCH)")
     parser.add_argument("--only", choices=("figures", "concurrency", "structured",
                                            "speculative", "cache", "openai", "tools",
-                                           "forced", "responses"),
+                                           "forced"),
                         help="run one section: the single-client figures, the concurrent "
                              "clients or structured output (default: all)")
     parser.add_argument("--slots", type=int,
@@ -783,11 +781,6 @@ def main() -> int:
 
         results["openai"] = bench_openai.run(params, args.runs, args.llama_server,
                                              runner=uvloop.run, header=header)
-    if args.only == "responses":
-        import bench_responses
-
-        results["responses"] = bench_responses.run(params, args.runs, args.llama_server,
-                                                   runner=uvloop.run, header=header)
     if args.only == "forced":
         import bench_forced
 

@@ -1,4 +1,4 @@
-"""The Responses-API section of scripts/bench.py (`--only responses`): a 6-turn agent
+"""The daemon's Responses API against llama-server's on an agent's conversation: a 6-turn
 conversation with a ~2,000-token system prompt and two function tools, sent through
 `/v1/responses`, streamed, three ways in the same run:
 
@@ -21,19 +21,25 @@ would no longer start with the last turn's). First token: client-side, from writ
 request to the first event that carries output (a text delta, or a function call item).
 Whole turn: to `response.completed` / `response.incomplete`. The conversation's time is
 the sum of its turns' times.
+
+    .venv/bin/python scripts/bench_agents.py [--runs 3] [--llama-server PATH] [--json out.json]
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
+import uvloop
 from bench_concurrency import LlamaServer
 from bench_openai import ENDPOINT, HttpChat
 from benchlib import TIMEOUT_S, Daemon, cell, filler_text, log, summary
@@ -332,3 +338,33 @@ def run(params: dict[str, Any], runs: int, llama_server: str | None, *, runner: 
     samples = runner(measure(params, runs, llama_server))
     rows = print_table(samples, header)
     return {"samples": samples, "targets": rows}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3, help="runs (default 3)")
+    parser.add_argument("--model", help="GGUF model (default: the embedded default model)")
+    parser.add_argument("--n-ctx", type=int, default=8192, help="the daemon's n_ctx")
+    parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
+                        help="path of llama.cpp's llama-server (default: $LLAMA_SERVER)")
+    parser.add_argument("--json", default="bench_agents.json", help="where to write results")
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from sfcore_daemon.llama import modelfile
+    from sfcore_daemon.system import cpus
+
+    pinned = cpus.pin(())
+    n_threads, n_threads_batch = cpus.derive_threads(pinned, 0, 0)
+    model = modelfile.resolve_model_path(args.model or "")
+    params = {"model": model, "n_ctx": args.n_ctx, "n_threads": n_threads,
+              "n_threads_batch": n_threads_batch, "tokens": MAX_OUTPUT, "slots": None,
+              "llama_server_kv": "split"}
+    header = (f"model {Path(model).name}, CPUs {pinned}, threads {n_threads}/{n_threads_batch}, "
+              f"n_ctx {args.n_ctx}, medians (min-max) of {args.runs} runs")
+    results = run(params, args.runs, args.llama_server, runner=uvloop.run, header=header)
+    Path(args.json).write_text(json.dumps({"params": params, **results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
