@@ -13,9 +13,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sfcore_daemon.openai.responses import responses_request
-from sfcore_daemon.openai.responses_reply import ResponsesShape, ResponseStore
-from sfcore_daemon.openai.responses_schema import ResponsesRequest, responses_decoder
+from sfcore_daemon.openai.responses.reply import ResponsesShape
+from sfcore_daemon.openai.responses.schema import ResponsesRequest, responses_decoder
+from sfcore_daemon.openai.responses.store import ResponseStore
+from sfcore_daemon.openai.responses.translate import responses_request
 from sfcore_daemon.openai.translate import ApiError
 from sfcore_daemon.serve.protocol import (
     ChatRequest,

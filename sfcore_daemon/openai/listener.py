@@ -31,7 +31,7 @@ from aiohttp.typedefs import Middleware
 from sfcore_daemon.config import Config, ListenAddress
 from sfcore_daemon.openai.gate import Gate
 from sfcore_daemon.openai.guard import ConnectionPool, ServerLog
-from sfcore_daemon.openai.responses_routes import ResponsesRoutes
+from sfcore_daemon.openai.responses.routes import ResponsesRoutes
 from sfcore_daemon.openai.routes import Routes, json_response
 from sfcore_daemon.openai.translate import ApiError
 from sfcore_daemon.serve import protocol

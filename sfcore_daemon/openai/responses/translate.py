@@ -2,7 +2,7 @@
 chat request, as translate.py does for chat completions.
 
 `instructions` becomes the first system message; the input items (after those of the
-conversation `previous_response_id` names, which responses_reply.py keeps) become the
+conversation `previous_response_id` names, which store.py keeps) become the
 messages: `message` items by role, a run of `function_call` items one assistant message
 with calls, each `function_call_output` a tool message. A value the daemon cannot
 honour is an `ApiError` naming the field (`input[3].call_id`), never dropped quietly.
@@ -16,7 +16,7 @@ from typing import Any, Final, NamedTuple
 
 import msgspec
 
-from sfcore_daemon.openai.responses_schema import (
+from sfcore_daemon.openai.responses.schema import (
     ChosenToolIn,
     FunctionTool,
     InputItem,

@@ -14,9 +14,10 @@ import time
 
 from aiohttp import web
 
-from sfcore_daemon.openai.responses import responses_request
-from sfcore_daemon.openai.responses_reply import ResponsesShape, ResponseStore, not_found
-from sfcore_daemon.openai.responses_schema import DeletedResponse, responses_decoder
+from sfcore_daemon.openai.responses.reply import ResponsesShape
+from sfcore_daemon.openai.responses.schema import DeletedResponse, responses_decoder
+from sfcore_daemon.openai.responses.store import ResponseStore, not_found
+from sfcore_daemon.openai.responses.translate import responses_request
 from sfcore_daemon.openai.routes import Routes, json_response
 from sfcore_daemon.openai.translate import ApiError
 from sfcore_daemon.serve import protocol
