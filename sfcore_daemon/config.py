@@ -261,6 +261,11 @@ class OpenAIConfig(_Section, frozen=True):
     # name listed here ("proxy.example" any port, "proxy.example:8443", "*": any).
     allowed_origins: tuple[Origin, ...] = ()
     allowed_hosts: tuple[HostName, ...] = ()
+    # Responses kept for previous_response_id and GET /v1/responses/{id}, least
+    # recently used out first, by count and by MiB; in memory only (ids end with the
+    # daemon; the prompt states that keep their conversations warm are the cache's).
+    stored_responses: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 1000
+    stored_responses_mb: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 256
 
     @property
     def address(self) -> ListenAddress | None:

@@ -28,6 +28,7 @@ _PARTS: dict[str, tuple[st.SearchStrategy[bytes], st.SearchStrategy[bytes]]] = {
                _TOKEN | st.sampled_from([b"CONNECT", b"PRI"]) | st.binary(max_size=8)),
     "path": (st.sampled_from([b"/health", b"/v1/health", b"/v1/models", b"/v1/models/x",
                               b"/metrics", b"/", b"/v1/chat/completions", b"/v1/completions",
+                              b"/v1/responses", b"/v1/responses/resp_x",
                               b"http://localhost/health", b"/v1/models/%ff%00", b"/%2e%2e/"])
              | _TOKEN.map(lambda token: b"/" + token),
              st.sampled_from([b"*", b""]) | _VISIBLE | st.binary(max_size=30)),

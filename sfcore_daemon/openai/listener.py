@@ -32,6 +32,7 @@ from sfcore_daemon.config import Config, ListenAddress
 from sfcore_daemon.openai.gate import Gate
 from sfcore_daemon.openai.guard import ConnectionPool, ServerLog
 from sfcore_daemon.openai.messages.errors import error_body, is_messages_path
+from sfcore_daemon.openai.responses.routes import ResponsesRoutes
 from sfcore_daemon.openai.routes import Routes, json_response
 from sfcore_daemon.openai.translate import ApiError
 from sfcore_daemon.serve import protocol
@@ -95,6 +96,7 @@ class OpenAIListener:
         )
         app.on_response_prepare.append(gate.add_cors_headers)
         routes.add_to(app)
+        ResponsesRoutes(routes).add_to(app)
         idle_s = config.server.idle_timeout_s
         self._runner = web.AppRunner(
             app, handle_signals=False, access_log=None, handler_cancellation=True,
