@@ -57,8 +57,6 @@ class ReplyShape(Protocol):
 
     def whole(self, done: DoneReply) -> bytes: ...
 
-    def failure(self, error: ApiError) -> bytes: ...
-
 
 class _Identity:
     """What every chunk and body of one reply repeats; `id` is also the request's id
