@@ -224,6 +224,7 @@ def _serve(config: Config, pinned: list[int], model_path: str, *,
     from sfcore_daemon.llama.gpu import gpu_layers
     from sfcore_daemon.llama.logrouter import route_llama_logs
     from sfcore_daemon.llama.model import ModelLoadError
+    from sfcore_daemon.llama.stepcost import costs_folder
     from sfcore_daemon.store.promptstore import prompt_store
     from sfcore_daemon.system.socketfile import StartupError
 
@@ -237,7 +238,8 @@ def _serve(config: Config, pinned: list[int], model_path: str, *,
                         slots=config.server.slots,
                         prefill_per_step=config.server.prefill_per_step,
                         drafts=draft_settings(config.speculative),
-                        store=prompt_store(config.cache))
+                        store=prompt_store(config.cache),
+                        step_costs_dir=costs_folder(config.cache))
     except ModelLoadError as exc:
         log.error("%s", exc)
         return EXIT_STARTUP

@@ -164,6 +164,14 @@ class Server:
                  model_config.reproducible,
                  state.chat_template.label if state.chat_template else None)
         log.info("llama.cpp system info: %s", engine.system_info.strip())
+        ratios = engine.step_cost_ratios()
+        if ratios is not None:
+            # Only a first start on this machine measures them (engine/costsfile.py).
+            engine.save_step_costs()
+            log.info("drafts judged by step costs %s (in one-row steps, by rows; %s)",
+                     " ".join(f"{rows}:{ratio:.2f}" for rows, ratio in ratios.items()),
+                     f"measured in {engine.step_costs_ms:.0f} ms"
+                     if engine.step_costs_measured else "as measured before")
         state.ready.set()
         state.load_ended.set()
         # The one line a person or a script waits for; systemd gets the same as STATUS.

@@ -1,0 +1,89 @@
+"""What a decode step of r logit rows costs on this model, machine and build: measured
+once, before the daemon serves, for the draft gate (engine/draftgate.py), and kept in
+the cache folder so that later starts read it instead.
+
+One sequence after a short prompt, every row asking for logits (the shape of a step
+that verifies a draft); each size the fastest of a few rounds, sizes in a shuffled
+order each round, so that a round the machine took elsewhere counts for nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import time
+from pathlib import Path
+
+from sfcore_daemon.config import CacheConfig
+from sfcore_daemon.llama.capi import C
+from sfcore_daemon.llama.model import Model
+from sfcore_daemon.llama.modelfile import cache_dir
+
+# Both sides of the multiples of 4 that llama.cpp's output kernel groups rows by (the
+# default model's), up to 17 rows; larger sizes are drawn from these. About 0.5 s on
+# the default model on 2 cores, 0.15 s on SmolLM2-135M.
+SIZES = (1, 2, 3, 4, 5, 8, 9, 16, 17)
+ROUNDS = 2
+_PROMPT_TOKENS = 8
+
+
+def measure_step_costs(model: Model, sizes: tuple[int, ...] = SIZES,
+                       rounds: int = ROUNDS) -> dict[int, float]:
+    """rows -> ns of one llama_decode of that many rows (the fastest of `rounds`), on
+    the decode thread before it serves; the cache is cleared after."""
+    sizes = tuple(size for size in sizes if size + _PROMPT_TOKENS <= model.n_batch)
+    most = max(sizes)
+    batch = C.llama_batch_init(_PROMPT_TOKENS + most, 0, 1)
+    n_vocab = model.info.n_vocab
+    shuffle = random.Random(0).shuffle
+    best: dict[int, float] = {}
+    try:
+        for row in range(_PROMPT_TOKENS + most):
+            batch.token[row] = row * 7919 % (n_vocab - 1) + 1  # any valid ids do
+            batch.pos[row] = row
+            batch.n_seq_id[row] = 1
+            batch.seq_id[row][0] = 0
+            batch.logits[row] = 0
+        batch.n_tokens = _PROMPT_TOKENS
+        if C.llama_decode(model.ctx, batch) != 0:
+            return {}
+        prompt_only = _PROMPT_TOKENS
+        for row in range(most):
+            batch.token[row] = batch.token[prompt_only + row]
+            batch.pos[row] = prompt_only + row
+            batch.logits[row] = 1
+        for _ in range(rounds):
+            order = list(sizes)
+            shuffle(order)
+            for size in order:
+                batch.n_tokens = size
+                started = time.perf_counter_ns()
+                status = C.llama_decode(model.ctx, batch)
+                C.llama_synchronize(model.ctx)
+                elapsed = time.perf_counter_ns() - started
+                C.llama_memory_seq_rm(model.memory, 0, prompt_only, -1)
+                if status != 0:
+                    return {}
+                best[size] = min(best.get(size, elapsed), elapsed)
+    finally:
+        C.llama_batch_free(batch)
+        C.llama_memory_clear(model.memory, False)
+    return best
+
+
+def step_costs_key(model_path: str, n_threads: int, context: tuple[object, ...]) -> str:
+    """What the costs depend on: the model file, the build and the CPU (llama.cpp's
+    system info names its features), the threads and the context's settings."""
+    stat = os.stat(model_path)
+    parts = (os.path.abspath(model_path), stat.st_size, stat.st_mtime_ns,
+             C.llama_print_system_info().decode(errors="replace"), n_threads, *context)
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+
+
+def costs_folder(cache: CacheConfig) -> Path:
+    """Beside the prompt store's folder: `[cache] dir`'s parent, else the daemon's
+    cache folder ($CACHE_DIRECTORY or ~/.cache/sfcore-ai)."""
+    if cache.dir:
+        return Path(os.path.expanduser(cache.dir)).parent / "step-costs"
+    return cache_dir() / "step-costs"
