@@ -30,7 +30,7 @@ from sfcore_daemon.llama.model import EngineClosed, LoadAborted, Model, ModelLoa
 from sfcore_daemon.llama.modelfile import known_sha256
 from sfcore_daemon.llama.sampling import import_numpy_beside
 from sfcore_daemon.llama.selfcheck import check_batched_decode
-from sfcore_daemon.llama.stepcost import measure_step_costs, step_costs_key
+from sfcore_daemon.llama.stepcost import BUSY_SHARE, BusyMeter, measure_step_costs, step_costs_key
 
 # How long the start-up waits for the store to index its folder (headers only: a few
 # milliseconds for hundreds of files); only a hung disk takes longer.
@@ -92,6 +92,7 @@ class Engine:
         self.step_costs: dict[int, float] | None = None
         self.step_costs_measured = False
         self.step_costs_ms = 0.0
+        self.step_costs_busy = 0.0  # other processes' share of the CPUs meanwhile
         self._abort_load = False
         self._load_progress = C.llama_progress_callback(self._on_load_progress)
 
@@ -243,8 +244,10 @@ class Engine:
             return
         if self.step_costs is None:
             started = time.perf_counter()
+            busy = BusyMeter()
             self.step_costs = measure_step_costs(model) or None
             self.step_costs_ms = (time.perf_counter() - started) * 1000
+            self.step_costs_busy = busy.share()
             self.step_costs_measured = self.step_costs is not None
         if self.step_costs is not None:
             assert self._loop is not None
@@ -253,7 +256,8 @@ class Engine:
     def save_step_costs(self) -> None:
         """Keep step costs measured at this start for the next (event loop, after
         `ready`: file I/O stays off the decode thread)."""
-        if self.step_costs_measured and self.step_costs and self._costs_path is not None:
+        if (self.step_costs_measured and self.step_costs and self._costs_path is not None
+                and self.step_costs_busy <= BUSY_SHARE):
             costsfile.save(self._costs_path, self.step_costs)
 
     def step_cost_ratios(self) -> dict[int, float] | None:

@@ -3,8 +3,13 @@ once, before the daemon serves, for the draft gate (engine/draftgate.py), and ke
 the cache folder so that later starts read it instead.
 
 One sequence after a short prompt, every row asking for logits (the shape of a step
-that verifies a draft); each size the fastest of a few rounds, sizes in a shuffled
-order each round, so that a round the machine took elsewhere counts for nothing.
+that verifies a draft), on the daemon's own threads; each size the fastest of a few
+rounds, in a shuffled order each round. The threads matter: on one thread a 2-row step
+of the default model costs 3.6 one-row steps, on two 2.1 (a lone row parallelises
+worse). So does the machine's load: measured while a test suite ran on the same cores,
+a 2-row step of SmolLM2 cost 4.4 one-row steps instead of about 2. So costs measured
+while other processes kept the CPUs busy serve this run only, and the next start
+measures again (`busy_share`).
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ from sfcore_daemon.llama.model import Model
 from sfcore_daemon.llama.modelfile import cache_dir
 
 # Both sides of the multiples of 4 that llama.cpp's output kernel groups rows by (the
-# default model's), up to 17 rows; larger sizes are drawn from these. About 0.5 s on
-# the default model on 2 cores, 0.15 s on SmolLM2-135M.
+# default model's), up to 17 rows; larger sizes are drawn from these.
 SIZES = (1, 2, 3, 4, 5, 8, 9, 16, 17)
 ROUNDS = 2
+# Other processes' share of the CPUs during the measurement above which it is not kept.
+BUSY_SHARE = 0.1
 _PROMPT_TOKENS = 8
 
 
@@ -87,3 +93,27 @@ def costs_folder(cache: CacheConfig) -> Path:
     if cache.dir:
         return Path(os.path.expanduser(cache.dir)).parent / "step-costs"
     return cache_dir() / "step-costs"
+
+
+class BusyMeter:
+    """Other processes' share of the machine's CPUs between `__init__` and `share()`:
+    the system's busy time less this process's own, over the CPUs' time."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self._process = psutil.Process()
+        self._start = self._readings()
+
+    def share(self) -> float:
+        system0, own0, wall0 = self._start
+        system1, own1, wall1 = self._readings()
+        cpus = self._psutil.cpu_count() or 1
+        return max(system1 - system0 - (own1 - own0), 0.0) / max((wall1 - wall0) * cpus, 1e-9)
+
+    def _readings(self) -> tuple[float, float, float]:
+        times = self._psutil.cpu_times()
+        busy = sum(times) - times.idle - getattr(times, "iowait", 0.0)
+        own = self._process.cpu_times()
+        return busy, own.user + own.system, time.monotonic()

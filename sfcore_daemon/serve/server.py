@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from sfcore_daemon.config import Config
 from sfcore_daemon.engine.thread import Engine
 from sfcore_daemon.llama.model import LoadAborted
+from sfcore_daemon.llama.stepcost import BUSY_SHARE
 from sfcore_daemon.serve import access, protocol
 from sfcore_daemon.serve.chat import ChatTemplateError, TemplateBudgetError, resolve_template
 from sfcore_daemon.serve.connection import Connection, peer_credentials, peer_groups
@@ -52,6 +53,16 @@ class Frontend(Protocol):
     async def close(self) -> None:
         """After the drain: close its connections and its socket."""
         ...
+
+
+def _costs_source(engine: Engine) -> str:
+    if not engine.step_costs_measured:
+        return "as measured before"
+    busy = engine.step_costs_busy
+    if busy > BUSY_SHARE:
+        return (f"measured in {engine.step_costs_ms:.0f} ms while other processes used "
+                f"{busy:.0%} of the CPUs: for this run only, measured again at the next start")
+    return f"measured in {engine.step_costs_ms:.0f} ms, kept for later starts"
 
 
 class Server:
@@ -170,8 +181,7 @@ class Server:
             engine.save_step_costs()
             log.info("drafts judged by step costs %s (in one-row steps, by rows; %s)",
                      " ".join(f"{rows}:{ratio:.2f}" for rows, ratio in ratios.items()),
-                     f"measured in {engine.step_costs_ms:.0f} ms"
-                     if engine.step_costs_measured else "as measured before")
+                     _costs_source(engine))
         state.ready.set()
         state.load_ended.set()
         # The one line a person or a script waits for; systemd gets the same as STATUS.
