@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from sfcore_daemon import __version__
 from sfcore_daemon.config import Config, ConfigError, apply_overrides, load_config
+from sfcore_daemon.system import openmp
 
 if TYPE_CHECKING:
     from sfcore_daemon.system.socketfile import ListeningSocket
@@ -72,6 +73,9 @@ def set_library_defaults(environ: MutableMapping[str, str]) -> None:
     # aborts. f32 compute picks other kernels; single-row decode steps never use cuBLAS.
     # Found with compute-sanitizer, docs/operations.md ("GPU"). Other builds ignore it.
     environ.setdefault("GGML_CUDA_CUBLAS_COMPUTE_TYPE", "f32")
+    # libgomp's spin at ggml's per-node barriers: short, so that a decode thread whose
+    # partner another process preempted sleeps instead of spinning for milliseconds.
+    openmp.set_spin_default(environ)
 
 
 def resolve_config(args: argparse.Namespace) -> Config:
@@ -238,7 +242,8 @@ def _serve(config: Config, pinned: list[int], model_path: str, *,
                         slots=config.server.slots,
                         prefill_per_step=config.server.prefill_per_step,
                         drafts=draft_settings(config.speculative),
-                        store=prompt_store(config.cache),
+                        store=prompt_store(config.cache), cpus=len(pinned),
+                        adaptive_threads=config.runtime.adaptive_threads,
                         step_costs_dir=costs_folder(config.cache))
     except ModelLoadError as exc:
         log.error("%s", exc)

@@ -107,6 +107,9 @@ class RuntimeConfig(_Section, frozen=True):
     # 0: derived from the pinned set (physical cores for decode, logical CPUs for batches).
     n_threads: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
     n_threads_batch: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+    # Decode with fewer threads while other processes hold the cores, back up once
+    # they are gone (engine/threadpolicy.py). False: always n_threads.
+    adaptive_threads: bool = True
 
 
 class GenerationConfig(_Section, frozen=True):

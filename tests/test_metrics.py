@@ -51,6 +51,8 @@ SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "sfcore_slots_busy": ("gauge", ()),
     "sfcore_decode_steps": ("counter", ()),
     "sfcore_step_tokens": ("counter", ()),
+    "sfcore_decode_threads": ("gauge", ()),
+    "sfcore_decode_thread_changes": ("counter", ()),
     "sfcore_connections": ("gauge", ()),
     "sfcore_connections_accepted": ("counter", ()),
     "sfcore_connections_rejected": ("counter", ()),

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
+from sfcore_daemon.system import openmp
 from tests.harness import (
     BASE_CONFIG,
     READY_TIMEOUT_S,
@@ -128,6 +129,13 @@ def test_unit_settings_the_daemon_relies_on() -> None:
     assert service["User"] == service["Group"] == ["sfcore-ai"]
     # TimeoutStopSec must leave room for the default drain_timeout_s (30 s).
     assert int(service["TimeoutStopSec"][0]) >= 40
+    # Sharing the machine: a weight, never a quota; libgomp's spin window as the
+    # daemon's own default (system/openmp.py).
+    assert service["CPUWeight"] == ["200"]
+    assert "CPUQuota" not in service and "Nice" not in service
+    assert f"GOMP_SPINCOUNT={openmp.SPIN_DEFAULT}" in service["Environment"]
+    assert f"export GOMP_SPINCOUNT={openmp.SPIN_DEFAULT}\n" in (
+        REPO / "scripts" / "run.sh").read_text()
     socket_unit = unit_settings("sfcore-ai.socket")
     assert socket_unit["ListenStream"] == ["%t/sfcore-ai/sfcore-ai.sock"]
     assert socket_unit["Accept"] == ["no"]  # one daemon takes every connection

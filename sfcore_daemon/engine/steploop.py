@@ -28,6 +28,7 @@ from sfcore_daemon.engine.sequence import Seq
 from sfcore_daemon.engine.speculative import DraftSettings, NgramStore
 from sfcore_daemon.engine.stepbatch import StepBatch
 from sfcore_daemon.engine.storepolicy import PromptStore
+from sfcore_daemon.engine.threadpolicy import ThreadPolicy
 from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.kvcache import KVCache, shared_prefix
 from sfcore_daemon.llama.model import Model
@@ -47,8 +48,12 @@ class StepLoop:
 
     def __init__(self, model: Model, slots: int, prefill_per_step: int,  # noqa: PLR0917
                  reproducible: bool, drafts: DraftSettings | None = None,
-                 store: PromptStore | None = None) -> None:
+                 store: PromptStore | None = None,
+                 threads: ThreadPolicy | None = None) -> None:
         self.model = model
+        # Fewer threads while other processes hold the cores: decided from each
+        # decode step's time, applied between steps (threadpolicy.py).
+        self._threads = threads
         # Bumped on every step and abort-callback tick (see Engine.progress).
         self.progress = 0
         # Decodes done and the tokens (rows) they held, for /metrics' tokens per step:
@@ -221,6 +226,7 @@ class StepLoop:
             # llama.cpp polls it once per graph node (a Python call holding the GIL),
             # hundreds of times a step, and a small batch ends soon anyway.
             self._abort_jobs = [seq.job for seq in active if seq.job is not None]
+            started = time.perf_counter_ns()
             C.llama_set_abort_callback(ctx, self._abort_callback, None)
             try:
                 rc = C.llama_decode(ctx, batch)
@@ -228,6 +234,7 @@ class StepLoop:
                 C.llama_set_abort_callback(ctx, self._no_abort_callback, None)
                 self._abort_jobs = []
         else:
+            started = time.perf_counter_ns()
             rc = C.llama_decode(ctx, batch)
         self.progress += 1
         if rc == _DECODE_ABORTED:
@@ -246,6 +253,10 @@ class StepLoop:
         now = steps.decoded(self._cells)
         rows.read(outputs, woken)
         rows.wake(woken)
+        threads = self._threads
+        if threads is not None and not steps.prefilling and threads.step(now - started, now):
+            # Between two steps: the next graph runs with the new team size.
+            C.llama_set_n_threads(ctx, threads.threads, threads.threads_batch)
         if self._states.enabled:
             # Once the first tokens are on their way: the states of prompts read whole
             # this step, while their cells are the prompt (a sliding-window cache lets

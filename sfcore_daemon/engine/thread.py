@@ -25,6 +25,7 @@ from sfcore_daemon.engine.job import Job
 from sfcore_daemon.engine.speculative import DraftSettings
 from sfcore_daemon.engine.steploop import StepLoop
 from sfcore_daemon.engine.storepolicy import PromptStore, store_fingerprint
+from sfcore_daemon.engine.threadpolicy import ThreadLimits, ThreadPolicy
 from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.model import EngineClosed, LoadAborted, Model, ModelLoadError
 from sfcore_daemon.llama.modelfile import known_sha256
@@ -59,6 +60,8 @@ class Engine:
         prefill_per_step: int = 512,
         drafts: DraftSettings | None = None,
         store: PromptStore | None = None,
+        cpus: int = 0,
+        adaptive_threads: bool = False,
         step_costs_dir: Path | None = None,
     ) -> None:
         if not os.path.isfile(model_path):
@@ -68,6 +71,13 @@ class Engine:
         self.n_threads = n_threads
         self.n_threads_batch = n_threads_batch
         self.slots = slots
+        # The thread counts in force: fewer while other processes hold the cores
+        # ([runtime] adaptive_threads; engine/threadpolicy.py).
+        self.threads = ThreadPolicy(
+            # (More threads than CPUs, as configured, is not the others' doing.)
+            ThreadLimits(n_threads, n_threads_batch,
+                         max(n_threads, cpus or os.cpu_count() or 1)),
+            adaptive_threads)
         self._prefill_per_step = prefill_per_step
         self.drafts = drafts
         # Prompt states kept across evictions and restarts; None when turned off, and
@@ -170,7 +180,7 @@ class Engine:
         self.system_info = model.system_info
         self.bos_text, self.eos_text = model.bos_text, model.eos_text
         self._loop = StepLoop(model, self.slots, self._prefill_per_step,
-                              self.config.reproducible, self.drafts, self.store)
+                              self.config.reproducible, self.drafts, self.store, self.threads)
 
     def _draft_rows(self) -> int:
         if self.drafts is None or self.config.reproducible:

@@ -31,6 +31,7 @@ from aiohttp.typedefs import Middleware
 from sfcore_daemon.config import Config, ListenAddress
 from sfcore_daemon.openai.gate import Gate
 from sfcore_daemon.openai.guard import ConnectionPool, ServerLog
+from sfcore_daemon.openai.messages.errors import error_body, is_messages_path
 from sfcore_daemon.openai.routes import Routes, json_response
 from sfcore_daemon.openai.translate import ApiError
 from sfcore_daemon.serve import protocol
@@ -144,7 +145,7 @@ def _screen_expect(handle: _RequestHandler, state: ServerState) -> _RequestHandl
         state.stats.http_response(417)
         error = ApiError(417, "Expect: only 100-continue is supported", None,
                          "expectation_failed")
-        response = json_response(error.body(), error.status)
+        response = error_response(request.path, error)
         response.force_close()
         return response
 
@@ -175,25 +176,41 @@ async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse
         log.exception("HTTP request %s %s failed", request.method, request.path)
         failure = ApiError.from_code(protocol.INTERNAL,
                                      "unexpected error in the daemon; see its log")
-    return json_response(failure.body(), failure.status)
+    return error_response(request.path, failure)
+
+
+def error_response(path: str, error: ApiError) -> web.Response:
+    """An error in the shape of the API the path belongs to: Anthropic's on the
+    Messages paths, OpenAI's everywhere else."""
+    if is_messages_path(path):
+        return json_response(error_body(error), error.status)
+    return json_response(error.body(), error.status)
 
 
 def _auth(api_key: str) -> list[Middleware]:
-    """The API key check (none without a key). /health answers anyone, as a probe must."""
+    """The API key check (none without a key): `Authorization: Bearer <key>`, or
+    `x-api-key: <key>` as Anthropic's clients send it. /health answers anyone, as a
+    probe must."""
     if not api_key:
         return []
     expected = f"Bearer {api_key}".encode()
+    expected_key = api_key.encode()
 
     @web.middleware
     async def check_key(request: web.Request, handler: _Handler) -> web.StreamResponse:
         if request.path not in ("/health", "/v1/health"):
-            # The header's own bytes: aiohttp hands undecodable ones on as surrogates.
-            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-            # Constant time: how much of a guess matched must not show in the timing.
-            if not hmac.compare_digest(given, expected):
+            # The headers' own bytes: aiohttp hands undecodable ones on as surrogates.
+            headers = request.headers
+            given = headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            given_key = headers.get("x-api-key", "").encode("utf-8", "surrogateescape")
+            # Constant time: how much of a guess matched must not show in the timing
+            # (both compared, whichever was sent).
+            bearer_ok = hmac.compare_digest(given, expected)
+            key_ok = hmac.compare_digest(given_key, expected_key)
+            if not (bearer_ok or key_ok):
                 raise ApiError(401, "a valid API key is needed: send Authorization: "
-                               "Bearer <key> ([openai] api_key)", None, "invalid_api_key",
-                               "invalid_request_error")
+                               "Bearer <key> or x-api-key: <key> ([openai] api_key)", None,
+                               "invalid_api_key", "invalid_request_error")
         return await handler(request)
 
     return [check_key]

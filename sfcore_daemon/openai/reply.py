@@ -53,6 +53,8 @@ class ReplyShape(Protocol):
 
     def whole(self, done: DoneReply) -> bytes: ...
 
+    def failure(self, error: ApiError) -> bytes: ...
+
 
 class _Identity:
     """What every chunk and body of one reply repeats; `id` is also the request's id
@@ -67,6 +69,10 @@ class _Identity:
         self.model = model
         self.fingerprint = fingerprint
         self.include_usage = include_usage
+
+    def failure(self, error: ApiError) -> bytes:
+        # OpenAI's SDKs raise an event that holds an `error` as an API error.
+        return event(encoder.encode(error.body()))
 
 
 class ChatShape(_Identity):
@@ -239,6 +245,5 @@ class HttpReply:
             if isinstance(outcome, DoneReply):
                 data += self.shape.closing(outcome)
             elif isinstance(outcome, ApiError):
-                # OpenAI's SDKs raise an event that holds an `error` as an API error.
-                data += event(encoder.encode(outcome.body()))
+                data += self.shape.failure(outcome)
         return data

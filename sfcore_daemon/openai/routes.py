@@ -20,6 +20,7 @@ import msgspec
 from aiohttp import web
 
 from sfcore_daemon.openai import schema, translate
+from sfcore_daemon.openai.messages import routes as messages_routes
 from sfcore_daemon.openai.reply import ChatShape, CompletionShape, HttpReply, ReplyShape
 from sfcore_daemon.openai.schema import ModelCard, ModelList, encoder
 from sfcore_daemon.openai.translate import ApiError
@@ -62,6 +63,7 @@ class Routes:
         router.add_post("/v1/chat/completions", self.chat)
         router.add_post("/v1/completions", self.completions)
         router.add_get("/metrics", self.metrics)
+        messages_routes.add_to(router, self)
 
     # --- model and health ---
 
@@ -166,13 +168,14 @@ class Routes:
         return f"sfcore-{engine.info.architecture}" if engine is not None else "sfcore"
 
     async def _generate(self, request: web.Request, daemon_request: GenerationRequest,
-                        shape: ReplyShape, arrived_ns: int) -> web.StreamResponse:
+                        shape: ReplyShape, arrived_ns: int,
+                        reply_type: type[HttpReply] = HttpReply) -> web.StreamResponse:
         state = self.state
         if state.draining:
             state.stats.errors[protocol.SHUTTING_DOWN] += 1
             raise ApiError.from_code(protocol.SHUTTING_DOWN, "the daemon is shutting down")
-        reply = HttpReply(shape, daemon_request.stream,
-                          state.config.server.max_output_buffer_bytes, self._stalled)
+        reply = reply_type(shape, daemon_request.stream,
+                           state.config.server.max_output_buffer_bytes, self._stalled)
         reply.transport = request.transport
         generation: Generation | None = None
         try:

@@ -14,8 +14,11 @@ which the front end answers as an error line in the request's place.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, TypeVar
+
+import msgspec
 
 from sfcore_daemon.engine.thread import Engine
 from sfcore_daemon.llama.model import EngineClosed
@@ -29,7 +32,10 @@ from sfcore_daemon.serve.state import ServerState
 from sfcore_daemon.structured.compiler import compile_json_object, compile_schema
 from sfcore_daemon.structured.gbnfcheck import check_gbnf
 from sfcore_daemon.structured.grammar import GrammarError, GrammarSampler
+from sfcore_daemon.structured.lenient import relax_tool_schema
 from sfcore_daemon.structured.shape import Shape
+
+log = logging.getLogger(__name__)
 
 # Prompts above this size are tokenized off the event loop (about a millisecond of C work).
 _INLINE_TOKENIZE_BYTES = 32 * 1024
@@ -96,20 +102,36 @@ def request_grammar(request: GenerationRequest, native_tools: bool = False,
 
 
 def _tools_grammar(request: ChatRequest, native: bool) -> GrammarSpec | None:
-    """The grammar of the calls a chat with tools may make (tools.py), or None."""
-    for index, tool in enumerate(request.tools or ()):
-        if tool.function.parameters:
-            try:
-                compile_schema(tool.function.parameters)
-            except GrammarError as exc:
-                raise GrammarError(str(exc).replace(
-                    "`$.json_schema", f"`$.tools[{index}].function.parameters")) from None
+    """The grammar of the calls a chat with tools may make (tools.py), or None. Each
+    tool's parameters are relaxed first (structured/lenient.py): agents' validators
+    use keywords the grammar does not enforce."""
+    if request.tools:
+        request = msgspec.structs.replace(request, tools=[
+            _relaxed(tool, index) for index, tool in enumerate(request.tools)])
     tool_plan = tools.plan(request, native)
     if tool_plan is None:
         return None
     compiled = compile_schema(tool_plan.schema)
     return GrammarSpec(compiled.gbnf, "tools", compiled.shape,
                        None if tool_plan.forced else tools.CALL_MARKER.encode())
+
+
+def _relaxed(tool: Any, index: int) -> Any:
+    """`tool` with its parameters relaxed and checked (GrammarError naming the place)."""
+    if not tool.function.parameters:
+        return tool
+    parameters, dropped = relax_tool_schema(tool.function.parameters)
+    if dropped:
+        log.debug("tool %r: not enforced in its calls: %s", tool.function.name,
+                  ", ".join(dropped))
+        tool = msgspec.structs.replace(tool, function=msgspec.structs.replace(
+            tool.function, parameters=parameters))
+    try:
+        compile_schema(tool.function.parameters)
+    except GrammarError as exc:
+        raise GrammarError(str(exc).replace(
+            "`$.json_schema", f"`$.tools[{index}].function.parameters")) from None
+    return tool
 
 
 class Admission:
@@ -208,6 +230,25 @@ class Admission:
             # Answered through the generation, so it is counted as one that failed.
             generation.fail(protocol.QUEUE_FULL, self._queue_full_message())
         return generation
+
+    async def prompt_tokens(self, request: ChatRequest) -> int:
+        """How many tokens `request`'s prompt is, rendered and tokenized as `admit`
+        would (template, tools, a forced call's opening): a request's count without
+        its generation. Refused for a request `admit` would refuse before generating."""
+        state = self._state
+        try:
+            template = state.chat_template
+            native = template is not None and template.tool_renderer is not None
+            if _long_grammar(request):
+                await asyncio.to_thread(request_grammar, request, native)
+            else:
+                request_grammar(request, native)
+            engine = await state.loaded_engine()
+            return len(await self._prompt(engine, request))
+        except (ChatTemplateError, GrammarError) as exc:
+            raise Refused(protocol.INVALID_REQUEST, str(exc)) from None
+        except EngineClosed:
+            raise Refused(protocol.SHUTTING_DOWN, "the daemon is shutting down") from None
 
     def _queue_full_message(self) -> str:
         scheduler = self._state.scheduler

@@ -172,6 +172,12 @@ def _engine(out: Exposition, state: ServerState) -> None:
     out.one("decode_steps_total", "counter", "Decode steps (one llama_decode each).", steps)
     out.one("step_tokens_total", "counter", "Tokens the decode steps held (prompt and "
             "generated rows); divided by decode_steps_total: tokens per step.", tokens)
+    threads = engine.threads if engine is not None else None
+    out.one("decode_threads", "gauge", "Decode threads in force now (fewer than "
+            "configured while other processes hold the cores; runtime.adaptive_threads).",
+            threads.threads if threads is not None else 0)
+    out.one("decode_thread_changes_total", "counter", "Times the decode thread count "
+            "changed.", threads.changes if threads is not None else 0)
 
 
 def _rss() -> int:

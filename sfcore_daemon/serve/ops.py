@@ -54,6 +54,7 @@ from sfcore_daemon.serve.protocol import (
 from sfcore_daemon.serve.scheduler import Scheduler
 from sfcore_daemon.serve.state import ServerState
 from sfcore_daemon.serve.stats import Stats
+from sfcore_daemon.serve.threads import thread_counts
 from sfcore_daemon.store.promptstore import Cleared
 
 log = logging.getLogger(__name__)
@@ -129,8 +130,9 @@ class Ops:
                         slot.close()
                 case StatsRequest():
                     engine = self.state.engine
-                    stats = self.stats.reply(request_id, self.slot_uses(),
-                                             engine.store if engine else None)
+                    stats = self.stats.reply(
+                        request_id, self.slot_uses(), engine.store if engine else None,
+                        thread_counts(engine.threads if engine else None))
                     connection.reply(protocol.encode_line(stats))
                 case MetricsRequest():
                     connection.reply(protocol.encode_line(

@@ -417,6 +417,14 @@ class SpeculativeCounts(Struct, kw_only=True):
     forced_accepted: int = 0
 
 
+class ThreadCounts(Struct, kw_only=True):
+    decode: int  # decode threads in force now
+    batch: int  # batch threads in force now
+    configured: int  # decode threads on an idle machine ([runtime] n_threads)
+    adaptive: bool  # [runtime] adaptive_threads
+    changes: int  # times the counts changed since start
+
+
 class CacheCounts(Struct, kw_only=True):
     enabled: bool
     # Generations whose prompt prefix came from each source, and the rows restored
@@ -463,6 +471,7 @@ class StatsReply(_Reply, tag="stats", kw_only=True):
     grammar: GrammarCounts
     speculative: SpeculativeCounts
     cache: CacheCounts
+    threads: ThreadCounts
 
 
 class MetricsReply(_Reply, tag="metrics", kw_only=True):

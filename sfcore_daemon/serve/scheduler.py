@@ -54,6 +54,7 @@ class Scheduler:
         self._exclusive = False  # a running request must have the batch to itself
         self._idle = asyncio.Event()
         self._idle.set()
+        self._working = asyncio.Event()  # the opposite of _idle
 
     @property
     def busy(self) -> bool:
@@ -114,6 +115,7 @@ class Scheduler:
             generation.fail(code, message)
         self.reject_waiting(code, message)
         self._idle.set()
+        self._working.clear()
 
     def cancel_running(self) -> None:
         for generation in list(self.running.values()):
@@ -121,6 +123,9 @@ class Scheduler:
 
     async def wait_idle(self) -> None:
         await self._idle.wait()
+
+    async def wait_busy(self) -> None:
+        await self._working.wait()
 
     def slot_uses(self) -> list[SlotUse]:
         return [SlotUse(slot=slot, busy=slot in self.running,
@@ -164,6 +169,7 @@ class Scheduler:
         self._exclusive = job.exclusive
         self.slot_requests[slot] += 1
         self._idle.clear()
+        self._working.set()
         generation.on_released = self.release
         self._engine.submit(job)
         return True
@@ -213,6 +219,7 @@ class Scheduler:
             self._overtake(waiting[0])
         if not self.running and not waiting:
             self._idle.set()
+            self._working.clear()
 
     def _overtake(self, head: Generation) -> None:
         """The head waits for room in the KV pool (a large reservation) or for the batch

@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import signal
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -26,7 +27,8 @@ from sfcore_daemon.serve.connection import Connection, peer_credentials, peer_gr
 from sfcore_daemon.serve.ops import Ops
 from sfcore_daemon.serve.scheduler import Scheduler
 from sfcore_daemon.serve.state import ServerState
-from sfcore_daemon.system import systemd
+from sfcore_daemon.serve.threads import ThreadMonitor
+from sfcore_daemon.system import openmp, systemd
 from sfcore_daemon.system.socketfile import ListeningSocket, StartupError
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,7 @@ class Server:
         self._listener: asyncio.AbstractServer | None = None
         self._closing: set[asyncio.Future[None]] = set()
         self._watchdog: asyncio.Task[None] | None = None
+        self._thread_monitor: asyncio.Task[None] | None = None
         # Set when the decode thread died while serving: the daemon answers everything
         # with an error and exits with EXIT_DECODE_FAILED.
         self.failed = False
@@ -108,8 +111,9 @@ class Server:
                 await self._stop.wait()
             await self._shutdown()
         finally:
-            if self._watchdog is not None:
-                self._watchdog.cancel()
+            for task in (self._watchdog, self._thread_monitor):
+                if task is not None:
+                    task.cancel()
         return EXIT_DECODE_FAILED if self.failed else 0
 
     def _start_watchdog(self) -> None:
@@ -155,6 +159,9 @@ class Server:
             raise StartupError(f"model.chat_template: {exc}") from None
         state.engine = engine
         state.scheduler = Scheduler(engine, self.config.server.max_queue, engine.slots)
+        if engine.threads.adaptive:
+            self._thread_monitor = asyncio.ensure_future(
+                ThreadMonitor(engine.threads, state.scheduler, state.cpus).run())
         loop = asyncio.get_running_loop()
 
         def decode_stopped(future: concurrent.futures.Future[None]) -> None:
@@ -175,6 +182,8 @@ class Server:
                  model_config.reproducible,
                  state.chat_template.label if state.chat_template else None)
         log.info("llama.cpp system info: %s", engine.system_info.strip())
+        log.info("%s; adaptive threads %s", openmp.describe(os.environ, openmp.mapped_paths()),
+                 "on" if engine.threads.adaptive else "off")
         ratios = engine.step_cost_ratios()
         if ratios is not None:
             # Only a first start on this machine measures them (engine/costsfile.py).

@@ -20,6 +20,7 @@ from sfcore_daemon.serve.protocol import (
     SlotUse,
     SpeculativeCounts,
     StatsReply,
+    ThreadCounts,
     TokenCounts,
 )
 from sfcore_daemon.store.promptstore import PromptStore
@@ -39,7 +40,7 @@ HTTP_STATUSES = ("200", "400", "401", "403", "404", "408", "413", "429", "500", 
 APIS = ("ndjson", "chat_completions", "completions", "responses", "messages", "http")
 # The (op, api) pairs the HTTP listener's routes count.
 HTTP_OPS = (("chat", "chat_completions"), ("generate", "completions"), ("chat", "responses"),
-            ("chat", "messages"), ("metrics", "http"))
+            ("chat", "messages"), ("tokenize", "messages"), ("metrics", "http"))
 
 
 class Stats:
@@ -134,8 +135,8 @@ class Stats:
             ram_evicted=counters.ram_evicted, disk_evicted=counters.disk_evicted,
             errors=counters.errors)
 
-    def reply(self, request_id: RequestId, slots: list[SlotUse],
-              store: PromptStore | None = None) -> StatsReply:
+    def reply(self, request_id: RequestId, slots: list[SlotUse], store: PromptStore | None,
+              threads: ThreadCounts) -> StatsReply:
         rate = self._decode_tokens * 1e9 / self._decode_ns if self._decode_ns else 0.0
         return StatsReply(
             id=request_id,
@@ -163,4 +164,5 @@ class Stats:
                                           forced_drafted=self.forced_drafted,
                                           forced_accepted=self.forced_accepted),
             cache=self.cache_counts(store),
+            threads=threads,
         )
