@@ -228,6 +228,7 @@ def _serve(config: Config, pinned: list[int], model_path: str, *,
     from sfcore_daemon.llama.gpu import gpu_layers
     from sfcore_daemon.llama.logrouter import route_llama_logs
     from sfcore_daemon.llama.model import ModelLoadError
+    from sfcore_daemon.llama.stepcost import costs_folder
     from sfcore_daemon.store.promptstore import prompt_store
     from sfcore_daemon.system.socketfile import StartupError
 
@@ -242,7 +243,8 @@ def _serve(config: Config, pinned: list[int], model_path: str, *,
                         prefill_per_step=config.server.prefill_per_step,
                         drafts=draft_settings(config.speculative),
                         store=prompt_store(config.cache), cpus=len(pinned),
-                        adaptive_threads=config.runtime.adaptive_threads)
+                        adaptive_threads=config.runtime.adaptive_threads,
+                        step_costs_dir=costs_folder(config.cache))
     except ModelLoadError as exc:
         log.error("%s", exc)
         return EXIT_STARTUP

@@ -133,6 +133,11 @@ class SpeculativeConfig(_Section, frozen=True):
     # N-gram lengths matched, the longest first.
     ngram_max: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
     ngram_min: Annotated[int, msgspec.Meta(ge=1, le=16)] = 2
+    # "measured": a draft is made only as long as it pays, by what a step of each size
+    # costs on this model and machine (measured once, before serving, and kept in the
+    # cache folder) and how often the request's drafts were accepted
+    # (engine/draftgate.py); "always": every draft the matching proposes.
+    policy: Literal["measured", "always"] = "measured"
     # Output tokens of finished requests kept to draft later requests from (any slot);
     # 0: none. Off by default: with it, a request sent again drafts from its earlier
     # answer, verifies in other batch shapes and may come out as other bytes.

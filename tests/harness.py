@@ -33,6 +33,11 @@ BASE_CONFIG: dict[str, Any] = {
     "model": {"n_ctx": 4096},
     "generation": {"max_tokens": 16},
     "log": {"level": "info"},
+    # Every draft the matching proposes: with "measured" (the default) whether a draft
+    # is made depends on step costs measured at start-up, and tests that need drafts
+    # (byte equality, counts) must get them on a loaded machine too. The gate has its
+    # own tests (tests/test_draftgate.py).
+    "speculative": {"policy": "always"},
 }
 
 # The single or last line of a reply: everything but a streamed `token`.

@@ -470,7 +470,8 @@ async def test_speculation_is_reported_and_can_be_refused() -> None:
             info = await client.final({"op": "info"})
             assert info["config"]["speculative"] == {
                 "mode": "ngram", "draft_max": 64, "draft_start": 4, "ngram_max": 4,
-                "ngram_min": 2, "store_tokens": 0, "row_multiple": 4}
+                "ngram_min": 2, "store_tokens": 0, "row_multiple": 4, "policy": "always",
+                "step_costs": None}
             bad = await client.final({"id": "x", "prompt": "hi", "speculative": "yes"})
             assert bad["type"] == "error" and bad["code"] == "invalid_request"
             assert "speculative" in bad["message"] and bad["id"] == "x"

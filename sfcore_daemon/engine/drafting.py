@@ -19,18 +19,28 @@ from __future__ import annotations
 import ctypes
 from typing import Any, NamedTuple
 
+from sfcore_daemon.engine.draftgate import StepCosts, best_length, expected_tokens
 from sfcore_daemon.engine.sequence import NO_PARTS, DraftParts, Seq
 from sfcore_daemon.engine.speculative import MIN_DRAFT, DraftSettings, aligned_lengths
+
+# A draft of text a grammar forces, or a copy of the prompt inside a string value, is
+# taken as it is; beside the n-gram drafts it is judged with, each of its tokens counts
+# as this likely (measured on the forced bench: 0.9 of forced tokens accepted).
+_FORCED_ACCEPTANCE = 0.9
 
 
 class DraftPlan:
     """The drafts proposed for one step, until `settle` gives them their lengths."""
 
-    __slots__ = ("_settings", "_drafting", "_lengths", "_spare", "rows")
+    __slots__ = ("_settings", "_drafting", "_lengths", "_spare", "rows", "_costs")
 
-    def __init__(self, settings: DraftSettings, draft_rows: int, stepping: list[Seq]) -> None:
-        """The step's `draft_rows` shared evenly among the `stepping` sequences."""
+    def __init__(self, settings: DraftSettings, draft_rows: int, stepping: list[Seq],
+                 costs: StepCosts | None = None) -> None:
+        """The step's `draft_rows` shared evenly among the `stepping` sequences; with
+        `costs` (the measured step costs), each n-gram draft cut to the length
+        that pays most for the step, none when none pays (draftgate.py)."""
         self._settings = settings
+        self._costs = costs
         spare = draft_rows  # draft rows left in this step
         sharing = len(stepping)  # sequences still to get a share of them
         self._drafting: list[tuple[Seq, Proposal]] = []
@@ -52,8 +62,40 @@ class DraftPlan:
                 self._drafting.append((seq, proposal))
                 self._lengths.append(length)
                 spare -= length
+        if costs is not None and self._drafting:
+            spare += self._judge(costs, len(stepping))
         self._spare = spare
         self.rows = sum(self._lengths)  # the draft rows proposed
+
+    def _judge(self, costs: StepCosts, rows: int) -> int:
+        """Cut each n-gram draft to the length that gives the step the most tokens per
+        second by the measured costs, the likeliest first, and drop those cut to none;
+        the draft rows this frees."""
+        tokens = float(rows)
+        judged: list[tuple[float, int]] = []
+        for index, (seq, proposal) in enumerate(self._drafting):
+            if _judged(proposal):
+                judged.append((_acceptance(seq, proposal), index))
+            else:
+                rows += self._lengths[index]
+                tokens += expected_tokens(_FORCED_ACCEPTANCE, self._lengths[index])
+        judged.sort(reverse=True)
+        lengths = self._lengths
+        freed = 0
+        for p, index in judged:
+            length = lengths[index]
+            kept, gain = best_length(costs, rows, tokens, p, longest=length,
+                                     shortest=MIN_DRAFT, multiple=self._settings.row_multiple)
+            lengths[index] = kept
+            freed += length - kept
+            rows += kept
+            tokens += gain
+        if freed:
+            kept_drafts = [(draft, length) for draft, length
+                           in zip(self._drafting, lengths, strict=True) if length]
+            self._drafting = [draft for draft, _ in kept_drafts]
+            self._lengths = [length for _, length in kept_drafts]
+        return freed
 
     def settle(self, rows: int, room: int) -> None:
         """Each drafting sequence's `draft`, its length rounded so that the step's logit
@@ -65,6 +107,13 @@ class DraftPlan:
         lengths = aligned_lengths(rows, self._lengths,
                                   [len(proposal.tokens) for _, proposal in self._drafting],
                                   self._settings.row_multiple, min(self._spare, room))
+        costs = self._costs
+        if costs is not None and lengths is not self._lengths:
+            # Rounded only where the measured costs say it pays: rows come in fours on
+            # the default model's output kernel, not on every model's.
+            chances = [_acceptance(seq, proposal) for seq, proposal in self._drafting]
+            if _rate(costs, rows, chances, lengths) < _rate(costs, rows, chances, self._lengths):
+                lengths = self._lengths
         for (seq, proposal), length in zip(self._drafting, lengths, strict=True):
             if length:
                 seq.draft = proposal.tokens[:length]
@@ -74,6 +123,25 @@ class DraftPlan:
                 rest = length - copied - forced
                 seq.draft_parts = DraftParts(forced, min(parts.guessed, rest), copied,
                                              min(parts.after, rest))
+
+
+def _judged(proposal: Proposal) -> bool:
+    """Whether the gate may cut it: an n-gram draft (not text a grammar forces, nor a
+    string value's copy of the prompt)."""
+    return proposal.parts.guessed == len(proposal.tokens)
+
+
+def _acceptance(seq: Seq, proposal: Proposal) -> float:
+    if not _judged(proposal):
+        return _FORCED_ACCEPTANCE
+    assert seq.drafter is not None
+    return seq.drafter.acceptance()
+
+
+def _rate(costs: StepCosts, rows: int, chances: list[float], lengths: list[int]) -> float:
+    """Expected tokens per ns of a step of `rows` other logit rows and these drafts."""
+    tokens = rows + sum(expected_tokens(p, k) for p, k in zip(chances, lengths, strict=True))
+    return tokens / costs.cost(rows + sum(lengths))
 
 
 class Proposal(NamedTuple):

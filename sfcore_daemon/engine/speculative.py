@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sfcore_daemon.config import SpeculativeConfig
+from sfcore_daemon.engine.draftgate import PRIOR_ACCEPTANCE
 
 # A sequence whose drafts keep failing stops drafting for this many of its tokens at
 # first, twice as many after each further failure, at most _MAX_PAUSE.
@@ -39,6 +40,10 @@ _PARTIAL_REACH = 4
 # plus two 2.05x, one plus four 3.5x: a one-token draft never pays, two pay when both
 # are accepted (docs/performance.md, "Speculative decoding").
 MIN_DRAFT = 2
+# A sequence's acceptance: the prior counts as this many drafts of its own, and its own
+# count decays by this each draft (text changes from copying to writing).
+_PRIOR_WEIGHT = 2.0
+_OWN_DECAY = 0.8
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +57,7 @@ class DraftSettings:
     store_tokens: int = 0  # finished requests' output kept for other requests' drafts
     row_multiple: int = 1  # a step's logit rows are made a multiple of this
     forced: bool = False  # constrained requests draft the text their grammar forces
+    measured: bool = False  # drafts judged by the measured step costs (draftgate.py)
 
     @property
     def step_rows(self) -> int:
@@ -68,7 +74,7 @@ def draft_settings(config: SpeculativeConfig) -> DraftSettings | None:
     return DraftSettings(draft_max=config.draft_max, draft_start=config.draft_start,
                          ngram_max=config.ngram_max, ngram_min=config.ngram_min,
                          store_tokens=config.store_tokens, row_multiple=config.row_multiple,
-                         forced=config.forced_drafts)
+                         forced=config.forced_drafts, measured=config.policy == "measured")
 
 
 class NgramStore:
@@ -173,12 +179,18 @@ class NgramDrafter:
     step loop to report, and the sequence goes on one token a step."""
 
     __slots__ = ("_tokens", "_indexed", "_maps", "_settings", "_limit", "_pause",
-                 "_next_pause", "drafted", "accepted", "_store", "prompt_length", "failure")
+                 "_next_pause", "drafted", "accepted", "_store", "prompt_length", "failure",
+                 "_hits", "_misses", "source")
 
     def __init__(self, settings: DraftSettings, tokens: list[int],
                  store: NgramStore | None = None) -> None:
         self._settings = settings
         self._store = store
+        # By source (0: its own text, 1: the store): its accepted draft tokens and its
+        # drafts cut short, decaying (draftgate.py judges drafts by them).
+        self._hits = [0.0, 0.0]
+        self._misses = [0.0, 0.0]
+        self.source = 0  # where the latest proposal came from
         self.prompt_length = len(tokens)
         self._tokens = list(tokens)
         # Continuation positions below this have their n-grams in the maps.
@@ -235,6 +247,7 @@ class NgramDrafter:
                 # in the sequence's own text.
                 continuation = store.draft(tokens, room)
                 if len(continuation) >= MIN_DRAFT:
+                    self.source = 1
                     return continuation, min(want, len(continuation))
                 store = None
             if length <= n:
@@ -248,10 +261,12 @@ class NgramDrafter:
                     # The match runs into the end of the text: the text is periodic
                     # with period length - start there, so the draft repeats.
                     continuation = (continuation * (room // len(continuation) + 1))[:room]
+                self.source = 0
                 return continuation, want
         if store is not None:
             continuation = store.draft(tokens, room)
             if len(continuation) >= MIN_DRAFT:
+                self.source = 1
                 return continuation, min(want, len(continuation))
         return _NO_MATCH
 
@@ -270,6 +285,7 @@ class NgramDrafter:
             self._index(tokens, len(tokens))
             settings = self._settings
             text = tokens + forced
+            self.source = 0
             for n, positions in self._maps:
                 start = positions.get(tuple(text[-n:])) if len(text) >= n else None
                 if start is not None:
@@ -293,10 +309,21 @@ class NgramDrafter:
             self.failure = exc
             store.clear()  # it may hold the text without its index, or the reverse
 
+    def acceptance(self) -> float:
+        """The chance that the next draft token (from the latest proposal's source) is
+        accepted, while the ones before it were."""
+        source = self.source
+        prior = PRIOR_ACCEPTANCE[source]
+        hits = self._hits[source]
+        return (hits + _PRIOR_WEIGHT * prior) / (hits + self._misses[source] + _PRIOR_WEIGHT)
+
     def verified(self, drafted: int, accepted: int) -> None:
         """How many tokens of a draft of `drafted` were accepted: adapts the next ones."""
         self.drafted += drafted
         self.accepted += accepted
+        source = self.source
+        self._hits[source] = self._hits[source] * _OWN_DECAY + accepted
+        self._misses[source] = self._misses[source] * _OWN_DECAY + (accepted < drafted)
         settings = self._settings
         if accepted == drafted:
             self._limit = min(self._limit * 2, settings.draft_max)

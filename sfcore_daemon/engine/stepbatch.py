@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from sfcore_daemon.engine.draftgate import StepCosts
 from sfcore_daemon.engine.drafting import DraftPlan, count_aligned, logit_rows
 from sfcore_daemon.engine.sequence import Seq
 from sfcore_daemon.engine.speculative import DraftSettings
@@ -52,6 +53,10 @@ class StepBatch:
         self._prefill_per_step = prefill_per_step
         self._drafts = drafts
         self._draft_rows = 0 if drafts is None else min(drafts.step_rows, batch - slots)
+        # A step's time by its logit rows (draftgate.py), once measured: the drafts are
+        # judged by them. None: every draft is taken ([speculative] policy "always").
+        self.costs: StepCosts | None = None
+        self.most_rows = slots + self._draft_rows + (drafts.row_multiple if drafts else 0)
         # Reproducible mode cuts prompts at multiples of n_ubatch, so that a chunk
         # evaluated after a cache hit is cut exactly as in a cold run.
         self._prefill_chunk = batch - batch % model.n_ubatch if reproducible else batch
@@ -81,7 +86,7 @@ class StepBatch:
         # Every generating sequence first: its pending token and its draft, if any, each
         # row asking for logits. The drafts are proposed now and settled once the
         # prompt chunks are planned: a prompt read to its end adds a logit row too.
-        plan = (DraftPlan(self._drafts, self._draft_rows, stepping)
+        plan = (DraftPlan(self._drafts, self._draft_rows, stepping, self.costs)
                 if self._drafts is not None and stepping else None)
         n = len(stepping) + (plan.rows if plan is not None else 0)
         # Then prompt tokens: first the short rests (their first token is near), the

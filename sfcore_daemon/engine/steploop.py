@@ -21,6 +21,7 @@ from typing import Any
 
 from sfcore_daemon.engine import faults
 from sfcore_daemon.engine.containment import ContainedStates, Ender
+from sfcore_daemon.engine.draftgate import StepCosts
 from sfcore_daemon.engine.job import EndReason, Job
 from sfcore_daemon.engine.rows import Rows
 from sfcore_daemon.engine.sequence import Seq
@@ -83,6 +84,14 @@ class StepLoop:
         self._abort_jobs: list[Job] = []
         self._abort_callback = C.ggml_abort_callback(self._should_abort)
         self._no_abort_callback = C.ggml_abort_callback()
+
+    @property
+    def step_costs(self) -> StepCosts | None:
+        return self._steps.costs
+
+    def use_step_costs(self, measured: dict[int, float]) -> None:
+        """Judge drafts by these step costs (rows -> ns; draftgate.py), before serving."""
+        self._steps.costs = StepCosts(measured, self._steps.most_rows)
 
     def free(self) -> None:
         """Free the batch; only once the loop has returned."""
@@ -156,7 +165,11 @@ class StepLoop:
             seq.generating = False
             seq.limit = min(job.max_tokens, self.n_ctx - len(job.prompt))
             self._rows.prepare(seq, job)
-            seq.drafter = (faults.drafter(job)(self._drafts, job.prompt, self._learned)
+            # A request that names its seed drafts from its own text only: the store
+            # holds what other requests generated, and its drafts would make the
+            # request's bytes depend on them (a step's rows round otherwise).
+            learned = self._learned if job.sampling.seed is None else None
+            seq.drafter = (faults.drafter(job)(self._drafts, job.prompt, learned)
                            if job.speculative and self._drafts is not None else None)
             seq.draft = []
             shape = job.grammar.shape if job.grammar is not None else None

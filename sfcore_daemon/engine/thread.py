@@ -13,9 +13,14 @@ import os
 import queue
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from sfcore_daemon.config import ModelConfig
+from sfcore_daemon.engine import costsfile
+from sfcore_daemon.engine.draftgate import StepCosts
 from sfcore_daemon.engine.job import Job
 from sfcore_daemon.engine.speculative import DraftSettings
 from sfcore_daemon.engine.steploop import StepLoop
@@ -26,6 +31,7 @@ from sfcore_daemon.llama.model import EngineClosed, LoadAborted, Model, ModelLoa
 from sfcore_daemon.llama.modelfile import known_sha256
 from sfcore_daemon.llama.sampling import import_numpy_beside
 from sfcore_daemon.llama.selfcheck import check_batched_decode
+from sfcore_daemon.llama.stepcost import BUSY_SHARE, BusyMeter, measure_step_costs, step_costs_key
 
 # How long the start-up waits for the store to index its folder (headers only: a few
 # milliseconds for hundreds of files); only a hung disk takes longer.
@@ -56,6 +62,7 @@ class Engine:
         store: PromptStore | None = None,
         cpus: int = 0,
         adaptive_threads: bool = False,
+        step_costs_dir: Path | None = None,
     ) -> None:
         if not os.path.isfile(model_path):
             raise ModelLoadError(f"model file not found: {model_path}")
@@ -88,6 +95,14 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._load_ticks = 0
         self.warm_up_ms = 0.0
+        # The draft gate's step costs (draftgate.py): read from `step_costs_dir` at the
+        # start, else measured after the warm-up (and then `save_step_costs` keeps them).
+        self._costs_dir = step_costs_dir
+        self._costs_path: Path | None = None
+        self.step_costs: dict[int, float] | None = None
+        self.step_costs_measured = False
+        self.step_costs_ms = 0.0
+        self.step_costs_busy = 0.0  # other processes' share of the CPUs meanwhile
         self._abort_load = False
         self._load_progress = C.llama_progress_callback(self._on_load_progress)
 
@@ -108,6 +123,11 @@ class Engine:
 
     def start(self) -> concurrent.futures.Future[None]:
         """Start loading on the decode thread; the returned future says when it is ready."""
+        if self._judges_drafts() and self._costs_dir is not None:
+            context = tuple(sorted(msgspec.structs.asdict(self.config).items()))
+            key = step_costs_key(self.model_path, self.n_threads, (*context, self.slots))
+            self._costs_path = self._costs_dir / f"{key}.json"
+            self.step_costs = costsfile.load(self._costs_path)
         self._thread = threading.Thread(target=self._main, name="sfcore-decode", daemon=True)
         self._thread.start()
         if self.store is not None:
@@ -226,5 +246,37 @@ class Engine:
 
     def warm_up(self) -> None:
         """One batched decode before serving: the first request does not pay for
-        first-touch costs, and a build that cannot run on this CPU dies now (selfcheck)."""
-        self.warm_up_ms = check_batched_decode(self.loaded_model())
+        first-touch costs, and a build that cannot run on this CPU dies now (selfcheck).
+        Then the step costs the drafts are judged by, unless they were read."""
+        model = self.loaded_model()
+        self.warm_up_ms = check_batched_decode(model)
+        if not self._judges_drafts():
+            return
+        if self.step_costs is None:
+            started = time.perf_counter()
+            busy = BusyMeter()
+            self.step_costs = measure_step_costs(model) or None
+            self.step_costs_ms = (time.perf_counter() - started) * 1000
+            self.step_costs_busy = busy.share()
+            self.step_costs_measured = self.step_costs is not None
+        if self.step_costs is not None:
+            assert self._loop is not None
+            self._loop.use_step_costs(self.step_costs)
+
+    def save_step_costs(self) -> None:
+        """Keep step costs measured at this start for the next (event loop, after
+        `ready`: file I/O stays off the decode thread)."""
+        if (self.step_costs_measured and self.step_costs and self._costs_path is not None
+                and self.step_costs_busy <= BUSY_SHARE):
+            costsfile.save(self._costs_path, self.step_costs)
+
+    def step_cost_ratios(self) -> dict[int, float] | None:
+        """Each size's cost in one-row steps, as the drafts are judged by; None when
+        they are not."""
+        loop = self._loop
+        costs: StepCosts | None = loop.step_costs if loop is not None else None
+        return costs.ratios() if costs is not None else None
+
+    def _judges_drafts(self) -> bool:
+        drafts = self.drafts
+        return drafts is not None and drafts.measured and not self.config.reproducible

@@ -198,7 +198,7 @@ class Ops:
                 flash_attn=model_config.flash_attn,
                 reproducible=model_config.reproducible,
                 slots=engine.slots, prefill_per_step=self.config.server.prefill_per_step,
-                speculative=self._speculative_settings(),
+                speculative=self._speculative_settings(engine),
                 cache=self._cache_settings(engine),
                 chat_template=template.label if template else None),
             system_info=engine.system_info.strip(),
@@ -276,13 +276,15 @@ class Ops:
             removed_bytes=removed.bytes)))
         slot.close()
 
-    def _speculative_settings(self) -> SpeculativeSettings:
+    def _speculative_settings(self, engine: Engine) -> SpeculativeSettings:
         settings = self.config.speculative
         return SpeculativeSettings(
             mode=settings.mode if self.state.speculates else "off",
             draft_max=settings.draft_max, draft_start=settings.draft_start,
             ngram_max=settings.ngram_max, ngram_min=settings.ngram_min,
-            store_tokens=settings.store_tokens, row_multiple=settings.row_multiple)
+            store_tokens=settings.store_tokens, row_multiple=settings.row_multiple,
+            policy=settings.policy,
+            step_costs=engine.step_cost_ratios())
 
     def _cache_settings(self, engine: Engine) -> CacheSettings:
         config = self.config.cache

@@ -338,6 +338,9 @@ class SpeculativeSettings(Struct, kw_only=True):
     ngram_min: int
     store_tokens: int
     row_multiple: int
+    policy: Literal["measured", "always"]
+    # With "measured": each step size's cost in one-row steps, as drafts are judged.
+    step_costs: dict[int, float] | None
 
 
 class CacheSettings(Struct, kw_only=True):

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from sfcore_daemon.config import Config
 from sfcore_daemon.engine.thread import Engine
 from sfcore_daemon.llama.model import LoadAborted
+from sfcore_daemon.llama.stepcost import BUSY_SHARE
 from sfcore_daemon.serve import access, protocol
 from sfcore_daemon.serve.chat import ChatTemplateError, TemplateBudgetError, resolve_template
 from sfcore_daemon.serve.connection import Connection, peer_credentials, peer_groups
@@ -54,6 +55,16 @@ class Frontend(Protocol):
     async def close(self) -> None:
         """After the drain: close its connections and its socket."""
         ...
+
+
+def _costs_source(engine: Engine) -> str:
+    if not engine.step_costs_measured:
+        return "as measured before"
+    busy = engine.step_costs_busy
+    if busy > BUSY_SHARE:
+        return (f"measured in {engine.step_costs_ms:.0f} ms while other processes used "
+                f"{busy:.0%} of the CPUs: for this run only, measured again at the next start")
+    return f"measured in {engine.step_costs_ms:.0f} ms, kept for later starts"
 
 
 class Server:
@@ -173,6 +184,13 @@ class Server:
         log.info("llama.cpp system info: %s", engine.system_info.strip())
         log.info("%s; adaptive threads %s", openmp.describe(os.environ, openmp.mapped_paths()),
                  "on" if engine.threads.adaptive else "off")
+        ratios = engine.step_cost_ratios()
+        if ratios is not None:
+            # Only a first start on this machine measures them (engine/costsfile.py).
+            engine.save_step_costs()
+            log.info("drafts judged by step costs %s (in one-row steps, by rows; %s)",
+                     " ".join(f"{rows}:{ratio:.2f}" for rows, ratio in ratios.items()),
+                     _costs_source(engine))
         state.ready.set()
         state.load_ended.set()
         # The one line a person or a script waits for; systemd gets the same as STATUS.

@@ -1,0 +1,66 @@
+"""The measured step costs (llama/stepcost.py) on disk, one small JSON file per model,
+build, CPU and context settings (the name is their hash), so that only a daemon's
+first start on a machine measures them. A file that does not read as costs is
+measured again and replaced: it is a cache, never an error."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+log = logging.getLogger(__name__)
+
+# rows -> ns; at most a few dozen sizes, each a positive time under ten seconds.
+_Rows = Annotated[int, msgspec.Meta(ge=1, le=4096)]
+_Nanoseconds = Annotated[float, msgspec.Meta(gt=0, lt=1e10)]
+_MAX_BYTES = 64 << 10
+
+
+class CostsFile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    version: int
+    ns: dict[_Rows, _Nanoseconds]
+
+
+_VERSION = 1
+_decoder = msgspec.json.Decoder(CostsFile)
+
+
+def parse(data: bytes) -> dict[int, float] | None:
+    """The costs in `data`; None unless it is a whole, current costs file with a
+    one-row step and at least one more size."""
+    if len(data) > _MAX_BYTES:
+        return None
+    try:
+        costs = _decoder.decode(data)
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return None
+    if costs.version != _VERSION or 1 not in costs.ns or len(costs.ns) < 2:
+        return None
+    return dict(costs.ns)
+
+
+def load(path: Path) -> dict[int, float] | None:
+    try:
+        with open(path, "rb") as file:
+            data = file.read(_MAX_BYTES + 1)
+    except OSError:
+        return None
+    return parse(data)
+
+
+def save(path: Path, ns: dict[int, float]) -> None:
+    """Write atomically (a temp file renamed over it); a failure is logged, not raised:
+    the next start measures again."""
+    data = msgspec.json.encode(CostsFile(version=_VERSION, ns=ns))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as temp:
+            temp.write(data)
+        os.replace(temp.name, path)
+    except OSError as exc:
+        log.warning("could not keep the measured step costs in %s: %s", path, exc)

@@ -1,0 +1,119 @@
+"""What a decode step of r logit rows costs on this model, machine and build: measured
+once, before the daemon serves, for the draft gate (engine/draftgate.py), and kept in
+the cache folder so that later starts read it instead.
+
+One sequence after a short prompt, every row asking for logits (the shape of a step
+that verifies a draft), on the daemon's own threads; each size the fastest of a few
+rounds, in a shuffled order each round. The threads matter: on one thread a 2-row step
+of the default model costs 3.6 one-row steps, on two 2.1 (a lone row parallelises
+worse). So does the machine's load: measured while a test suite ran on the same cores,
+a 2-row step of SmolLM2 cost 4.4 one-row steps instead of about 2. So costs measured
+while other processes kept the CPUs busy serve this run only, and the next start
+measures again (`busy_share`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import time
+from pathlib import Path
+
+from sfcore_daemon.config import CacheConfig
+from sfcore_daemon.llama.capi import C
+from sfcore_daemon.llama.model import Model
+from sfcore_daemon.llama.modelfile import cache_dir
+
+# Both sides of the multiples of 4 that llama.cpp's output kernel groups rows by (the
+# default model's), up to 17 rows; larger sizes are drawn from these.
+SIZES = (1, 2, 3, 4, 5, 8, 9, 16, 17)
+ROUNDS = 2
+# Other processes' share of the CPUs during the measurement above which it is not kept.
+BUSY_SHARE = 0.1
+_PROMPT_TOKENS = 8
+
+
+def measure_step_costs(model: Model, sizes: tuple[int, ...] = SIZES,
+                       rounds: int = ROUNDS) -> dict[int, float]:
+    """rows -> ns of one llama_decode of that many rows (the fastest of `rounds`), on
+    the decode thread before it serves; the cache is cleared after."""
+    sizes = tuple(size for size in sizes if size + _PROMPT_TOKENS <= model.n_batch)
+    most = max(sizes)
+    batch = C.llama_batch_init(_PROMPT_TOKENS + most, 0, 1)
+    n_vocab = model.info.n_vocab
+    shuffle = random.Random(0).shuffle
+    best: dict[int, float] = {}
+    try:
+        for row in range(_PROMPT_TOKENS + most):
+            batch.token[row] = row * 7919 % (n_vocab - 1) + 1  # any valid ids do
+            batch.pos[row] = row
+            batch.n_seq_id[row] = 1
+            batch.seq_id[row][0] = 0
+            batch.logits[row] = 0
+        batch.n_tokens = _PROMPT_TOKENS
+        if C.llama_decode(model.ctx, batch) != 0:
+            return {}
+        prompt_only = _PROMPT_TOKENS
+        for row in range(most):
+            batch.token[row] = batch.token[prompt_only + row]
+            batch.pos[row] = prompt_only + row
+            batch.logits[row] = 1
+        for _ in range(rounds):
+            order = list(sizes)
+            shuffle(order)
+            for size in order:
+                batch.n_tokens = size
+                started = time.perf_counter_ns()
+                status = C.llama_decode(model.ctx, batch)
+                C.llama_synchronize(model.ctx)
+                elapsed = time.perf_counter_ns() - started
+                C.llama_memory_seq_rm(model.memory, 0, prompt_only, -1)
+                if status != 0:
+                    return {}
+                best[size] = min(best.get(size, elapsed), elapsed)
+    finally:
+        C.llama_batch_free(batch)
+        C.llama_memory_clear(model.memory, False)
+    return best
+
+
+def step_costs_key(model_path: str, n_threads: int, context: tuple[object, ...]) -> str:
+    """What the costs depend on: the model file, the build and the CPU (llama.cpp's
+    system info names its features), the threads and the context's settings."""
+    stat = os.stat(model_path)
+    parts = (os.path.abspath(model_path), stat.st_size, stat.st_mtime_ns,
+             C.llama_print_system_info().decode(errors="replace"), n_threads, *context)
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+
+
+def costs_folder(cache: CacheConfig) -> Path:
+    """Beside the prompt store's folder: `[cache] dir`'s parent, else the daemon's
+    cache folder ($CACHE_DIRECTORY or ~/.cache/sfcore-ai)."""
+    if cache.dir:
+        return Path(os.path.expanduser(cache.dir)).parent / "step-costs"
+    return cache_dir() / "step-costs"
+
+
+class BusyMeter:
+    """Other processes' share of the machine's CPUs between `__init__` and `share()`:
+    the system's busy time less this process's own, over the CPUs' time."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self._process = psutil.Process()
+        self._start = self._readings()
+
+    def share(self) -> float:
+        system0, own0, wall0 = self._start
+        system1, own1, wall1 = self._readings()
+        cpus = self._psutil.cpu_count() or 1
+        return max(system1 - system0 - (own1 - own0), 0.0) / max((wall1 - wall0) * cpus, 1e-9)
+
+    def _readings(self) -> tuple[float, float, float]:
+        times = self._psutil.cpu_times()
+        busy = sum(times) - times.idle - getattr(times, "iowait", 0.0)
+        own = self._process.cpu_times()
+        return busy, own.user + own.system, time.monotonic()

@@ -1,0 +1,209 @@
+"""The draft gate (engine/draftgate.py): step costs by rows, the expected tokens of a
+draft, the length that pays most; the costs file (engine/costsfile.py); and, live, a
+daemon whose drafts are judged by the step costs it measured."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sfcore_daemon.config import SpeculativeConfig
+from sfcore_daemon.engine import costsfile
+from sfcore_daemon.engine.draftgate import StepCosts, best_length, expected_tokens
+from sfcore_daemon.engine.speculative import NgramDrafter, draft_settings
+from sfcore_daemon.llama.stepcost import BusyMeter
+from tests.harness import done_of, merge, running_daemon
+
+pytest_asyncio_mark = pytest.mark.asyncio(loop_scope="function")
+
+
+def costs_of(table: dict[int, float], most: int = 70) -> StepCosts:
+    return StepCosts({rows: ms * 1e6 for rows, ms in table.items()}, most)
+
+
+def test_costs_need_a_one_row_step_and_one_more() -> None:
+    with pytest.raises(ValueError):
+        StepCosts({1: 10e6}, 16)
+    with pytest.raises(ValueError):
+        StepCosts({2: 10e6, 4: 20e6}, 16)
+
+
+def test_unmeasured_sizes_are_drawn_between_and_past_the_measured() -> None:
+    costs = costs_of({1: 10, 5: 30})
+    assert costs.cost(1) == 10e6 and costs.cost(5) == 30e6
+    assert costs.cost(3) == 20e6  # halfway
+    assert costs.cost(7) == 40e6  # past them: the mean row of the range (5 ms)
+    assert costs.cost(100) > costs.cost(70)  # past the table too
+    assert costs.ratios()[5] == 3.0
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens(1.0, 5) == 5
+    assert expected_tokens(0.0, 5) == 0
+    assert math.isclose(expected_tokens(0.5, 2), 0.5 + 0.25)
+
+
+@given(st.floats(0.0, 1.0), st.integers(1, 64))
+def test_expected_tokens_is_within_the_draft(p: float, k: int) -> None:
+    gain = expected_tokens(p, k)
+    assert 0.0 <= gain <= k + 1e-9
+    assert gain <= expected_tokens(p, k + 1) + 1e-9
+
+
+def test_rows_that_cost_a_quarter_step_pay_for_a_likely_draft() -> None:
+    # The default model: 13.3 ms a lone row, 3.7 ms each further (docs/performance.md).
+    costs = costs_of({rows: 13.3 + 3.7 * (rows - 1) for rows in (1, 2, 4, 8, 16)})
+    kept, gain = best_length(costs, 1, 1.0, 0.9, longest=16, shortest=2, multiple=1)
+    assert kept >= 4 and gain > 2
+
+
+def test_an_unlikely_draft_is_dropped() -> None:
+    costs = costs_of({rows: 5.0 + 2.0 * (rows - 1) for rows in (1, 2, 3, 4, 8)})
+    assert best_length(costs, 1, 1.0, 0.3, longest=8, shortest=2, multiple=1) == (0, 0.0)
+
+
+def test_with_one_row_as_dear_as_a_step_nothing_pays() -> None:
+    costs = costs_of({rows: 10.0 * rows for rows in range(1, 10)})
+    assert best_length(costs, 1, 1.0, 0.99, longest=8, shortest=2, multiple=1)[0] == 0
+
+
+@given(st.floats(0.0, 1.0), st.integers(2, 32), st.integers(1, 8),
+       st.lists(st.floats(0.0, 100.0), min_size=1, max_size=16))
+def test_the_length_chosen_is_none_or_pays(p: float, longest: int, rows: int,
+                                           increments: list[float]) -> None:
+    table, total = {}, 1.0
+    for size, extra in enumerate(increments, start=1):
+        total += extra
+        table[size] = total
+    table.setdefault(2, table[1] + 1.0)
+    costs = costs_of(table)
+    kept, gain = best_length(costs, rows, float(rows), p, longest=longest, shortest=2,
+                             multiple=4)
+    assert kept == 0 or 2 <= kept <= longest
+    if kept:  # it pays, by the same estimates
+        assert (rows + gain) / costs.cost(rows + kept) > rows / costs.cost(rows)
+    else:
+        assert gain == 0.0
+
+
+def test_a_sequence_that_keeps_failing_stops_drafting_by_the_gate() -> None:
+    drafter = NgramDrafter(draft_settings(SpeculativeConfig()), [1, 2, 3, 4, 1, 2, 3])
+    start = drafter.acceptance()
+    assert start == pytest.approx(0.75)  # the prior: 3 in 4
+    for _ in range(6):
+        drafter.verified(8, 0)
+    assert drafter.acceptance() < 0.3
+    for _ in range(6):
+        drafter.verified(8, 8)
+    assert drafter.acceptance() > 0.8
+
+
+# --- the costs file --------------------------------------------------------------
+
+
+def test_the_costs_file_round_trips(tmp_path: Path) -> None:
+    path = tmp_path / "step-costs" / "key.json"
+    costsfile.save(path, {1: 5e6, 4: 9e6})
+    assert costsfile.load(path) == {1: 5e6, 4: 9e6}
+    assert costsfile.load(tmp_path / "missing.json") is None
+
+
+@pytest.mark.parametrize("text", [
+    b"", b"{", b"[]", b'{"version": 1}', b'{"version": 2, "ns": {"1": 5, "2": 9}}',
+    b'{"version": 1, "ns": {"1": 5}}', b'{"version": 1, "ns": {"2": 5, "3": 9}}',
+    b'{"version": 1, "ns": {"1": -5, "2": 9}}', b'{"version": 1, "ns": {"0": 5, "1": 9}}',
+    b'{"version": 1, "ns": {"1": 5, "2": 9}, "more": 1}', b"\xff\xfe",
+])
+def test_a_file_that_is_not_costs_is_measured_again(text: bytes) -> None:
+    assert costsfile.parse(text) is None
+
+
+@given(st.binary(max_size=256) | st.from_type(dict).map(lambda value: json.dumps(
+    value, default=str).encode()))
+def test_any_bytes_read_as_costs_or_as_nothing(data: bytes) -> None:
+    parsed = costsfile.parse(data)
+    if parsed is not None:
+        assert 1 in parsed and len(parsed) >= 2
+        assert all(rows >= 1 and ns > 0 for rows, ns in parsed.items())
+        StepCosts(parsed, 64)  # and the gate takes them
+
+
+@given(st.dictionaries(st.integers(1, 64), st.floats(1.0, 1e9), min_size=1, max_size=20))
+def test_costs_survive_the_file(ns: dict[int, float]) -> None:
+    ns = {1: 1e6, **ns}
+    data = msgspec.json.encode({"version": 1, "ns": ns})
+    parsed = costsfile.parse(data)
+    assert parsed == (ns if len(ns) >= 2 else None)
+
+
+# --- live ------------------------------------------------------------------------
+
+COPY = {"prompt": "Copy this list exactly, one item a line:\nalpha\nbravo\ncharlie\ndelta\n"
+                  "echo\nfoxtrot\ngolf\nhotel\nindia\njuliet\n\nCopy:\nalpha\nbravo\n",
+        "max_tokens": 48}
+
+
+async def info(daemon: Any) -> dict[str, Any]:
+    async with daemon.client() as client:
+        return await client.final({"op": "info"})
+
+
+@pytest_asyncio_mark
+async def test_a_daemon_measures_its_step_costs_once_and_judges_drafts_by_them(
+        tmp_path: Path) -> None:
+    measured = merge({}, {"speculative": {"policy": "measured"},
+                          "cache": {"dir": str(tmp_path / "prompts")},
+                          "server": {"slots": 1}})
+    async with running_daemon(measured) as daemon:
+        costs = (await info(daemon))["config"]["speculative"]
+        assert costs["policy"] == "measured"
+        ratios = {int(rows): ratio for rows, ratio in costs["step_costs"].items()}
+        assert ratios[1] == 1.0 and set(range(1, 18)) <= set(ratios)
+        assert all(ratio > 0 for ratio in ratios.values())
+        async with daemon.client() as client:
+            plain = done_of(await client.request(
+                {**COPY, "temperature": 0, "speculative": False, "cache_prompt": False}))
+            fast = done_of(await client.request(
+                {**COPY, "temperature": 0, "cache_prompt": False}))
+        # Whatever the gate decided, the text is the model's: drafts of at most 3 rows
+        # are bit-exact, and a longer one only where its costs say it pays.
+        assert fast["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+        assert fast["usage"]["accepted_tokens"] <= fast["usage"]["drafted_tokens"]
+        log = daemon.log
+        assert "drafts judged by step costs" in log
+    kept = list((tmp_path / "step-costs").glob("*.json"))
+    if "kept for later starts" in log:
+        assert len(kept) == 1, kept
+        assert costsfile.load(kept[0]) is not None
+    else:  # measured while the machine was busy: for that run only
+        assert "for this run only" in log and kept == []
+    async with running_daemon(measured) as again:
+        again_costs = (await info(again))["config"]["speculative"]["step_costs"]
+        if kept:  # the next start reads them instead of measuring
+            assert again_costs == costs["step_costs"]
+            assert "as measured before" in again.log
+        else:
+            assert "measured in" in again.log
+
+
+def test_the_busy_meter_sees_another_process_on_the_cpus() -> None:
+    busy = BusyMeter()
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import time\nend = time.monotonic() + 0.6\n"
+                              "while time.monotonic() < end: pass"])
+    try:
+        child.wait(timeout=30)
+    finally:
+        child.kill()
+    # One of this machine's CPUs (at most 2 here, more elsewhere) for most of the time.
+    assert busy.share() >= 0.5 / (os.cpu_count() or 1) * 0.5
