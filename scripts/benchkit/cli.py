@@ -90,7 +90,8 @@ def main() -> int:
         if value is not None and value < 1:
             parser.error(f"--{option.replace('_', '-')} must be at least 1")
     for name in names:
-        problems = getattr(modules[name], "check", lambda _args: [])(args)
+        check = getattr(modules[name], "check", None)
+        problems: list[str] = check(args) if check is not None else []
         if problems:
             parser.error("; ".join(problems))
 
