@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import uvloop
-from benchlib import REPO, Daemon, decode_reply, filler_text, log, paired_ratio, summary
+from benchkit.common import REPO, decode_reply, filler_text, log
+from benchkit.daemon import Daemon
+from benchkit.table import paired_ratio, summary
 
 GOOD_PROMPTS = [  # each runs past 64 tokens greedily; distinct, so no client shares a prefix
     "Write a long essay about the ocean.",

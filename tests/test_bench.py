@@ -1,8 +1,11 @@
-"""scripts/bench.py runs end to end (one short run; its figures are not judged here)."""
+"""scripts/bench.py runs end to end (one short run; its figures are not judged here), and
+its sections are one package (scripts/benchkit) with a registry and no import circle."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import importlib
 import json
 import os
 import signal
@@ -44,7 +47,9 @@ async def test_bench_prints_every_figure_and_writes_json() -> None:
                   "process start to ready", "4 concurrent clients", "peak RSS"):
         assert label in table, label
     assert "[run 1/1]" in stderr.decode()  # progress is shown
-    data = json.loads(results.read_text())
+    everything = json.loads(results.read_text())
+    assert everything["sections"] == ["figures", "structured", "concurrency"]
+    data = everything["figures"]
     assert len(data["samples"]["daemon"]) == len(data["samples"]["ceiling"]) == 1
     daemon = data["samples"]["daemon"][0]
     assert daemon["decode_tokens"] > 1 and daemon["prefix_cached_tokens"] >= 900
@@ -54,25 +59,24 @@ async def test_bench_prints_every_figure_and_writes_json() -> None:
     for label in ("Concurrent clients", "8 clients, aggregate", "while 3 others stream",
                   "inter-token gap p99", "8 clients >= 2 x 1 client"):
         assert label in table, label
-    concurrency = data["concurrency"]
+    concurrency = everything["concurrency"]
     assert len(concurrency["samples"]["daemon"]) == 1
     assert not concurrency["samples"]["llama-server"]
     assert concurrency["samples"]["daemon"][0]["clients_8_tok_s"] > 0
     assert concurrency["samples"]["daemon"][0]["gap_prefill_count"] >= 1
 
 
-def concurrency_module() -> object:
-    """scripts/bench_concurrency.py, loaded the way scripts/bench.py loads it."""
-    sys.path.insert(0, str(REPO / "scripts"))
+def benchkit_module(name: str) -> Any:
+    """A module of scripts/benchkit, loaded the way scripts/bench.py loads it."""
+    sys.path[:0] = [str(REPO / "scripts"), str(REPO)]
     try:
-        import bench_concurrency  # type: ignore[import-not-found]
+        return importlib.import_module(name)
     finally:
-        sys.path.remove(str(REPO / "scripts"))
-    return bench_concurrency
+        del sys.path[:2]
 
 
 def test_batched_bench_output_is_parsed_in_both_formats() -> None:
-    module: Any = concurrency_module()
+    module: Any = benchkit_module("benchkit.peers")
     jsonl = "\n".join(json.dumps({"pp": 32, "tg": 128, "pl": pl, "speed_tg": speed})
                       for pl, speed in ((1, 56.1), (4, 95.25)))
     assert module.parse_batched_bench("llama_model_loader: ...\n" + jsonl) == {1: 56.1,
@@ -83,8 +87,41 @@ def test_batched_bench_output_is_parsed_in_both_formats() -> None:
 |    32 |    128 |    8 |   1280 |    0.512 |   500.00 |    8.465 |   120.97 |    8.977 |   142.59 |
 """
     assert module.parse_batched_bench(markdown) == {8: 120.97}
-    assert module.percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0
-    assert module.percentile([float(i) for i in range(1, 101)], 99) == 99.0
+    concurrency: Any = benchkit_module("benchkit.sections.concurrency")
+    assert concurrency.percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0
+    assert concurrency.percentile([float(i) for i in range(1, 101)], 99) == 99.0
+
+
+def test_every_section_is_one_registered_module_of_the_package() -> None:
+    """scripts/ holds bench.py (the entry point) and no bench_*.py; every registered
+    section is a module with HELP and run, and no module of the package passes 600 lines
+    nor imports one that imports it back."""
+    assert not list((REPO / "scripts").glob("bench_*.py"))
+    assert not (REPO / "scripts" / "benchlib.py").exists()
+    sections: Any = benchkit_module("benchkit.sections")
+    package = REPO / "scripts" / "benchkit"
+    modules = {path.stem for path in (package / "sections").glob("*.py")} - {"__init__"}
+    assert {name.rsplit(".", 1)[1] for name in sections.SECTIONS.values()} == modules
+    for name in sections.SECTIONS.values():
+        module = benchkit_module(name)
+        assert isinstance(module.HELP, str) and callable(module.run), name
+    imports: dict[str, set[str]] = {}
+    for path in package.rglob("*.py"):
+        assert len(path.read_text().splitlines()) <= 600, path
+        name = ".".join(path.relative_to(package.parent).with_suffix("").parts)
+        tree = ast.parse(path.read_text())
+        imports[name.removesuffix(".__init__")] = {
+            node.module for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module
+            and node.module.startswith("benchkit")}
+
+    def reaches(start: str, target: str, seen: set[str]) -> bool:
+        for name in imports.get(start, ()):
+            if name == target or (name not in seen and reaches(name, target, seen | {name})):
+                return True
+        return False
+
+    assert not [name for name in imports if reaches(name, name, {name})]
 
 
 async def run_section(*args: str) -> tuple[str, dict[str, Any]]:
@@ -110,10 +147,10 @@ async def run_section(*args: str) -> tuple[str, dict[str, Any]]:
 @pytest.mark.asyncio
 @pytest.mark.timeout(REPLY_TIMEOUT_S + 120)
 async def test_openai_section_measures_both_daemon_paths() -> None:
-    """`--only openai` without llama-server: both daemon columns filled, the two daemon
+    """`openai` without llama-server: both daemon columns filled, the two daemon
     targets judged, the same prompt length on both paths (one rendered template)."""
-    table, results_json = await run_section("scripts/bench.py", "--only", "openai", "--runs",
-                                            "1", "--tokens", "8")
+    table, results_json = await run_section("scripts/bench.py", "openai", "--runs", "1",
+                                            "--tokens", "8")
     assert "| daemon, NDJSON chat | daemon, /v1/chat/completions |" in table, table
     assert "llama-server, /v1/chat/completions" not in table
     section = results_json["openai"]
@@ -129,11 +166,10 @@ async def test_openai_section_measures_both_daemon_paths() -> None:
 @pytest.mark.asyncio
 @pytest.mark.timeout(REPLY_TIMEOUT_S + 120)
 async def test_tools_section_counts_every_answer_and_forced_calls_validate() -> None:
-    """`--only tools --seeds 2` without llama-server: one table row per (tool_choice,
+    """`tools --seeds 2` without llama-server: one table row per (tool_choice,
     temperature, max_tokens), its counts add up to its requests, and every forced call
     of the daemon validates (tight budgets and temperature 1.0 included)."""
-    table, results_json = await run_section("scripts/bench.py", "--only", "tools", "--seeds",
-                                            "2")
+    table, results_json = await run_section("scripts/bench.py", "tools", "--seeds", "2")
     assert table.startswith("Tool calls: ") and "\nvalid: " in table, table
     rows = [[cell.strip() for cell in line.strip("|").split("|")]
             for line in table.splitlines() if line.startswith("| daemon |")]
@@ -155,12 +191,12 @@ async def test_tools_section_counts_every_answer_and_forced_calls_validate() -> 
 @pytest.mark.asyncio
 @pytest.mark.timeout(REPLY_TIMEOUT_S + 120)
 async def test_forced_section_compares_three_sides_and_every_document_validates() -> None:
-    """scripts/bench_forced.py on one schema: a table line per sampling, every
-    constrained document valid, forced tokens drafted and accepted."""
-    table, results_json = await run_section("scripts/bench_forced.py", "--runs", "1",
+    """`forced` on one schema: a table line per sampling, every constrained document
+    valid, forced tokens drafted and accepted."""
+    table, results_json = await run_section("scripts/bench.py", "forced", "--runs", "1",
                                             "--schemas", "nested")
     assert "| nested | greedy |" in table and "| nested | sampled |" in table, table
-    lines = results_json["lines"]
+    lines = results_json["forced"]["lines"]
     assert [line["sampling"] for line in lines] == ["greedy", "sampled"]
     # Forced and no forced, each daemon first once: greedy once, sampled once a seed.
     for line, seeds in zip(lines, (1, 3), strict=True):

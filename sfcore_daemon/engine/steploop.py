@@ -149,6 +149,10 @@ class StepLoop:
             n_reused = self._cells.reuse_prefix(seq, job.prompt) if job.cache_prompt else 0
             if n_reused == 0:
                 self._cells.forget(seq)
+                if not self._active:
+                    # Alone on an empty cache (the scheduler emptied it for a request
+                    # that reuses nothing): a fresh context's layout, whatever ran before.
+                    self._cells.clear_if_empty()
             job.n_cached = n_reused
             job.cache_source = "slot" if n_reused else "none"
             seq.keep_state = job.cache_prompt

@@ -123,6 +123,16 @@ class KVCache:
         seq.cached.clear()
         seq.prompt_rows = 0
 
+    def clear_if_empty(self) -> bool:
+        """When no sequence holds cells, clear the whole pool: copies under spare ids and
+        pad cells go too, and llama.cpp places the next cells from the first one on, as
+        in a fresh context. Whether it did."""
+        if any(seq.cached for seq in self._seqs):
+            return False
+        self._padded_for = -1
+        C.llama_memory_clear(self._memory, False)
+        return True
+
     def trim(self, seq: SeqCells) -> None:
         """Drop cells past `seq.cached` (whole ubatches an aborted decode left behind)."""
         C.llama_memory_seq_rm(self._memory, seq.id, len(seq.cached), -1)

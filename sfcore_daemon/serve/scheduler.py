@@ -151,12 +151,18 @@ class Scheduler:
                       key=self._slot_used.__getitem__)
         held += sum(len(self._slot_tokens[s]) for s in idle)
         evict = []
+        # A request that reuses nothing (`cache_prompt: false`) and starts alone gets an
+        # empty cache too, so that its bytes are a fresh daemon's, whatever was served
+        # before: the other slots' cells decide where llama.cpp puts its cells and how
+        # many cells attention spans, which pick and partition the attention kernels
+        # (docs/protocol.md, "Reproducibility and the prompt cache").
+        empty = job.exclusive or (not job.cache_prompt and not self.running)
         for other in idle:
-            if held <= pool and not job.exclusive:
+            if held <= pool and not empty:
                 break
-            # An exclusive request empties every other slot: where llama.cpp places a
-            # sequence's cells, among other sequences' cells, changes the order its
-            # attention sums in, so only an otherwise empty cache gives cold-run bytes.
+            # Where llama.cpp places a sequence's cells, among other sequences' cells,
+            # changes the order its attention sums in, so only an otherwise empty cache
+            # gives cold-run bytes.
             evict.append(other)
             held -= len(self._slot_tokens[other])
         if held > pool:

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """What verifying a draft costs, and how far a verified row's logits are from a lone row's.
 
 llama.cpp directly, the daemon's context settings, one sequence:
@@ -11,22 +10,23 @@ llama.cpp directly, the daemon's context settings, one sequence:
    1 + k at a time as if every draft were right: each position where a row's argmax is not
    the reference token, with the logit gap (top logit minus the reference token's).
 
-    .venv/bin/python scripts/bench_spec_rows.py [--model PATH]
+    .venv/bin/python scripts/bench.py spec-rows [--model PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import random
 import statistics
 import time
 from typing import Any
 
+from benchkit.context import Bench
 from sfcore_daemon.config import ModelConfig
-from sfcore_daemon.llama import modelfile
 from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.model import context_params
+
+HELP = "what verifying a draft of k rows costs; rows' argmax against lone rows'"
 
 PROMPTS = {
     "free": "The history of the city of",
@@ -115,11 +115,8 @@ def differences(context: Context, prompt: list[int], tokens: list[int],
     return found
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="GGUF model (default: the embedded default model)")
-    args = parser.parse_args()
-    context = Context(modelfile.resolve_model_path(args.model or ""))
+def run(bench: Bench) -> dict[str, Any]:
+    context = Context(bench.params["model"])
     prompt = context.tokenize(PROMPTS["free"])
     times: dict[int, list[float]] = {drafts: [] for drafts in DRAFTS}
     order = random.Random(0)
@@ -143,8 +140,6 @@ def main() -> int:
         greedy = reference(context, tokens, 200)
         for drafts in (1, 4, 16, 48):
             print(f"| {name} | {1 + drafts} | {differences(context, tokens, greedy, drafts)} |")
-    return 0
+    return {"step_ms": {drafts + 1: statistics.median(values) * 1e3
+                        for drafts, values in times.items()}}
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

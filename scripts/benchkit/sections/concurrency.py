@@ -20,40 +20,31 @@ And, on the daemon only:
 - the gaps between the token lines of a streaming client while another client's
   ~2000-token prompt is evaluated (p50/p99), and that prompt's first token.
 
-Run only this section with `scripts/bench.py --only concurrency`.
+Run only this section with `scripts/bench.py concurrency`.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
-import http.client
 import json
 import math
 import os
-import socket
 import statistics
-import subprocess
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from benchlib import (
-    SHORT_PROMPT,
-    TIMEOUT_S,
-    Daemon,
-    Stream,
-    decode_reply,
-    filler_text,
-    log,
-    paired_ratio,
-    run_together,
-    summary,
-)
+from benchkit.common import SHORT_PROMPT, TIMEOUT_S, decode_reply, log
+from benchkit.context import Bench
+from benchkit.daemon import Daemon, Stream, fit_prompt
+from benchkit.peers import BATCHED_CLIENTS, LlamaServer, peer_paths, run_batched_bench
+from benchkit.table import cell, paired_ratio, print_targets, summary, targets_json
 
-CLIENT_COUNTS = (1, 2, 4, 8)
+HELP = "1, 2, 4, 8 clients at once; first token and gaps under load (llama-server, batched-bench)"
+
+CLIENT_COUNTS = BATCHED_CLIENTS  # llama-batched-bench's B: the same rows
 CLIENT_PROMPTS = [  # distinct, so that no client reuses another's cached prefix
     "The history of the printing press begins",
     "A short guide to growing tomatoes:",
@@ -71,8 +62,6 @@ PROBE_TAGS = ("Amber", "Birch", "Cedar", "Delta")  # one per probe: no probe reu
 LONG_PROMPT_TOKENS = 2000
 GAP_STREAM_FACTOR = 4  # the streaming client's max_tokens, x --tokens: it must outlast the prefill
 GAP_WARM_TOKENS = 32  # tokens streamed before the long prompt is sent
-BATCHED_PP = 32  # llama-batched-bench -npp
-GREEDY_SERVER = {"temperature": 0.0, "top_k": 1}
 
 
 # --- the daemon ---------------------------------------------------------------------------
@@ -267,173 +256,6 @@ async def daemon_gaps_under_prefill(path: str, long_prompt: str, tokens: int) ->
             "long_first_token_beside_stream_ms": run["first_token_ms"]}
 
 
-async def fit_prompt(path: str, target: int, seed: int) -> str:
-    """The longest filler text of at most `target` tokens, by the daemon's tokenizer."""
-    stream = await Stream.open(path)
-    try:
-        async def count(text: str) -> int:
-            stream.writer.write(json.dumps({"op": "tokenize", "text": text}).encode() + b"\n")
-            reply = decode_reply(await stream.reader.readline())
-            return len(reply["tokens"])
-
-        low, high = 1, target
-        while low < high:
-            middle = (low + high + 1) // 2
-            if await count(filler_text(middle, seed)) <= target:
-                low = middle
-            else:
-                high = middle - 1
-    finally:
-        await stream.close()
-    return filler_text(low, seed)
-
-
-# --- llama-server -------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-class LlamaServer:
-    """llama-server on a loopback port with `-np slots`. Its KV: "split" (llama-server's
-    default with an explicit -np): `-c` = n_ctx x slots, divided among the slots, so each
-    request may use n_ctx cells as in the daemon; "unified": `-kvu -c n_ctx`, one pool of
-    n_ctx cells shared by the slots, the daemon's own layout."""
-
-    def __init__(self, process: subprocess.Popen[bytes], port: int, logfile: Path) -> None:
-        self.process, self.port, self.logfile = process, port, logfile
-
-    @staticmethod
-    def command(binary: str, params: dict[str, Any], slots: int, port: int,
-                extra: tuple[str, ...] | list[str] = ()) -> list[str]:
-        unified = params.get("llama_server_kv") == "unified"
-        kv = ["-kvu", "-c", str(params["n_ctx"])] if unified else [
-            "-c", str(params["n_ctx"] * slots)]
-        return [binary, "-m", params["model"], "--host", "127.0.0.1", "--port", str(port),
-                "-np", str(slots), *kv,
-                "-t", str(params["n_threads"]), "-tb", str(params["n_threads_batch"]),
-                "-b", "512", "-ub", "512", "--swa-full", *extra]
-
-    @classmethod
-    def start(cls, binary: str, params: dict[str, Any], slots: int,
-              extra: tuple[str, ...] | list[str] = ()) -> LlamaServer:
-        port = free_port()
-        logfile = Path(tempfile.mkstemp(prefix="sfbench-llama-server-", suffix=".log")[1])
-        with logfile.open("wb") as out:
-            process = subprocess.Popen(cls.command(binary, params, slots, port, extra),
-                                       stdin=subprocess.DEVNULL, stdout=out,
-                                       stderr=subprocess.STDOUT)
-        server = cls(process, port, logfile)
-        deadline = time.monotonic() + TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                tail = logfile.read_text(errors="replace")[-2000:]
-                logfile.unlink(missing_ok=True)
-                raise RuntimeError(f"llama-server exited with {process.returncode}:\n{tail}")
-            try:
-                status, _ = server.call("GET", "/health", None, timeout=5.0)
-                if status == 200:
-                    return server
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                server.stop()
-                raise RuntimeError("llama-server did not become ready")
-            time.sleep(0.1)
-
-    def call(self, method: str, path: str, body: dict[str, Any] | None,
-             timeout: float = TIMEOUT_S) -> tuple[int, dict[str, Any]]:
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            payload = None if body is None else json.dumps(body)
-            connection.request(method, path, payload, {"Content-Type": "application/json"})
-            response = connection.getresponse()
-            data = response.read()
-        finally:
-            connection.close()
-        return response.status, json.loads(data) if data else {}
-
-    def completion(self, prompt: str, tokens: int) -> dict[str, Any]:
-        status, reply = self.call("POST", "/completion", {
-            "prompt": prompt, "n_predict": tokens, "stream": False, **GREEDY_SERVER})
-        if status != 200:
-            raise RuntimeError(f"llama-server answered {status}: {reply}")
-        return reply
-
-    def aggregate(self, clients: int, tokens: int) -> float:
-        """Tokens/s of `clients` requests sent at once from as many threads and
-        connections (connected before the clock starts)."""
-        connections = [http.client.HTTPConnection("127.0.0.1", self.port, timeout=TIMEOUT_S)
-                       for _ in range(clients)]
-        for connection in connections:
-            connection.connect()
-
-        def client(index: int) -> tuple[int, float]:
-            connection = connections[index]
-            body = json.dumps({"prompt": CLIENT_PROMPTS[index], "n_predict": tokens,
-                               "stream": False, **GREEDY_SERVER})
-            try:
-                connection.request("POST", "/completion", body,
-                                   {"Content-Type": "application/json"})
-                reply = json.loads(connection.getresponse().read())
-                return int(reply["tokens_predicted"]), time.perf_counter()
-            finally:
-                connection.close()
-
-        runs, started = run_together(clients, client)
-        return sum(n for n, _ in runs) / (max(t for _, t in runs) - started)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(30)
-        self.logfile.unlink(missing_ok=True)
-
-
-# --- llama-batched-bench ------------------------------------------------------------------
-
-
-def batched_bench_command(binary: str, params: dict[str, Any]) -> list[str]:
-    pl = max(CLIENT_COUNTS)
-    return [binary, "-m", params["model"], "-npp", str(BATCHED_PP),
-            "-ntg", str(params["tokens"]), "-npl", ",".join(map(str, CLIENT_COUNTS)),
-            "-t", str(params["n_threads"]), "-tb", str(params["n_threads_batch"]),
-            "-c", str(max(params["n_ctx"], pl * (BATCHED_PP + params["tokens"]))),
-            "--output-format", "jsonl"]
-
-
-def parse_batched_bench(text: str) -> dict[int, float]:
-    """S_TG by batch size, from jsonl lines or from the markdown table."""
-    result: dict[int, float] = {}
-    for raw in text.splitlines():
-        line = raw.strip()
-        if line.startswith("{") and "speed_tg" in line:
-            row = json.loads(line)
-            result[int(row["pl"])] = float(row["speed_tg"])
-        elif line.startswith("|") and not line.startswith("|-"):
-            cells = [c.strip() for c in line.strip("|").split("|")]
-            if len(cells) == 10 and cells[2].isdigit():  # PP TG B N_KV ... S_TG ...
-                result[int(cells[2])] = float(cells[7])
-    return result
-
-
-def run_batched_bench(binary: str, params: dict[str, Any]) -> dict[int, float]:
-    out = subprocess.run(batched_bench_command(binary, params), capture_output=True, text=True,
-                         check=False, timeout=900)
-    result = parse_batched_bench(out.stdout + "\n" + out.stderr)
-    if out.returncode != 0 or not result:
-        raise RuntimeError(f"llama-batched-bench failed ({out.returncode}): "
-                           f"{(out.stderr or out.stdout)[-2000:]}")
-    return result
-
-
 # --- one run ------------------------------------------------------------------------------
 
 
@@ -458,7 +280,8 @@ async def one_run(params: dict[str, Any], llama_server: str | None, batched_benc
                 server = LlamaServer.start(llama_server, params, clients)
                 try:
                     server.completion(CLIENT_PROMPTS[-1], 8)  # warm-up, as for the daemon
-                    result["llama-server"][key] = server.aggregate(clients, params["tokens"])
+                    result["llama-server"][key] = server.aggregate(CLIENT_PROMPTS[:clients],
+                                                                        params["tokens"])
                 finally:
                     server.stop()
 
@@ -506,12 +329,6 @@ ROWS = [  # key, label, unit: daemon figures; the first four have peers
     ("long_first_token_beside_stream_ms",
      f"first token, {LONG_PROMPT_TOKENS}-token prompt, beside a streaming client", "ms"),
 ]
-
-
-def cell(stats: dict[str, float] | None) -> str:
-    if stats is None:
-        return "-"
-    return f"{stats['median']:.1f} ({stats['min']:.1f}-{stats['max']:.1f})"
 
 
 def stats_of(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -563,20 +380,31 @@ def print_table(samples: dict[str, list[dict[str, Any]]],
           f"{LOAD_STREAMERS}; waited at most {SETTLE_S:.0f} s for all). Gaps per run in the "
           f"long prompt's window: {counts}; the streaming client outlasted the long prompt's "
           f"prefill: {outlasted}.")
-    print()
     checks = targets(samples)
-    print("| target | measured | met |")
-    print("|---|---|---|")
-    for label, value, met in checks:
-        print(f"| {label} | {value:.3f} | {'yes' if met else 'NO'} |")
+    print_targets(checks)
     return checks
 
 
 Samples = dict[str, list[dict[str, Any]]]
 
 
-def run(params: dict[str, Any], runs: int, llama_server: str | None,
-        batched_bench: str | None, runner: Callable[[Any], Any]) -> Samples:
+def add_arguments(parser: argparse._ArgumentGroup) -> None:
+    parser.add_argument("--llama-batched-bench", default=os.environ.get("LLAMA_BATCHED_BENCH"),
+                        help="path of llama.cpp's llama-batched-bench (default: "
+                             "$LLAMA_BATCHED_BENCH)")
+    parser.add_argument("--llama-server-kv", choices=("split", "unified"), default="split",
+                        help="llama-server's KV cache: split (default): -c n_ctx x -np, "
+                             "n_ctx cells for each slot; unified: -kvu -c n_ctx, one pool of "
+                             "n_ctx cells shared by the slots, as in the daemon")
+
+
+def check(args: argparse.Namespace) -> list[str]:
+    return peer_paths(llama_server=args.llama_server,
+                      llama_batched_bench=args.llama_batched_bench)
+
+
+def measure(params: dict[str, Any], runs: int, llama_server: str | None,
+            batched_bench: str | None, runner: Callable[[Any], Any]) -> Samples:
     """All runs of the section; `runner` runs a coroutine to completion (uvloop.run)."""
     samples: dict[str, list[dict[str, Any]]] = {"daemon": [], "llama-server": [],
                                                 "batched-bench": []}
@@ -593,9 +421,11 @@ def run(params: dict[str, Any], runs: int, llama_server: str | None,
     return samples
 
 
-def peer_paths(llama_server: str | None, batched_bench: str | None) -> list[str]:
-    """Problems with the peers' paths, found before anything runs."""
-    return [f"{name} {path} is not an executable file"
-            for name, path in (("llama-server", llama_server),
-                               ("llama-batched-bench", batched_bench))
-            if path and not (os.path.isfile(path) and os.access(path, os.X_OK))]
+def run(bench: Bench) -> dict[str, Any]:
+    samples = measure(bench.params, bench.runs, bench.llama_server,
+                      bench.args.llama_batched_bench, bench.runner)
+    checks = print_table(samples, f"Concurrent clients: {bench.header}; llama-server -np = "
+                                  f"clients, KV {bench.params['llama_server_kv']}")
+    return {"samples": samples,
+            "stats": {side: stats_of(runs) for side, runs in samples.items()},
+            "targets": targets_json(checks)}

@@ -34,6 +34,7 @@ prompt cache (`--cache-ram`), in the same run.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import http.client
@@ -48,20 +49,13 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench_concurrency import LlamaServer, fit_prompt, peer_paths
-from benchlib import (
-    TIMEOUT_S,
-    Daemon,
-    Stream,
-    cell,
-    decode_reply,
-    filler_text,
-    log,
-    log_tail,
-    paired_ratio,
-    run_together,
-    summary,
-)
+from benchkit.common import TIMEOUT_S, decode_reply, filler_text, log, run_together
+from benchkit.context import Bench
+from benchkit.daemon import Daemon, Stream, fit_prompt, log_tail
+from benchkit.peers import LlamaServer, peer_paths
+from benchkit.table import cell, paired_ratio, summary
+
+HELP = "prompt cache: restores (slot, RAM, disk) and churn, llama-server --cache-ram beside"
 
 PREFIX_TOKENS = 2000
 ANSWER_TOKENS = 16
@@ -517,11 +511,21 @@ def print_churn(churn: dict[str, dict[str, Any]], rounds: int,
 # --- the section ---------------------------------------------------------------------------------
 
 
-def run(params: dict[str, Any], runs: int, llama_server: str | None, churn_rounds: int, *,
-        runner: Runner, header: str) -> dict[str, Any]:
+def add_arguments(parser: argparse._ArgumentGroup) -> None:
+    parser.add_argument("--churn-rounds", type=int, default=3,
+                        help="measured rounds of the churn (default 3)")
+
+
+def run(bench: Bench) -> dict[str, Any]:
+    return measure(bench.params, bench.runs, bench.llama_server, bench.args.churn_rounds,
+                   runner=bench.runner, header=bench.header)
+
+
+def measure(params: dict[str, Any], runs: int, llama_server: str | None, churn_rounds: int, *,
+            runner: Runner, header: str) -> dict[str, Any]:
     """Both parts, the tables and the targets; the JSON fields. `runner` runs a coroutine to
     completion (uvloop.run); each call starts and stops its own daemons."""
-    problems = peer_paths(llama_server, None)
+    problems = peer_paths(llama_server=llama_server)
     if problems:
         raise SystemExit("; ".join(problems))
     workdir = Path(tempfile.mkdtemp(prefix="sfbench-cache-", dir="/tmp"))

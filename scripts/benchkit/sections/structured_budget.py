@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Structured output under tight budgets (issue 19): how many replies are valid documents.
 
 10 schemas (nested objects, unbounded arrays of objects, free and minLength strings,
@@ -18,14 +17,18 @@ import argparse
 import asyncio
 import json
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
-import benchlib
 import jsonschema
-import uvloop
-from benchlib import REPO, Daemon, decode_reply, log
+
+from benchkit import common
+from benchkit.common import TIMEOUT_S, decode_reply, log
+from benchkit.context import Bench
+from benchkit.daemon import Daemon
+
+HELP = "structured output under tight budgets: how many replies are valid documents"
+DEFAULTS = {"slots": 4}
 
 TREE_PROMPT = ('A family tree as JSON.\nExample: {"name": "Ann", "children": [{"name": "Bo", '
                '"children": []}]}\nExample: ')
@@ -62,11 +65,9 @@ async def shortest_tokens(reader: asyncio.StreamReader, writer: asyncio.StreamWr
     return len(decode_reply(await reader.readline())["tokens"])
 
 
-async def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    from sfcore_daemon.llama import modelfile
-
-    daemon = await Daemon.start({"model": modelfile.resolve_model_path(args.model or ""),
-                                 "n_ctx": 8192, "slots": args.slots})
+async def measure(args: argparse.Namespace,
+                  params: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    daemon = await Daemon.start(params)
     results: dict[str, list[dict[str, Any]]] = {}
     try:
         reader, writer = await asyncio.open_unix_connection(daemon.socket_path,
@@ -86,7 +87,7 @@ async def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
             rows = []
             for request in requests:
                 done = decode_reply(await asyncio.wait_for(reader.readline(),
-                                                           benchlib.TIMEOUT_S * 5))
+                                                           TIMEOUT_S * 5))
                 rows.append({"budget": request["max_tokens"], "valid": _valid(done, schema),
                              "finish": done.get("finish_reason", done.get("code")),
                              "truncated": bool(done.get("truncated", False)),
@@ -111,19 +112,16 @@ def _valid(done: dict[str, Any], schema: dict[str, Any] | None) -> bool:
         return False
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, default=20)
-    parser.add_argument("--slots", type=int, default=4)
-    parser.add_argument("--model", help="GGUF model (default: the embedded default model)")
+def add_arguments(parser: argparse._ArgumentGroup) -> None:
     parser.add_argument("--repo", help="run this checkout's daemon (default: this one)")
-    parser.add_argument("--json", help="write every reply's figures to this file")
-    args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
+
+
+def run(bench: Bench) -> dict[str, Any]:
+    args = bench.args
     if args.repo:
-        benchlib.REPO = Path(args.repo).resolve()
-    results = uvloop.run(run(args))
-    print(f"daemon: {benchlib.REPO}; {args.seeds} seeds per schema, temperature 1.0, "
+        common.REPO = Path(args.repo).resolve()
+    results: dict[str, Any] = bench.runner(measure(args, bench.params))
+    print(f"daemon: {common.REPO}; {args.seeds} seeds per schema, temperature 1.0, "
           "max_tokens 1.5x-3x the shortest document")
     print("| schema | valid | closed early | length | mean tokens | mean decode tok/s |")
     print("|---|---|---|---|---|---|")
@@ -139,10 +137,5 @@ def main() -> int:
               f"{sum(row['tok_s'] for row in rows) / n:.1f} |")
     print(f"| all | {valid}/{total} ({100 * valid / total:.1f}%) | {closed} | {cut} | | |")
     print(f"target: 100% valid: {'met' if valid == total else 'NOT met'}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
-    return 0 if valid == total else 1
+    return results
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The daemon's drafter against llama.cpp's ngram-mod on the same texts, replayed.
 
 Live, each server writes its own greedy text: from 4 rows a step llama.cpp's kernels round
@@ -10,7 +9,7 @@ driven directly in one process:
 1. The cost of one `llama_decode` of R rows, every row asking for logits, for R = 1 .. 65
    (median of 5, the sizes in a shuffled order each round).
 2. Greedy references, one token a step, for the bench's edit and free prompts
-   (scripts/bench_speculative.py), 256 tokens each.
+   (the speculative section), 256 tokens each.
 3. Each reference replayed step by step: a drafter proposes, the draft is accepted up to
    the first token that differs from the reference, the step costs what step 1 measured
    for its rows. Drafters: the daemon's (`sfcore_daemon.engine.speculative`, with and without
@@ -22,7 +21,7 @@ driven directly in one process:
    opt-in store of earlier answers (`store_tokens`), fed the same way. Replayed tok/s =
    256 / the summed step costs.
 
-    .venv/bin/python scripts/bench_spec_replay.py [--prompts 12] [--model PATH]
+    .venv/bin/python scripts/bench.py spec-replay [--prompts 12] [--model PATH]
 """
 
 from __future__ import annotations
@@ -31,18 +30,21 @@ import argparse
 import random
 import statistics
 import time
+from typing import Any
 
 import numpy
-from bench_spec_rows import Context
-from bench_speculative import FREE_STARTS, edit_prompt
 
+from benchkit.context import Bench
+from benchkit.sections.spec_rows import Context
+from benchkit.sections.speculative import FREE_STARTS, edit_prompt
 from sfcore_daemon.engine.speculative import (
     DraftSettings,
     NgramDrafter,
     NgramStore,
     aligned_lengths,
 )
-from sfcore_daemon.llama import modelfile
+
+HELP = "the daemon's drafter against llama.cpp's ngram-mod on the same texts, replayed"
 
 TOKENS = 256
 MAX_ROWS = 65  # the daemon's draft_max (64) + its pending token; ngram-mod's n_max too
@@ -159,12 +161,13 @@ class NgramMod:
         return len(output) / seconds
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse._ArgumentGroup) -> None:
     parser.add_argument("--prompts", type=int, default=12, help="edit and free prompts each")
-    parser.add_argument("--model", help="GGUF model (default: the embedded default model)")
-    args = parser.parse_args()
-    context = Context(modelfile.resolve_model_path(args.model or ""))
+
+
+def run(bench: Bench) -> dict[str, Any]:
+    args = bench.args
+    context = Context(bench.params["model"])
     cost = step_costs(context, context.tokenize(FREE_STARTS[0]))
     texts: list[tuple[str, list[int], list[int]]] = []
     # The bench's order: an edit and a free prompt, then the edit prompts its edit x4 row
@@ -212,8 +215,5 @@ def main() -> int:
         edit, free = statistics.median(by_kind["edit"]), statistics.median(by_kind["free"])
         print(f"| {side} | {edit:.1f} | {free:.1f} | {edit / mod_edit:.3f} | "
               f"{free / mod_free:.3f} |")
-    return 0
+    return {"step_ms": {rows: value * 1e3 for rows, value in cost.items()}, "rates": rates}
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

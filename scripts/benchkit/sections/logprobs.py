@@ -7,21 +7,22 @@ Two measurements:
   token is one row) with logprobs off, 0, 5 and 20, the modes interleaved in each of
   `--runs` rounds; the median of the daemon's own `timings.decode_tok_s`.
 
-    .venv/bin/python scripts/bench_logprobs.py [--runs 5] [--tokens 128]
+    .venv/bin/python scripts/bench.py logprobs [--runs 5] [--tokens 128]
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import statistics
-import sys
 import time
 from typing import Any
 
-from benchlib import Daemon, Stream, log
+from benchkit.common import log
+from benchkit.context import Bench
+from benchkit.daemon import Daemon, Stream
 
-from sfcore_daemon.llama import modelfile
+HELP = "what logprobs cost a token: the numbers alone and the daemon's decode"
+DEFAULTS = {"n_ctx": 4096, "slots": 1}
+
 
 PROMPT = "Write a long story about a lighthouse keeper and the storm that changed his life."
 MODES: tuple[int | None, ...] = (None, 0, 5, 20)
@@ -43,8 +44,8 @@ def row_cost_us(top: int, calls: int = 300) -> float:
     return statistics.median(times) / 1e3
 
 
-async def decode_rates(runs: int, tokens: int) -> dict[int | None, list[float]]:
-    params = {"model": modelfile.resolve_model_path(""), "n_ctx": 4096, "slots": 1}
+async def decode_rates(params: dict[str, Any], runs: int,
+                       tokens: int) -> dict[int | None, list[float]]:
     daemon = await Daemon.start(params)
     rates: dict[int | None, list[float]] = {mode: [] for mode in MODES}
     try:
@@ -66,14 +67,13 @@ async def decode_rates(runs: int, tokens: int) -> dict[int | None, list[float]]:
     return rates
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--tokens", type=int, default=128)
-    args = parser.parse_args()
+def run(bench: Bench) -> dict[str, Any]:
+    args = bench.args
+    costs = {}
     for top in (0, 5, 20):
-        print(f"numbers of one row, logprobs {top}: {row_cost_us(top):.0f} us")
-    rates = asyncio.run(decode_rates(args.runs, args.tokens))
+        costs[top] = row_cost_us(top)
+        print(f"numbers of one row, logprobs {top}: {costs[top]:.0f} us")
+    rates = bench.runner(decode_rates(bench.params, args.runs, args.tokens))
     base = statistics.median(rates[None])
     print(f"\ndecode tok/s, one greedy {args.tokens}-token request, speculation off, "
           f"medians of {args.runs} (min-max)")
@@ -84,8 +84,6 @@ def main() -> int:
         extra = (1e6 / rate - 1e6 / base) if mode is not None else 0.0
         print(f"| {'off' if mode is None else mode} | {rate:.1f} ({min(values):.1f}-"
               f"{max(values):.1f}) | {rate / base:.3f} | {extra:+.0f} |")
-    return 0
+    return {"row_cost_us": costs, "decode_tok_s": {str(mode): values
+                                                   for mode, values in rates.items()}}
 
-
-if __name__ == "__main__":
-    sys.exit(main())

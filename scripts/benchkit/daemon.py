@@ -1,72 +1,22 @@
-"""What every section of scripts/bench.py shares: the daemon process, its NDJSON stream,
-deterministic filler text and the statistics of the tables."""
+"""The one daemon launcher: a daemon subprocess on a temp socket, waited for by its READY=1,
+and one NDJSON connection to it, timed at the arrival of every reply line."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
-import random
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import msgspec
-
-REPO = Path(__file__).resolve().parent.parent
-SHORT_PROMPT = "Write a haiku about the sea."
-SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": 42}
-FILLER_WORDS = """model token cache socket daemon river mountain garden library engine signal
-window harbor lantern market paper thread kernel memory compass winter summer orbit valley
-bridge castle forest desert ocean island quickly slowly carefully brightly quietly"""
-# The longest wait for any one reply or start. A hang bound, not a speed limit: on a
-# 2-core machine that something else keeps busy, llama.cpp's spinning threads run
-# several times slower, so the test of the bench raises it (SFCORE_BENCH_TIMEOUT_S).
-TIMEOUT_S = float(os.environ.get("SFCORE_BENCH_TIMEOUT_S", "120"))
-_T = TypeVar("_T")
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def filler_text(n_words: int, seed: int) -> str:
-    """Deterministic prose-like text: varied words, so it tokenizes like real input."""
-    words = FILLER_WORDS.split()
-    rng = random.Random(seed)
-    sentences, count = [], 0
-    while count < n_words:
-        length = rng.randint(6, 14)
-        sentence = " ".join(rng.choice(words) for _ in range(length))
-        sentences.append(sentence.capitalize() + ".")
-        count += length
-    return " ".join(sentences)
-
-
-def generation_figures(started: float, first: float, last: float, tokens: int, *,
-                       prompt_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """The same figures for both sides, from the same instants."""
-    return {
-        "first_token_ms": (first - started) * 1e3,
-        "total_ms": (last - started) * 1e3,
-        "decode_tok_s": (tokens - 1) / (last - first) if tokens > 1 and last > first
-        else float("nan"),
-        "tokens": tokens,
-        "prompt_tokens": prompt_tokens,
-        "cached_tokens": cached_tokens,
-    }
-
-
-decode_reply = msgspec.json.Decoder(dict[str, Any]).decode
+from benchkit import common
+from benchkit.common import SAMPLED, TIMEOUT_S, decode_reply, filler_text, generation_figures
 
 
 class Stream:
@@ -165,7 +115,7 @@ class Daemon:
         try:
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "sfcore_daemon", "--config", str(config_path),
-                "--socket", str(workdir / "s"), cwd=REPO,
+                "--socket", str(workdir / "s"), cwd=common.REPO,
                 env={**os.environ, "NOTIFY_SOCKET": str(workdir / "n")},
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
             deadline = started + TIMEOUT_S
@@ -211,53 +161,22 @@ def log_tail(path: Path, chars: int = 2000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
 
-def run_together(clients: int, client: Callable[[int], _T]) -> tuple[list[_T], float]:
-    """Call client(0) ... client(clients - 1) from as many threads, released at once:
-    their results and the perf_counter() of the release. RuntimeError names the first
-    client that raised (or did not finish within TIMEOUT_S)."""
-    go = threading.Event()
-    results: list[Any] = [None] * clients
-    failed: list[BaseException | None] = [None] * clients
+async def fit_prompt(path: str, target: int, seed: int) -> str:
+    """The longest filler text of at most `target` tokens, by the daemon's tokenizer."""
+    stream = await Stream.open(path)
+    try:
+        async def count(text: str) -> int:
+            stream.writer.write(json.dumps({"op": "tokenize", "text": text}).encode() + b"\n")
+            reply = decode_reply(await stream.reader.readline())
+            return len(reply["tokens"])
 
-    def run(index: int) -> None:
-        go.wait()
-        try:
-            results[index] = client(index)
-        except BaseException as error:  # reported below, on the caller's thread
-            failed[index] = error
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(clients)]
-    for thread in threads:
-        thread.start()
-    started = time.perf_counter()
-    go.set()
-    deadline = started + TIMEOUT_S
-    for index, thread in enumerate(threads):
-        thread.join(max(0.0, deadline - time.perf_counter()))
-        if thread.is_alive():
-            raise RuntimeError(f"client {index} did not finish within {TIMEOUT_S:.0f} s")
-        if failed[index] is not None:
-            raise RuntimeError(f"client {index} failed: {failed[index]!r}")
-    return results, started
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    finite = [v for v in values if not math.isnan(v)]
-    if not finite:
-        return {"median": float("nan"), "min": float("nan"), "max": float("nan")}
-    return {"median": statistics.median(finite), "min": min(finite), "max": max(finite)}
-
-
-def cell(stats: dict[str, float] | None) -> str:
-    if stats is None:
-        return "-"
-    return f"{stats['median']:.1f} ({stats['min']:.1f}-{stats['max']:.1f})"
-
-
-def paired_ratio(top: list[dict[str, Any]], top_key: str, bottom: list[dict[str, Any]],
-                 bottom_key: str) -> float:
-    """Median over runs of top/bottom, each pair measured back to back in one run: on a
-    shared machine this is steadier than a ratio of two medians."""
-    ratios = [a[top_key] / b[bottom_key] for a, b in zip(top, bottom, strict=True)
-              if b[bottom_key] and not math.isnan(a[top_key] / b[bottom_key])]
-    return statistics.median(ratios) if ratios else float("nan")
+        low, high = 1, target
+        while low < high:
+            middle = (low + high + 1) // 2
+            if await count(filler_text(middle, seed)) <= target:
+                low = middle
+            else:
+                high = middle - 1
+    finally:
+        await stream.close()
+    return filler_text(low, seed)

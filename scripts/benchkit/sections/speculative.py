@@ -1,4 +1,4 @@
-"""The speculative-decoding section of scripts/bench.py (`--only speculative`).
+"""The speculative-decoding section of scripts/bench.py (`scripts/bench.py speculative`).
 
 Workloads, each request greedy unless said otherwise, `--tokens` tokens:
 
@@ -26,14 +26,20 @@ reply, seen by the client. Acceptance = accepted / drafted tokens.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import statistics
 import time
 from typing import Any
 
-from bench_concurrency import LlamaServer
-from benchlib import TIMEOUT_S, log, run_together, summary
+from benchkit.common import TIMEOUT_S, log, run_together
+from benchkit.context import Bench
+from benchkit.daemon import Daemon
+from benchkit.peers import LlamaServer
+from benchkit.table import summary
+
+HELP = "speculation on and off against llama-server plain and ngram-*: edit, free, sampled"
 
 SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod")
 EDIT_CLIENTS = 4
@@ -218,8 +224,8 @@ def first_token_pairs(sides: dict[str, DaemonSide | ServerSide], first_variant: 
 # --- the section ---------------------------------------------------------------------------
 
 
-def run(params: dict[str, Any], daemon_paths: tuple[str, str], runs: int,
-        llama_server: str | None) -> dict[str, list[dict[str, Any]]]:
+def measure_sides(params: dict[str, Any], daemon_paths: tuple[str, str], runs: int,
+                  llama_server: str | None) -> dict[str, list[dict[str, Any]]]:
     """Every run's figures, per side. `daemon_paths`: the sockets of the daemon that gets
     the requests with speculation and of the one that gets them without."""
     sides: dict[str, DaemonSide | ServerSide] = {
@@ -361,3 +367,30 @@ def print_table(samples: dict[str, list[dict[str, Any]]], header: str) -> list[d
     for row in targets:
         print(f"| {row['target']} | {row['measured']:.3f} | {'yes' if row['met'] else 'NO'} |")
     return targets
+
+
+def run(bench: Bench) -> dict[str, Any]:
+    """The sides against two daemons started here: one takes the requests with
+    speculation, the other the same requests without it."""
+    params, runs, llama_server = bench.params, bench.runs, bench.llama_server
+
+    async def measure() -> dict[str, list[dict[str, Any]]]:
+        # One event loop for the daemons' whole life: a process belongs to the loop that
+        # started it. The section itself is synchronous (threads, blocking sockets).
+        with_speculation = await Daemon.start(params)
+        try:
+            without = await Daemon.start(params)
+            try:
+                return await asyncio.to_thread(
+                    measure_sides, params,
+                    (with_speculation.socket_path, without.socket_path), runs, llama_server)
+            finally:
+                await without.stop()
+        finally:
+            await with_speculation.stop()
+
+    samples = bench.runner(measure())
+    spec_header = f"{bench.header}; llama-server -np {EDIT_CLIENTS}"
+    targets = print_table(samples, spec_header)
+    return {"samples": samples, "medians": medians(samples),
+            "targets": targets}

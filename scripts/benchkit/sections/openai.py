@@ -1,4 +1,4 @@
-"""The OpenAI-endpoint section of scripts/bench.py (`--only openai`): one client's decode
+"""The OpenAI-endpoint section of scripts/bench.py (`scripts/bench.py openai`): one client's decode
 rate and first token through the daemon's `/v1/chat/completions` (streamed, server-sent
 events over HTTP/1.1), against the same daemon's NDJSON `chat` op and against llama-server's
 `/v1/chat/completions` (`--llama-server PATH` or LLAMA_SERVER; without it the section runs
@@ -31,18 +31,23 @@ and llama-server; the NDJSON client is benchlib's Stream, also asyncio on one co
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
-import os
 import re
 import statistics
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from bench_concurrency import LlamaServer
-from benchlib import TIMEOUT_S, Daemon, Stream, cell, decode_reply, log, summary
+from benchkit.common import TIMEOUT_S, decode_reply, log
+from benchkit.context import Bench
+from benchkit.daemon import Daemon, Stream
+from benchkit.peers import LlamaServer, peer_paths
+from benchkit.table import cell, summary
+
+HELP = "one client through /v1/chat/completions against NDJSON chat and llama-server"
 
 Runner = Callable[[Coroutine[Any, Any, Any]], Any]
 
@@ -328,11 +333,15 @@ def print_table(samples: dict[str, list[dict[str, Any]]], header: str) -> list[d
     return rows
 
 
-def run(params: dict[str, Any], runs: int, llama_server: str | None, *, runner: Runner,
-        header: str) -> dict[str, Any]:
+def check(args: argparse.Namespace) -> list[str]:
+    return peer_paths(llama_server=args.llama_server)
+
+
+def run(bench: Bench) -> dict[str, Any]:
     """The section: measure, print the table and the targets; the JSON fields."""
-    if llama_server and not (os.path.isfile(llama_server) and os.access(llama_server, os.X_OK)):
-        raise SystemExit(f"llama-server {llama_server} is not an executable file")
+    params, runs, llama_server, runner = (bench.params, bench.runs, bench.llama_server,
+                                          bench.runner)
+    header = bench.header
     log(f"[openai] daemon (NDJSON and HTTP){' and llama-server' if llama_server else ''}, "
         f"{runs} runs ...")
     samples = runner(measure(params, runs, llama_server))

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Structured output against free text (issue 38): the tokens a schema forces, drafted.
 
 Four schemas (flat, nested, enums, arrays of objects), each with a one-shot completion
@@ -31,9 +30,8 @@ seed back to back), the first token's time and the whole request's ratio forced/
 validates (jsonschema), and in how many pairs the forced daemon's text equals the
 other's byte for byte.
 
-    .venv/bin/python scripts/bench_forced.py [--runs 3] [--schemas flat,enums] [--json F]
+    .venv/bin/python scripts/bench.py forced [--runs 3] [--schemas flat,enums]
         [--llama-server PATH]
-    .venv/bin/python scripts/bench.py --only forced [--runs 3]
 """
 
 from __future__ import annotations
@@ -41,18 +39,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import sys
 from collections.abc import Callable, Coroutine
-from pathlib import Path
 from typing import Any
 
-import benchlib
 import jsonschema
-from bench import STRUCTURED_PROMPT, STRUCTURED_SCHEMA
-from bench_concurrency import LlamaServer
-from benchlib import REPO, Daemon, Stream, log
+
+from benchkit.common import log
+from benchkit.context import Bench
+from benchkit.daemon import Daemon, Stream
+from benchkit.peers import LlamaServer
+from benchkit.sections.structured import STRUCTURED_PROMPT, STRUCTURED_SCHEMA
+from benchkit.table import paired_ratio
+
+HELP = "constrained decode on four schemas with and without forced drafts"
+DEFAULTS = {"runs": 3, "n_ctx": 4096}
 
 Runner = Callable[[Coroutine[Any, Any, Any]], Any]
 
@@ -348,19 +349,19 @@ def summarize(rows: list[dict[str, Any]], schemas: list[str]) -> list[dict[str, 
                 "tokens": statistics.median(row["tokens"] for row in forced),
                 "forced_tok_s": rate(forced), "no_forced_tok_s": rate(plain),
                 "free_tok_s": rate(free),
-                "forced_vs_free": benchlib.paired_ratio(forced, "decode_tok_s", free,
+                "forced_vs_free": paired_ratio(forced, "decode_tok_s", free,
                                                         "decode_tok_s"),
-                "forced_vs_no_forced": benchlib.paired_ratio(forced, "decode_tok_s", plain,
+                "forced_vs_no_forced": paired_ratio(forced, "decode_tok_s", plain,
                                                              "decode_tok_s"),
-                "no_forced_vs_free": benchlib.paired_ratio(plain, "decode_tok_s", free,
+                "no_forced_vs_free": paired_ratio(plain, "decode_tok_s", free,
                                                            "decode_tok_s"),
-                "free_vs_free_plain": benchlib.paired_ratio(free, "decode_tok_s", free_plain,
+                "free_vs_free_plain": paired_ratio(free, "decode_tok_s", free_plain,
                                                             "decode_tok_s"),
                 "forced_first_ms": statistics.median(row["first_token_ms"] for row in forced),
                 "free_first_ms": statistics.median(row["first_token_ms"] for row in free),
                 # The whole request, from sending it to its last token: the time ratio
                 # (the same prompt, as many tokens a side).
-                "forced_vs_free_total": benchlib.paired_ratio(free, "total_ms", forced,
+                "forced_vs_free_total": paired_ratio(free, "total_ms", forced,
                                                               "total_ms"),
                 "free_same": sum(a["text"] == b["text"]
                                  for a, b in zip(free, free_plain, strict=True)),
@@ -369,7 +370,7 @@ def summarize(rows: list[dict[str, Any]], schemas: list[str]) -> list[dict[str, 
                                        for row in forced),
                 "valid": valid, "documents": len(forced) + len(plain),
                 "server_tok_s": rate(server) if server else float("nan"),
-                "forced_vs_server": benchlib.paired_ratio(forced, "decode_tok_s", server,
+                "forced_vs_server": paired_ratio(forced, "decode_tok_s", server,
                                                           "decode_tok_s")
                 if server else float("nan"),
                 "server_valid": sum(_valid(row, schema) for row in server),
@@ -414,8 +415,24 @@ def print_table(lines: list[dict[str, Any]], header: str) -> None:
         print(cells)
 
 
-def run(params: dict[str, Any], runs: int, *, runner: Runner, header: str = "",
-        schemas: list[str] | None = None, llama_server: str | None = None) -> dict[str, Any]:
+def add_arguments(parser: argparse._ArgumentGroup) -> None:
+    parser.add_argument("--schemas", default=",".join(SCHEMAS),
+                        help=f"comma-separated, of {', '.join(SCHEMAS)} (default: all)")
+
+
+def check(args: argparse.Namespace) -> list[str]:
+    unknown = set(args.schemas.split(",")) - set(SCHEMAS)
+    return [f"--schemas: each of {', '.join(SCHEMAS)}"] if unknown else []
+
+
+def run(bench: Bench) -> dict[str, Any]:
+    return measure(bench.params, bench.runs, runner=bench.runner, header=bench.header,
+                   schemas=bench.args.schemas.split(","), llama_server=bench.llama_server)
+
+
+def measure(params: dict[str, Any], runs: int, *, runner: Runner, header: str = "",
+            schemas: list[str] | None = None,
+            llama_server: str | None = None) -> dict[str, Any]:
     names = schemas or list(SCHEMAS)
     rows: list[dict[str, Any]] = []
     for index in range(runs):
@@ -426,37 +443,3 @@ def run(params: dict[str, Any], runs: int, *, runner: Runner, header: str = "",
     lines = summarize(rows, names)
     print_table(lines, header or f"{runs} runs")
     return {"rows": rows, "lines": lines}
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--model", help="GGUF model (default: the embedded default model)")
-    parser.add_argument("--n-ctx", type=int, default=4096)
-    parser.add_argument("--json", help="write the rows and lines here")
-    parser.add_argument("--schemas", default=",".join(SCHEMAS),
-                        help=f"comma-separated, of {', '.join(SCHEMAS)} (default: all)")
-    parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
-                        help="llama.cpp's llama-server, measured beside the daemons "
-                             "(default: $LLAMA_SERVER)")
-    args = parser.parse_args()
-    schemas = args.schemas.split(",")
-    if not set(schemas) <= set(SCHEMAS):
-        parser.error(f"--schemas: each of {', '.join(SCHEMAS)}")
-    sys.path.insert(0, str(REPO))
-    from sfcore_daemon.llama import modelfile
-    from sfcore_daemon.system import cpus
-
-    n_threads, n_threads_batch = cpus.derive_threads(cpus.pin(()), 0, 0)
-    params = {"model": modelfile.resolve_model_path(args.model or ""), "n_ctx": args.n_ctx,
-              "n_threads": n_threads, "n_threads_batch": n_threads_batch}
-    results = run(params, args.runs, runner=asyncio.run, schemas=schemas,
-                  llama_server=args.llama_server,
-                  header=f"model {Path(params['model']).name}, {args.runs} runs, medians")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

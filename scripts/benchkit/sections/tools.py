@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Tool calls (issue 36): how many answers are calls that validate, daemon and llama-server.
 
 The same tools as tests/test_tools.py (get_weather, add) and one with a nested object
@@ -22,14 +21,11 @@ array, or a `<tool_call>` marker: a call cut short). *No call*: the rest (plain 
 an error reply). Per row (side, tool_choice, temperature, max_tokens): requests, valid,
 invalid/partial, no call, validity %.
 
-    .venv/bin/python scripts/bench_tools.py [--seeds 20] [--slots 4] [--llama-server PATH]
-        [--json tools.json]
-    .venv/bin/python scripts/bench.py --only tools [--seeds 20] [--slots 4]
+    .venv/bin/python scripts/bench.py tools [--seeds 20] [--slots 4] [--llama-server PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
 import json
@@ -39,9 +35,15 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-import benchlib
 import jsonschema
-from benchlib import REPO, Daemon, decode_reply, log
+
+from benchkit.common import REPO, TIMEOUT_S, decode_reply, log
+from benchkit.context import Bench
+from benchkit.daemon import Daemon
+from benchkit.peers import LlamaServer
+
+HELP = "tool calls: how many forced calls validate, daemon and llama-server"
+DEFAULTS = {"slots": 4}
 
 Runner = Callable[[Coroutine[Any, Any, Any]], Any]
 
@@ -148,7 +150,7 @@ async def daemon_side(path: str, rows: list[dict[str, Any]]) -> list[dict[str, A
                 writer.write(b"".join(json.dumps(r).encode() + b"\n" for r in window))
                 for _ in window:
                     done = decode_reply(await asyncio.wait_for(reader.readline(),
-                                                               benchlib.TIMEOUT_S * 5))
+                                                               TIMEOUT_S * 5))
                     if done.get("type") != "done":
                         errors.append(f"{done.get('code')}: {done.get('message')}")
                         outcomes.append("none")
@@ -170,7 +172,6 @@ def llama_server_side(binary: str, params: dict[str, Any],
     (GET /props) and the prompt it renders for the first request (POST /apply-template)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from bench_concurrency import LlamaServer
 
     slots = params.get("slots") or 1
     server = LlamaServer.start(binary, params, slots, ["--jinja"])
@@ -268,8 +269,8 @@ def header_of(params: dict[str, Any]) -> str:
     return header
 
 
-def run(params: dict[str, Any], seeds: int, llama_server: str | None, *,
-        runner: Runner) -> dict[str, Any]:
+def run_rows(params: dict[str, Any], seeds: int, llama_server: str | None, *,
+             runner: Runner) -> dict[str, Any]:
     """The section: measure, print the table; the JSON fields."""
     if llama_server and not (os.path.isfile(llama_server) and os.access(llama_server, os.X_OK)):
         raise SystemExit(f"llama-server {llama_server} is not an executable file")
@@ -281,35 +282,5 @@ def run(params: dict[str, Any], seeds: int, llama_server: str | None, *,
     return section
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, default=20, help="seeds per prompt and row")
-    parser.add_argument("--slots", type=int, default=4,
-                        help="the daemon's [server] slots and llama-server's -np (default 4)")
-    parser.add_argument("--n-ctx", type=int, default=8192)
-    parser.add_argument("--model", help="GGUF model (default: the embedded default model)")
-    parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
-                        help="path of llama.cpp's llama-server (default: $LLAMA_SERVER)")
-    parser.add_argument("--json", help="write the rows to this file")
-    args = parser.parse_args()
-    if args.seeds < 1 or args.slots < 1:
-        parser.error("--seeds and --slots must be at least 1")
-    sys.path.insert(0, str(REPO))
-    import uvloop
-
-    from sfcore_daemon.llama import modelfile
-    from sfcore_daemon.system import cpus
-
-    pinned = cpus.pin(())
-    n_threads, n_threads_batch = cpus.derive_threads(pinned, 0, 0)
-    model = modelfile.resolve_model_path(args.model or "")
-    params = {"model": model, "n_ctx": args.n_ctx, "n_threads": n_threads,
-              "n_threads_batch": n_threads_batch, "slots": args.slots}
-    section = run(params, args.seeds, args.llama_server, runner=uvloop.run)
-    if args.json:
-        Path(args.json).write_text(json.dumps(section, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def run(bench: Bench) -> dict[str, Any]:
+    return run_rows(bench.params, bench.args.seeds, bench.llama_server, runner=bench.runner)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """A stream's inter-token gaps while another request's grammar needs wide passes (issue 15).
 
 One client streams `--tokens` greedy tokens; its gaps between token lines are measured
@@ -17,13 +16,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-import uvloop
-from benchlib import REPO, TIMEOUT_S, Daemon, decode_reply, log, paired_ratio, summary
+from benchkit.common import TIMEOUT_S, decode_reply, log
+from benchkit.context import Bench
+from benchkit.daemon import Daemon
+from benchkit.table import paired_ratio, summary
+
+HELP = "a stream's inter-token gaps beside requests whose grammar needs wide passes"
+DEFAULTS = {"runs": 3, "tokens": 400}
 
 STREAM_PROMPT = "Write a long essay about the ocean."
 CONTROL_LITERAL = "".join(f"\\x{byte:02x}" for byte in [3, 7, 1, 5, 2, 8, 4, 6] * 4)
@@ -89,11 +91,9 @@ async def phase(path: str, tokens: int, other_request: dict[str, Any] | None) ->
             "p99": percentile(gaps, 0.99), "max": max(gaps), **record}
 
 
-async def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    from sfcore_daemon.llama import modelfile
-
-    daemon = await Daemon.start({"model": modelfile.resolve_model_path(args.model or ""),
-                                 "n_ctx": 8192})
+async def measure(args: argparse.Namespace,
+                  params: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    daemon = await Daemon.start(params)
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in PHASES}
     try:
         for index in range(args.runs):
@@ -107,15 +107,9 @@ async def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     return results
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=400, help="streamed tokens (400)")
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--model", help="GGUF model (default: the embedded default model)")
-    parser.add_argument("--json", help="write every figure to this file")
-    args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
-    results = uvloop.run(run(args))
+def run(bench: Bench) -> dict[str, Any]:
+    args = bench.args
+    results: dict[str, Any] = bench.runner(measure(args, bench.params))
     ordinary, beside = results["ordinary"], results["wide"]
     print(f"one stream's inter-token gaps, ms ({args.tokens} tokens), medians (min-max) of "
           f"{args.runs} runs")
@@ -135,10 +129,7 @@ def main() -> int:
     ratio = paired_ratio(beside, "p99", ordinary, "p99")
     print(f"target: p99 gap beside wide-pass requests <= 2x beside the same without grammar: "
           f"{'met' if ratio <= 2 else 'NOT met'} ({ratio:.2f})")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
-    return 0 if not errors else 1
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0]}")
+    return results
 
-
-if __name__ == "__main__":
-    sys.exit(main())
