@@ -40,9 +40,11 @@ from pathlib import Path
 from typing import Any
 
 import uvloop
-from bench_concurrency import LlamaServer
-from bench_openai import ENDPOINT, HttpChat
-from benchlib import TIMEOUT_S, Daemon, cell, filler_text, log, summary
+from benchkit.common import TIMEOUT_S, filler_text, log
+from benchkit.daemon import Daemon
+from benchkit.peers import LlamaServer
+from benchkit.sections.openai import ENDPOINT, HttpChat
+from benchkit.table import cell, summary
 
 Runner = Callable[[Coroutine[Any, Any, Any]], Any]
 

@@ -51,8 +51,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_concurrency import LlamaServer
-from benchlib import TIMEOUT_S, Daemon, Stream, log, summary
+from benchkit.common import TIMEOUT_S, log
+from benchkit.daemon import Daemon, Stream
+from benchkit.peers import LlamaServer
+from benchkit.table import summary
 
 PROMPT = ("Write a long story about a lighthouse keeper who finds a message in a bottle. "
           "Once upon a time,")
