@@ -28,6 +28,8 @@ SECTIONS = {
     "logprobs": "benchkit.sections.logprobs",
     "spec-rows": "benchkit.sections.spec_rows",
     "spec-replay": "benchkit.sections.spec_replay",
+    "agents": "benchkit.sections.agents",
+    "contention": "benchkit.sections.contention",
 }
 # What `scripts/bench.py` runs given no section.
 DEFAULT = ("figures", "structured", "concurrency")

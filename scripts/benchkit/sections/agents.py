@@ -22,29 +22,29 @@ request to the first event that carries output (a text delta, or a function call
 Whole turn: to `response.completed` / `response.incomplete`. The conversation's time is
 the sum of its turns' times.
 
-    .venv/bin/python scripts/bench_agents.py [--runs 3] [--llama-server PATH] [--json out.json]
+    .venv/bin/python scripts/bench.py agents [--runs 3] [--llama-server PATH] [--model PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
-import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Coroutine
-from pathlib import Path
 from typing import Any
 
-import uvloop
 from benchkit.common import TIMEOUT_S, filler_text, log
+from benchkit.context import Bench
 from benchkit.daemon import Daemon
 from benchkit.peers import LlamaServer
 from benchkit.sections.openai import ENDPOINT, HttpChat
 from benchkit.table import cell, summary
+
+HELP = ("a 6-turn agent conversation on /v1/responses: previous_response_id, whole each turn, "
+        "llama-server's /v1/responses")
+DEFAULTS = {"runs": 3, "n_ctx": 8192}
 
 Runner = Callable[[Coroutine[Any, Any, Any]], Any]
 
@@ -331,42 +331,12 @@ def print_table(samples: dict[str, list[list[dict[str, Any]]]], header: str
     return rows
 
 
-def run(params: dict[str, Any], runs: int, llama_server: str | None, *, runner: Runner,
-        header: str) -> dict[str, Any]:
+def run(bench: Bench) -> dict[str, Any]:
     """The section: measure, print the table and the targets; the JSON fields."""
-    if llama_server and not (os.path.isfile(llama_server) and os.access(llama_server, os.X_OK)):
-        raise SystemExit(f"llama-server {llama_server} is not an executable file")
-    log(f"[responses] daemon{' and llama-server' if llama_server else ''}, {runs} runs ...")
-    samples = runner(measure(params, runs, llama_server))
-    rows = print_table(samples, header)
+    llama_server = bench.llama_server
+    runs = bench.runs
+    params = {**bench.params, "tokens": MAX_OUTPUT}
+    log(f"[agents] daemon{' and llama-server' if llama_server else ''}, {runs} runs ...")
+    samples = bench.runner(measure(params, runs, llama_server))
+    rows = print_table(samples, bench.header)
     return {"samples": samples, "targets": rows}
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=3, help="runs (default 3)")
-    parser.add_argument("--model", help="GGUF model (default: the embedded default model)")
-    parser.add_argument("--n-ctx", type=int, default=8192, help="the daemon's n_ctx")
-    parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
-                        help="path of llama.cpp's llama-server (default: $LLAMA_SERVER)")
-    parser.add_argument("--json", default="bench_agents.json", help="where to write results")
-    args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from sfcore_daemon.llama import modelfile
-    from sfcore_daemon.system import cpus
-
-    pinned = cpus.pin(())
-    n_threads, n_threads_batch = cpus.derive_threads(pinned, 0, 0)
-    model = modelfile.resolve_model_path(args.model or "")
-    params = {"model": model, "n_ctx": args.n_ctx, "n_threads": n_threads,
-              "n_threads_batch": n_threads_batch, "tokens": MAX_OUTPUT, "slots": None,
-              "llama_server_kv": "split"}
-    header = (f"model {Path(model).name}, CPUs {pinned}, threads {n_threads}/{n_threads_batch}, "
-              f"n_ctx {args.n_ctx}, medians (min-max) of {args.runs} runs")
-    results = run(params, args.runs, args.llama_server, runner=uvloop.run, header=header)
-    Path(args.json).write_text(json.dumps({"params": params, **results}, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

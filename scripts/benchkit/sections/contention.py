@@ -1,7 +1,7 @@
 """Decode on a shared machine: the daemon and llama-server idle and beside other work.
 
-    .venv/bin/python scripts/bench_contention.py [--mode loads|spin|idle-pair|all]
-        [--rounds 3] [--tokens 128] [--llama-server PATH] [--json PATH]
+    .venv/bin/python scripts/bench.py contention [--contention-mode loads|spin|idle-pair|all]
+        [--runs 3] [--tokens 128] [--llama-server PATH] [--json PATH]
         [--loads idle,busy1,busy2,build,build-nice] [--spin 0,1k,3k,10k,30k,100k,default]
         [--server-spin SPIN] [--adaptive on|off] [--workload-src FILE]
 
@@ -48,13 +48,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from benchkit.common import TIMEOUT_S, log
+from benchkit.context import Bench
 from benchkit.daemon import Daemon, Stream
 from benchkit.peers import LlamaServer
 from benchkit.table import summary
+
+HELP = ("decode idle and beside busy processes and a compile, daemon and llama-server; "
+        "GOMP_SPINCOUNT sweep; idle against the old defaults")
+DEFAULTS = {"runs": 3, "tokens": 128, "n_ctx": 2048}
 
 PROMPT = ("Write a long story about a lighthouse keeper who finds a message in a bottle. "
           "Once upon a time,")
@@ -380,64 +382,53 @@ def header(params: dict[str, Any], args: argparse.Namespace, rounds: int = 0) ->
             f"{rounds or args.rounds} rounds")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", choices=("loads", "spin", "idle-pair", "all"),
-                        default="loads")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--model", help="GGUF model (default: the embedded default model)")
-    parser.add_argument("--n-ctx", type=int, default=2048)
-    parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
-                        help="llama.cpp's llama-server, built from the same sources with "
-                             "OpenMP (default: $LLAMA_SERVER; without it, the daemon only)")
-    parser.add_argument("--loads", default=",".join(LOADS),
-                        help=f"loads of the loads mode (default {','.join(LOADS)})")
-    parser.add_argument("--spin", default="0,1k,3k,10k,30k,100k,default",
-                        help="GOMP_SPINCOUNT values of the spin mode")
-    parser.add_argument("--server-spin", default=None,
-                        help="GOMP_SPINCOUNT for llama-server in the loads mode "
-                             "(default: unset, libgomp's own)")
-    parser.add_argument("--adaptive", choices=("on", "off"), default=None,
-                        help="the daemon's adaptive threads (default: on in loads, off in "
-                             "spin)")
-    parser.add_argument("--workload-src", type=Path,
-                        help="a C file the build load compiles in a loop (default: a "
-                             "synthetic one)")
-    parser.add_argument("--json", default="bench_contention.json")
-    args = parser.parse_args()
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--contention-mode", choices=("loads", "spin", "idle-pair", "all"),
+                       default="loads", help="contention: which measurement (default loads)")
+    group.add_argument("--loads", default=",".join(LOADS),
+                       help=f"contention: loads of the loads mode (default {','.join(LOADS)})")
+    group.add_argument("--spin", default="0,1k,3k,10k,30k,100k,default",
+                       help="contention: GOMP_SPINCOUNT values of the spin mode")
+    group.add_argument("--server-spin", default=None,
+                       help="contention: GOMP_SPINCOUNT for llama-server in the loads mode "
+                            "(default: unset, libgomp's own)")
+    group.add_argument("--adaptive", choices=("on", "off"), default=None,
+                       help="contention: the daemon's adaptive threads (default: on in "
+                            "loads, off in spin)")
+    group.add_argument("--workload-src", type=Path,
+                       help="contention: a C file the build load compiles in a loop "
+                            "(default: a synthetic one)")
+
+
+def check(args: argparse.Namespace) -> list[str]:
+    loads = [load for load in args.loads.split(",") if load]
+    unknown = sorted(set(loads) - set(LOADS))
+    if unknown or "idle" not in loads:
+        return [f"--loads: each one of {LOADS}, idle included"]
+    return []
+
+
+def run(bench: Bench) -> dict[str, Any]:
+    """The section: the modes asked for, their tables; every sample for the JSON."""
+    args = argparse.Namespace(**vars(bench.args))
+    args.rounds = bench.runs
+    args.mode = args.contention_mode
     args.loads = [load for load in args.loads.split(",") if load]
-    unknown = sorted(set(args.loads) - set(LOADS))
-    if unknown or "idle" not in args.loads:
-        parser.error(f"--loads: one of {LOADS}, idle included")
     args.spin = [value for value in args.spin.split(",") if value]
-    if args.llama_server and not os.access(args.llama_server, os.X_OK):
-        parser.error(f"--llama-server {args.llama_server}: not an executable")
-
-    from sfcore_daemon.llama import modelfile
-    from sfcore_daemon.system import cpus
-
-    n_threads, n_threads_batch = cpus.derive_threads(cpus.pin(()), 0, 0)
-    params = {"model": modelfile.resolve_model_path(args.model or ""), "n_ctx": args.n_ctx,
-              "n_threads": n_threads, "n_threads_batch": n_threads_batch}
+    params = {key: bench.params[key] for key in ("model", "n_ctx", "n_threads",
+                                                 "n_threads_batch")}
     workdir = Path(tempfile.mkdtemp(prefix="sfbench-contention-"))
     try:
         if args.workload_src is None:
             args.workload_src = workdir / "work.c"
             args.workload_src.write_text(_SYNTHETIC_C + "\n")
         started = time.perf_counter()
-        results: dict[str, Any] = {"params": params, "rounds": args.rounds,
-                                   "tokens": args.tokens}
+        results: dict[str, Any] = {"rounds": args.rounds, "tokens": args.tokens}
         modes = ("loads", "spin", "idle-pair") if args.mode == "all" else (args.mode,)
         runners = {"loads": run_loads, "spin": run_spin, "idle-pair": run_idle_pair}
         for mode in modes:
-            results[mode] = asyncio.run(runners[mode](params, args))
-        Path(args.json).write_text(json.dumps(results, indent=1))
-        log(f"done in {time.perf_counter() - started:.0f} s; samples in {args.json}")
+            results[mode] = bench.runner(runners[mode](params, args))
+        log(f"[contention] done in {time.perf_counter() - started:.0f} s")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return results
