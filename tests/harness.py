@@ -38,6 +38,10 @@ BASE_CONFIG: dict[str, Any] = {
     # (byte equality, counts) must get them on a loaded machine too. The gate has its
     # own tests (tests/test_draftgate.py).
     "speculative": {"policy": "always"},
+    # All n_threads on a loaded machine too: the thread count partitions llama.cpp's sums,
+    # and many tests compare bytes (cold against warm, before and after a restart). The
+    # adaptation has its own tests (tests/test_adaptive_threads.py).
+    "runtime": {"adaptive_threads": False},
 }
 
 # The single or last line of a reply: everything but a streamed `token`.

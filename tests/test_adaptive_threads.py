@@ -23,8 +23,9 @@ DEADLINE_S = 180.0
 # Long enough for many of the policy's 0.5 s windows even on a fast, idle machine.
 LONG = {"prompt": "Count from one to one thousand in words: one, two, three,",
         "max_tokens": 2000, "temperature": 0}
-CONFIG: dict[str, Any] = {"runtime": {"n_threads": 2, "n_threads_batch": 2},
-                          "model": {"n_ctx": 4096}}
+CONFIG: dict[str, Any] = {
+    "runtime": {"n_threads": 2, "n_threads_batch": 2, "adaptive_threads": True},
+    "model": {"n_ctx": 4096}}
 NO_USER_SPIN = {"GOMP_SPINCOUNT": "", "OMP_WAIT_POLICY": ""}
 # Tokens between two looks at `stats` while a generation streams.
 LOOK_EVERY = 8
@@ -119,6 +120,19 @@ async def test_turned_off_the_count_stays_and_the_users_spin_count_wins(
         log = daemon.log
         assert "OpenMP: GNU libgomp, GOMP_SPINCOUNT=12345; adaptive threads off" in log
         assert "decoding with" not in log
+
+
+@pytest.mark.asyncio
+async def test_reproducible_mode_never_adapts(tmp_path: Path) -> None:
+    # The thread count partitions llama.cpp's sums: reproducible bytes need all of them.
+    load = tmp_path / "load"
+    load.write_text("1.5")
+    config = {**CONFIG, "model": {**CONFIG["model"], "reproducible": True}}
+    async with running_daemon(config, env={"SFCORE_CPU_LOAD_FILE": str(load),
+                                           **NO_USER_SPIN}) as daemon:
+        async with daemon.client() as client:
+            assert (await threads_of(client))["adaptive"] is False
+        assert "adaptive threads off" in daemon.log
 
 
 # --- the spin window and the runtime, without a daemon ---------------------------------

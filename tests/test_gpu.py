@@ -119,6 +119,8 @@ def test_library_defaults_choose_f32_cublas_and_keep_the_users_own() -> None:
     set_library_defaults(environ)
     assert environ["GGML_CUDA_CUBLAS_COMPUTE_TYPE"] == "f32"
     assert environ["OPENBLAS_NUM_THREADS"] == "1"
-    environ = {"GGML_CUDA_CUBLAS_COMPUTE_TYPE": "f16", "OPENBLAS_NUM_THREADS": "4"}
+    environ = {"GGML_CUDA_CUBLAS_COMPUTE_TYPE": "f16", "OPENBLAS_NUM_THREADS": "4",
+               "GOMP_SPINCOUNT": "300000"}
     set_library_defaults(environ)
-    assert environ == {"GGML_CUDA_CUBLAS_COMPUTE_TYPE": "f16", "OPENBLAS_NUM_THREADS": "4"}
+    assert environ == {"GGML_CUDA_CUBLAS_COMPUTE_TYPE": "f16", "OPENBLAS_NUM_THREADS": "4",
+                       "GOMP_SPINCOUNT": "300000"}

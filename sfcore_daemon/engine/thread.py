@@ -72,12 +72,14 @@ class Engine:
         self.n_threads_batch = n_threads_batch
         self.slots = slots
         # The thread counts in force: fewer while other processes hold the cores
-        # ([runtime] adaptive_threads; engine/threadpolicy.py).
+        # ([runtime] adaptive_threads; engine/threadpolicy.py). Never in reproducible
+        # mode: the thread count partitions llama.cpp's sums (flash attention splits a
+        # row's cells among the threads), so bytes would follow the machine's load.
         self.threads = ThreadPolicy(
             # (More threads than CPUs, as configured, is not the others' doing.)
             ThreadLimits(n_threads, n_threads_batch,
                          max(n_threads, cpus or os.cpu_count() or 1)),
-            adaptive_threads)
+            adaptive_threads and not model_config.reproducible)
         self._prefill_per_step = prefill_per_step
         self.drafts = drafts
         # Prompt states kept across evictions and restarts; None when turned off, and
