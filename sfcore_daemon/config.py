@@ -139,9 +139,10 @@ class SpeculativeConfig(_Section, frozen=True):
     # (engine/draftgate.py); "always": every draft the matching proposes.
     policy: Literal["measured", "always"] = "measured"
     # Output tokens of finished requests kept to draft later requests from (any slot);
-    # 0: none. Off by default: with it, a request sent again drafts from its earlier
-    # answer, verifies in other batch shapes and may come out as other bytes.
-    store_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 0
+    # 0: none. A request sent again (a regenerate) drafts from its earlier answer, so
+    # it verifies in other batch shapes and may come out as other bytes; a request that
+    # names its seed never drafts from it. 262144 tokens: 3 MB.
+    store_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 262144
     # Drafts are cut or grown so that a step's logit rows are a multiple of this:
     # llama.cpp's CPU kernel for the output matrix takes rows four at a time and sweeps
     # the whole matrix again for a remainder (speculative.aligned_lengths). 1: as drafted.

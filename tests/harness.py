@@ -36,8 +36,11 @@ BASE_CONFIG: dict[str, Any] = {
     # Every draft the matching proposes: with "measured" (the default) whether a draft
     # is made depends on step costs measured at start-up, and tests that need drafts
     # (byte equality, counts) must get them on a loaded machine too. The gate has its
-    # own tests (tests/test_draftgate.py).
-    "speculative": {"policy": "always"},
+    # own tests (tests/test_draftgate.py). No store of earlier answers: with one, a
+    # request sent again drafts from its first answer, and tests that compare a repeated
+    # request's bytes (cold against warm) would compare other batch shapes; the store
+    # has its own tests (tests/test_speculative.py).
+    "speculative": {"policy": "always", "store_tokens": 0},
     # All n_threads on a loaded machine too: the thread count partitions llama.cpp's sums,
     # and many tests compare bytes (cold against warm, before and after a restart). The
     # adaptation has its own tests (tests/test_adaptive_threads.py).

@@ -19,7 +19,13 @@ from hypothesis import strategies as st
 
 from sfcore_daemon.config import SpeculativeConfig
 from sfcore_daemon.engine import costsfile
-from sfcore_daemon.engine.draftgate import StepCosts, best_length, expected_tokens
+from sfcore_daemon.engine.draftgate import (
+    AcceptanceBook,
+    StepCosts,
+    best_length,
+    expected_tokens,
+    prior_acceptance,
+)
 from sfcore_daemon.engine.speculative import NgramDrafter, draft_settings
 from sfcore_daemon.llama.stepcost import BusyMeter
 from tests.harness import done_of, merge, running_daemon
@@ -96,10 +102,71 @@ def test_the_length_chosen_is_none_or_pays(p: float, longest: int, rows: int,
         assert gain == 0.0
 
 
+def test_a_match_that_runs_back_further_is_trusted_more() -> None:
+    assert prior_acceptance(4) == pytest.approx(0.625)
+    chances = [prior_acceptance(run) for run in range(2, 33)]
+    assert chances == sorted(chances) and chances[-1] > 0.9
+    assert prior_acceptance(16, sampled=True) < prior_acceptance(16)
+    # The same text copied after 4 and after 20 tokens of shared context.
+    shared = list(range(100, 120))
+    short = NgramDrafter(draft_settings(SpeculativeConfig()), [*shared, 7, 8, 9, 10, 11, 1,
+                                                                7, 8, 9, 10])
+    long = NgramDrafter(draft_settings(SpeculativeConfig()), [*shared, 11, 1, *shared])
+    short.propose(8)
+    long.propose(8)
+    assert short.run == 4 and long.run == 20
+    assert long.acceptance() > short.acceptance()
+    # A long run drafts further (twice as far as it runs back).
+    assert long.propose(64)[1] > short.propose(64)[1]
+
+
+def test_the_book_learns_what_drafts_of_each_kind_are_worth() -> None:
+    book = AcceptanceBook()
+    assert book.chance(0, False, 16) == pytest.approx(prior_acceptance(16))
+    for _ in range(30):  # long own matches in greedy text: accepted whole
+        book.record(0, False, 16, 16, 16)
+    for _ in range(30):  # short own matches in sampled text: rejected at once
+        book.record(0, True, 5, 8, 0)
+    assert book.chance(0, False, 20) > 0.97  # the same bucket (16-31)
+    assert book.chance(0, True, 6) < 0.2
+    # Other kinds keep the prior: another source, run or kind of request.
+    assert book.chance(1, False, 16) == pytest.approx(prior_acceptance(16))
+    assert book.chance(0, False, 5) == pytest.approx(prior_acceptance(5))
+    assert book.chance(0, True, 16) == pytest.approx(prior_acceptance(16, sampled=True))
+
+
+@given(st.lists(st.tuples(st.integers(0, 1), st.booleans(), st.integers(0, 300),
+                          st.integers(1, 64), st.integers(0, 64)), max_size=60),
+       st.integers(0, 1), st.booleans(), st.integers(0, 300))
+def test_the_book_gives_a_chance_whatever_it_recorded(
+        records: list[tuple[int, bool, int, int, int]], source: int, sampled: bool,
+        run: int) -> None:
+    book = AcceptanceBook()
+    for kind, sample, length, drafted, accepted in records:
+        book.record(kind, sample, length, drafted, min(accepted, drafted))
+    assert 0.0 < book.chance(source, sampled, run) < 1.0
+
+
+def test_a_drafter_with_the_book_judges_by_it_and_teaches_it() -> None:
+    book = AcceptanceBook()
+    for _ in range(40):
+        book.record(0, False, 3, 4, 0)
+    text = [1, 2, 3, 4, 1, 2, 3]
+    with_book = NgramDrafter(draft_settings(SpeculativeConfig()), text, book=book)
+    seeded = NgramDrafter(draft_settings(SpeculativeConfig()), text)
+    with_book.propose(8)
+    seeded.propose(8)
+    assert with_book.acceptance() < 0.3 < seeded.acceptance()
+    before = book.chance(0, False, 3)
+    with_book.verified(4, 4)  # what it verified goes into the book
+    assert book.chance(0, False, 3) > before
+
+
 def test_a_sequence_that_keeps_failing_stops_drafting_by_the_gate() -> None:
     drafter = NgramDrafter(draft_settings(SpeculativeConfig()), [1, 2, 3, 4, 1, 2, 3])
-    start = drafter.acceptance()
-    assert start == pytest.approx(0.75)  # the prior: 3 in 4
+    assert drafter.propose(8)[0][:1] == [4]
+    assert drafter.run == 3  # [1, 2, 3] matched, nothing further back
+    assert drafter.acceptance() == pytest.approx(prior_acceptance(3)) == pytest.approx(4 / 7)
     for _ in range(6):
         drafter.verified(8, 0)
     assert drafter.acceptance() < 0.3

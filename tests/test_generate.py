@@ -100,6 +100,9 @@ async def test_stop_sequences_end_before_their_first_occurrence() -> None:
             assert text == expected
             assert done["finish_reason"] == "stop_sequence"
             assert done["stop_sequence"] == stop
+            # Ended where the stop appeared, also unstreamed (whose pieces otherwise wait
+            # for the end: Job.wake_each_step), not at max_tokens.
+            assert done["usage"]["completion_tokens"] < 40, done
             # No token line carries any part of the matched stop.
             assert all(stop not in line.get("text", "") for line in lines)
 

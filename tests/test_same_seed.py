@@ -73,6 +73,22 @@ async def test_a_request_that_reuses_nothing_gives_a_fresh_daemons_bytes_after_o
 
 
 @pytest.mark.timeout(1800)
+async def test_with_the_store_of_earlier_answers_a_seeded_request_keeps_its_bytes() -> None:
+    """The store (on by default; the harness turns it off) holds what every request
+    generated: a request sent again would draft its first answer in other batch shapes.
+    One that names its seed never drafts from it, so its bytes stay its own after its
+    own answer and other requests' answers are in the store."""
+    config = {"server": {"slots": 4}, "speculative": {"store_tokens": 262144}}
+    async with running_daemon(config) as daemon, daemon.client() as client:
+        info = await client.final({"op": "info"})
+        assert info["config"]["speculative"]["store_tokens"] == 262144
+        sampled = await text_of(client, SAMPLED)
+        await serve_others(daemon, 16)
+        assert await text_of(client, SAMPLED) == sampled
+        assert await text_of(client, SAMPLED) == sampled
+
+
+@pytest.mark.timeout(1800)
 async def test_reproducible_mode_gives_the_same_bytes_alone_and_beside_streaming_clients(
 ) -> None:
     """`reproducible = true`: the seeded request alone, then sent while another client

@@ -15,11 +15,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sfcore_daemon.config import SpeculativeConfig
 from sfcore_daemon.engine.speculative import (
     DraftSettings,
     NgramDrafter,
     NgramStore,
     aligned_lengths,
+    draft_settings,
 )
 from tests.fault_support import health, poll_until
 from tests.harness import Daemon, done_of, merge, running_daemon, tokens_text
@@ -142,9 +144,11 @@ def test_a_later_request_drafts_what_an_earlier_one_generated() -> None:
     for token in (40, 41, 42, 43, 44, 45):
         earlier.append(token)
     earlier.learn()
-    # Its own text has no match; the store has: "2 3 40" was followed by 41 ...
+    # Its own text has no match; the store has: "2 3 40" was followed by 41 ... (as far
+    # as an own match of the same run would draft: twice the 3 tokens, to the text's end).
     later = NgramDrafter(SETTINGS, [9, 2, 3, 40], store)
-    assert later.draft(16) == [41, 42, 43, 44]
+    assert later.draft(16) == [41, 42, 43, 44, 45]
+    assert later.source == 1 and later.run == 3
     # Never across the end of the learned text.
     tail = NgramDrafter(SETTINGS, [7, 43, 44, 45], store)
     assert tail.draft(16) == []
@@ -201,6 +205,43 @@ def test_the_store_drafts_what_the_latest_occurrence_continues_with_or_nothing(
     for query in queries + [tokens for tokens, _ in texts]:
         drafted = store.draft(query, 8)
         assert drafted in ([], reference.draft(query, 8)), (query, drafted)
+
+
+def test_a_store_match_says_how_far_it_runs_back() -> None:
+    store = NgramStore(4, 1000)
+    answer = list(range(50, 90))
+    store.add([1, 2, 3, 4, *answer], 4)
+    # Regenerating the same answer: the stored text runs back as far as was asked.
+    draft, run = store.match([9, 1, 2, 3, 4, *answer[:20]], 8, 32)
+    assert draft == answer[20:28] and run == 24
+    # Only the last 4 tokens shared: a bare n-gram match.
+    draft, run = store.match([7, 7, 7, *answer[16:20]], 8, 32)
+    assert draft == answer[20:28] and run == 4
+    assert store.match([*answer[:20]], 8, 10)[1] == 10  # at most most_run
+
+
+def test_a_regenerate_drafts_its_first_answer_over_the_prompt_it_copies() -> None:
+    # The prompt holds a text; the first answer changed it after 6 tokens. Sent again,
+    # the answer's own 4-gram matches the prompt (a short run) and the store (a run as
+    # long as the answer so far): the store's draft follows the first answer.
+    text = list(range(200, 230))
+    prompt = [1, 2, *text, 3]
+    answer = [*text[:6], 999, *text[7:]]
+    store = NgramStore(4, 1000)
+    store.add([*prompt, *answer], len(prompt))
+    drafter = NgramDrafter(draft_settings(SpeculativeConfig(store_tokens=1000)),
+                           [*prompt, *answer[:10]], store)
+    draft = drafter.draft(8)
+    assert drafter.source == 1 and draft == answer[10:18]
+    # Far into a regenerate, the store's run is followed further back than an own
+    # match's 32 tokens, so its drafts are trusted more.
+    long_answer = list(range(300, 420))
+    store.add([*prompt, *long_answer], len(prompt))
+    regenerating = NgramDrafter(draft_settings(SpeculativeConfig(store_tokens=1000)),
+                                [*prompt, *long_answer[:90]], store)
+    assert regenerating.draft(8) == long_answer[90:98]
+    assert regenerating.source == 1 and regenerating.run == 94  # the answer and 4 before
+    assert regenerating.acceptance() > 0.95
 
 
 def test_the_store_takes_the_memory_it_says_and_no_more() -> None:

@@ -51,6 +51,10 @@ def parser_of(modules: dict[str, ModuleType]) -> argparse.ArgumentParser:
                              "the daemon's own default)")
     parser.add_argument("--seeds", type=int, default=20,
                         help="seeds per prompt and row (tools, structured-budget; default 20)")
+    parser.add_argument("--daemon-config", metavar="TOML",
+                        help="TOML text added to every daemon's config, e.g. "
+                             "'[speculative]\\nstore_tokens = 0' (a section a bench writes "
+                             "itself must not appear twice)")
     parser.add_argument("--json", default="bench_results.json", help="where to write results")
     parser.add_argument("--no-peer", action="store_true",
                         help="skip llama-cpp-python's Llama (figures, structured)")
@@ -110,6 +114,7 @@ def main() -> int:
         params = {"model": model, "n_ctx": own.n_ctx, "n_threads": n_threads,
                   "n_threads_batch": n_threads_batch, "tokens": own.tokens,
                   "slots": own.slots,
+                  "daemon_config": (own.daemon_config or "").replace("\\n", "\n"),
                   "llama_server_kv": getattr(own, "llama_server_kv", "split")}
         slots = f", daemon slots {own.slots}" if own.slots else ""
         header = (f"model {Path(model).name} ({os.path.getsize(model) / 1e6:.1f} MB), "

@@ -97,3 +97,25 @@ def peak_rss_mb(pid: int | str = "self") -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024 / 1e6
     return float("nan")
+
+
+def chat_turn_renderer(model: str) -> Callable[[str], str]:
+    """A user turn as raw prompt text in the model's own chat template (the GGUF's
+    `tokenizer.chat_template`, rendered with jinja2 as llama-server's --jinja does, BOS
+    left to the servers), so that both servers' plain completion endpoints get the
+    prompt the model was trained on: a Gemma turn sent to a ChatML model measured the
+    model's confusion more than the drafter."""
+    import jinja2
+    import llama_cpp
+
+    vocab = llama_cpp.Llama(model, vocab_only=True, verbose=False)
+    source = vocab.metadata.get("tokenizer.chat_template")
+    del vocab
+    if not source:
+        return lambda text: f"<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n"
+    template = jinja2.Environment().from_string(source)
+
+    def render(text: str) -> str:
+        return str(template.render(messages=[{"role": "user", "content": text}],
+                                   add_generation_prompt=True, bos_token="", eos_token=""))
+    return render

@@ -94,10 +94,12 @@ class Daemon:
         """Spawn the daemon and wait for READY=1; RuntimeError (with its log's tail) as
         soon as it exits instead. `config`: TOML sections of its own, `[cache]` included
         (by default a prompt store in the workdir, so that no run restores states an
-        earlier run left in the user's cache). `append`: add to `log_path`'s lines."""
+        earlier run left in the user's cache), after params' daemon_config (the command
+        line's --daemon-config). `append`: add to `log_path`'s lines."""
         workdir = Path(tempfile.mkdtemp(prefix="sfbench-", dir="/tmp"))
         config_path = workdir / "config.toml"
         server = f'[server]\nslots = {params["slots"]}\n' if params.get("slots") else ""
+        config = (params.get("daemon_config") or "") + "\n" + config
         if "[cache]" not in config:
             config += f"[cache]\ndir = {json.dumps(str(workdir / 'prompts'))}\n"
         config_path.write_text(f'{server}[model]\npath = {json.dumps(params["model"])}\n'

@@ -63,12 +63,68 @@ class StepCosts:
                 if 0 < rows <= 17}
 
 
-# Before a sequence's drafts are verified, each source's chance that a draft token is
-# accepted while the ones before it were: about what the bench's edit prompts accept
-# from their own text, less from the store of earlier answers (which also serves
-# requests that only share a phrase with one). Constants, not the daemon's running
-# figures: a request's drafts must not depend on what the daemon served before.
-PRIOR_ACCEPTANCE = (0.75, 0.6)  # own text, the store of earlier answers
+# Before a sequence's drafts are verified, the chance that a draft token is accepted
+# while the ones before it were, by how far the match runs back (the tokens before the
+# matched place that equal the text's end): (run + 1) / (run + 4), 0.62 for a bare
+# 4-gram, 0.85 for 16 tokens, 0.92 for 32. A long match is a copy or a regenerated
+# answer in progress (the bench's edit prompts accepted 0.55 of llama-server's ngram-mod
+# drafts, its regenerate prompts 0.87), a short one a phrase that may go either way; a
+# fixed prior either drafted the short ones where a row costs half a step (SmolLM2) or
+# never drafted the long ones. A sampled request's draft token is kept only when the
+# sampler draws it, less often than the argmax is: SAMPLED_TRUST of the greedy chance.
+# From the text and the request alone, never from the daemon's running figures: a
+# request's drafts must not depend on what the daemon served before.
+SAMPLED_TRUST = 0.9
+
+
+def prior_acceptance(run: int, sampled: bool = False) -> float:
+    chance = (run + 1) / (run + 4)
+    return chance * SAMPLED_TRUST if sampled else chance
+
+
+class AcceptanceBook:
+    """How drafts fared lately, daemon-wide, by source (own text, store), kind of request
+    (greedy, sampled) and run (by powers of two: 2-3, 4-7, ..., 128 and more): the
+    chance a draft token is accepted, for requests without a seed, in place of the
+    fixed prior. The same run means another thing on another model and text: on the
+    default model a sampled story repeats itself and drafts pay from short runs
+    (0.73 accepted), on SmolLM2 free text a 4-gram match is worth nothing (0.13), and
+    no fixed curve served both (docs/performance.md). Decode thread only.
+
+    A seeded request is judged by the fixed prior: its drafts, and so its bytes, must
+    not depend on what the daemon served before."""
+
+    __slots__ = ("_hits", "_misses")
+
+    def __init__(self) -> None:
+        size = 2 * 2 * _RUN_BUCKETS
+        self._hits = [0.0] * size  # accepted draft tokens, decaying
+        self._misses = [0.0] * size  # drafts cut short, decaying
+
+    def chance(self, source: int, sampled: bool, run: int) -> float:
+        index = _book_index(source, sampled, run)
+        hits = self._hits[index]
+        prior = prior_acceptance(run, sampled)
+        return (hits + _BOOK_PRIOR_WEIGHT * prior) / (
+            hits + self._misses[index] + _BOOK_PRIOR_WEIGHT)
+
+    def record(self, source: int, sampled: bool, run: int, drafted: int,
+               accepted: int) -> None:
+        index = _book_index(source, sampled, run)
+        self._hits[index] = self._hits[index] * _BOOK_DECAY + accepted
+        self._misses[index] = self._misses[index] * _BOOK_DECAY + (accepted < drafted)
+
+
+_RUN_BUCKETS = 8  # runs by bit length: 2-3, 4-7, 8-15, ..., 128 and more
+# The fixed prior counts as this many drafts cut short; each bucket's counts decay by
+# this each draft recorded in it (about the last 100 drafts of a bucket count).
+_BOOK_PRIOR_WEIGHT = 4.0
+_BOOK_DECAY = 0.99
+
+
+def _book_index(source: int, sampled: bool, run: int) -> int:
+    bucket = min(max(run.bit_length() - 2, 0), _RUN_BUCKETS - 1)
+    return (source * 2 + sampled) * _RUN_BUCKETS + bucket
 
 
 def expected_tokens(p: float, k: int) -> float:

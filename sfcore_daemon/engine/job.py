@@ -27,7 +27,7 @@ class Job:
 
     __slots__ = (
         "prompt", "sampling", "max_tokens", "cache_prompt", "stop_requested",
-        "pieces", "wake_pending", "_wake", "_finished", "loop",
+        "pieces", "wake_pending", "wake_each_step", "_wake", "_finished", "loop",
         "n_cached", "t_start", "t_prompt_done", "t_first", "end_reason", "error",
         "slot", "evict", "exclusive", "kept", "grammar", "speculative", "drafted",
         "accepted", "draft_steps", "aligned_steps", "logit_rows", "cache_source", "restore_failed",
@@ -65,6 +65,10 @@ class Job:
         self.logprobs = logprobs
         self.numbers: deque[TokenLogprobs] = deque()
         self.wake_pending = False
+        # Whether the loop needs its pieces as they come (a stream, stop sequences to
+        # watch for). Otherwise they wait for the end: no wake-up of the event loop per
+        # step, whose thread would take a core from llama.cpp's on a 2-core machine.
+        self.wake_each_step = True
         self.loop = loop
         self._wake = on_pieces
         self._finished = on_finished

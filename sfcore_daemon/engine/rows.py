@@ -202,7 +202,7 @@ class Rows:
         if piece is None:
             piece = model.piece(token)
         job.pieces.append((piece, now))
-        if not job.wake_pending:
+        if job.wake_each_step and not job.wake_pending:
             job.wake_pending = True
             woken.append(job)
         seq.n_out += 1

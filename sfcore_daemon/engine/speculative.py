@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sfcore_daemon.config import SpeculativeConfig
-from sfcore_daemon.engine.draftgate import PRIOR_ACCEPTANCE
+from sfcore_daemon.engine.draftgate import AcceptanceBook, prior_acceptance
 
 # A sequence whose drafts keep failing stops drafting for this many of its tokens at
 # first, twice as many after each further failure, at most _MAX_PAUSE.
@@ -40,6 +40,13 @@ _PARTIAL_REACH = 4
 # plus two 2.05x, one plus four 3.5x: a one-token draft never pays, two pay when both
 # are accepted (docs/performance.md, "Speculative decoding").
 MIN_DRAFT = 2
+# A store match is followed as far back as this many times an own match: an answer
+# that has come out as an earlier one for 128 tokens is a regenerate (draftgate's
+# prior 0.98 there, 0.92 at the 32 tokens an own match looks back), which the bench's
+# regenerate prompts accepted 0.95 of, the drafts' length held to 16 by the lower
+# chance (250 tok/s against llama-server ngram-mod's 273, whose 48-64-token drafts
+# follow a 24-token match).
+_STORE_RUN = 4
 # A sequence's acceptance: the prior counts as this many drafts of its own, and its own
 # count decays by this each draft (text changes from copying to writing).
 _PRIOR_WEIGHT = 2.0
@@ -89,9 +96,9 @@ class NgramStore:
     compares the tokens stored before the position with the query, so a collision is a
     missed draft, never a wrong one. `nbytes` is the whole store: 12 to 20 bytes a token
     of capacity, 4 for the token and 8 to 16 for its slots (a dict of n-gram tuples
-    took 150 to 240 with 4 to 16 tokens an n-gram). Off unless configured: a request
-    sent again then drafts from its earlier answer, so its rows are verified in other
-    batch shapes and its bytes may differ.
+    took 150 to 240 with 4 to 16 tokens an n-gram). A request sent again drafts from its
+    earlier answer, so its rows are verified in other batch shapes and its bytes may
+    differ: a request with a seed never drafts from it (StepLoop._begin).
     """
 
     __slots__ = ("n", "_capacity", "_tokens", "_used", "_table", "_shift")
@@ -146,20 +153,32 @@ class NgramStore:
         self._table.fill(0)
 
     def draft(self, tokens: list[int], want: int) -> list[int]:
+        return self.match(tokens, want, self.n)[0]
+
+    def match(self, tokens: list[int], want: int, most_run: int) -> tuple[list[int], int]:
+        """What followed the latest stored occurrence of the text's last n tokens, up to
+        `want` tokens, and how far (n to `most_run` tokens) the stored text before it
+        equals the text's end; ([], 0) when none."""
         n = self.n
         if len(tokens) < n:
-            return []
+            return _NO_MATCH
         key = tokens[-n:]
         hashed = sum(token * factor for token, factor in zip(key, _HASH_FACTORS, strict=False))
         slot = ((hashed & _MASK64) * _GOLDEN & _MASK64) >> self._shift
         start = int(self._table[slot])
         stored = self._tokens
         if not start or stored[start - n:start].tolist() != key:
-            return []
+            return _NO_MATCH
         draft: list[int] = stored[start:min(start + want, self._used)].tolist()
         if _SEPARATOR in draft:
             del draft[draft.index(_SEPARATOR):]
-        return draft
+        # The run back, within this text of the store (a separator never equals a token).
+        back = min(most_run, start, len(tokens))
+        before = stored[start - back:start].tolist()
+        run = n
+        while run < back and before[back - run - 1] == tokens[-run - 1]:
+            run += 1
+        return draft, run
 
 
 # One odd 64-bit factor per position of an n-gram (ngram_max is at most 16), and the
@@ -180,17 +199,22 @@ class NgramDrafter:
 
     __slots__ = ("_tokens", "_indexed", "_maps", "_settings", "_limit", "_pause",
                  "_next_pause", "drafted", "accepted", "_store", "prompt_length", "failure",
-                 "_hits", "_misses", "source")
+                 "_hits", "_misses", "source", "run", "sampled", "_book")
 
     def __init__(self, settings: DraftSettings, tokens: list[int],
-                 store: NgramStore | None = None) -> None:
+                 store: NgramStore | None = None, book: AcceptanceBook | None = None) -> None:
         self._settings = settings
         self._store = store
+        # How drafts fared lately across requests (draftgate.AcceptanceBook); None for a
+        # request with a seed, judged by the fixed prior alone.
+        self._book = book
         # By source (0: its own text, 1: the store): its accepted draft tokens and its
         # drafts cut short, decaying (draftgate.py judges drafts by them).
         self._hits = [0.0, 0.0]
         self._misses = [0.0, 0.0]
         self.source = 0  # where the latest proposal came from
+        self.run = 0  # how far its match ran back (draftgate.prior_acceptance)
+        self.sampled = False  # its request samples (temperature > 0): set by the step loop
         self.prompt_length = len(tokens)
         self._tokens = list(tokens)
         # Continuation positions below this have their n-grams in the maps.
@@ -239,36 +263,48 @@ class NgramDrafter:
         self._index(tokens, length)
         settings = self._settings
         limit = min(room, self._limit)
-        want = max(min(limit, settings.draft_start), MIN_DRAFT)  # for a store match
+        most_run = settings.draft_max // _REACH
         store = self._store
+        # The store's matches are ngram_max long: better than a shorter match in the
+        # sequence's own text, and than one as long that runs back less far, as far as
+        # an own match looks (a regenerated answer follows its first form past the
+        # places it changed the prompt's text, where a copy of the prompt stops; an
+        # answer to another edit of the same text stops there too, so the prompt
+        # keeps the draft where both run back as far).
+        stored, store_n = None, 0
+        if store is not None:
+            stored, store_n = self._from_store(store, tokens, room, limit,
+                                               _STORE_RUN * most_run), store.n
         for n, positions in self._maps:
-            if store is not None and n < store.n:
-                # The store's matches are ngram_max long: better than a shorter match
-                # in the sequence's own text.
-                continuation = store.draft(tokens, room)
-                if len(continuation) >= MIN_DRAFT:
-                    self.source = 1
-                    return continuation, min(want, len(continuation))
-                store = None
+            if stored is not None and n < store_n:
+                return stored
             if length <= n:
                 continue
             start = positions.get(tuple(tokens[length - n:]))
             if start is not None:
-                reach = _REACH * _match_length(tokens, start, n, settings.draft_max // _REACH)
-                want = max(min(limit, max(settings.draft_start, reach)), MIN_DRAFT)
+                run = _match_length(tokens, start, n, most_run)
+                if stored is not None and min(self.run, most_run) > run:
+                    return stored
+                want = max(min(limit, max(settings.draft_start, _REACH * run)), MIN_DRAFT)
                 continuation = tokens[start:start + room]
                 if len(continuation) < room:
                     # The match runs into the end of the text: the text is periodic
                     # with period length - start there, so the draft repeats.
                     continuation = (continuation * (room // len(continuation) + 1))[:room]
-                self.source = 0
+                self.source, self.run = 0, run
                 return continuation, want
-        if store is not None:
-            continuation = store.draft(tokens, room)
-            if len(continuation) >= MIN_DRAFT:
-                self.source = 1
-                return continuation, min(want, len(continuation))
-        return _NO_MATCH
+        return stored or _NO_MATCH
+
+    def _from_store(self, store: NgramStore, tokens: list[int], room: int, limit: int,
+                    most_run: int) -> tuple[list[int], int] | None:
+        """A match in the store of earlier answers, drafted as far as a match of the
+        sequence's own text that runs back as far would be."""
+        continuation, run = store.match(tokens, room, most_run)
+        if len(continuation) < MIN_DRAFT:
+            return None
+        want = max(min(limit, max(self._settings.draft_start, _REACH * run)), MIN_DRAFT)
+        self.source, self.run = 1, run
+        return continuation, min(want, len(continuation))
 
     def propose_after(self, forced: list[int], room: int,
                       limit: int | None = None) -> tuple[list[int], int]:
@@ -289,8 +325,8 @@ class NgramDrafter:
             for n, positions in self._maps:
                 start = positions.get(tuple(text[-n:])) if len(text) >= n else None
                 if start is not None:
-                    reach = _REACH * _match_length(text, start, n, settings.draft_max // _REACH)
-                    want = min(room, limit, max(settings.draft_start, reach))
+                    self.run = _match_length(text, start, n, settings.draft_max // _REACH)
+                    want = min(room, limit, max(settings.draft_start, _REACH * self.run))
                     continuation = tokens[start:start + room]
                     return continuation, min(want, len(continuation))
         except Exception as exc:  # drafts are an optimisation (see class)
@@ -313,7 +349,9 @@ class NgramDrafter:
         """The chance that the next draft token (from the latest proposal's source) is
         accepted, while the ones before it were."""
         source = self.source
-        prior = PRIOR_ACCEPTANCE[source]
+        book = self._book
+        prior = (book.chance(source, self.sampled, self.run) if book is not None
+                 else prior_acceptance(self.run, self.sampled))
         hits = self._hits[source]
         return (hits + _PRIOR_WEIGHT * prior) / (hits + self._misses[source] + _PRIOR_WEIGHT)
 
@@ -322,6 +360,8 @@ class NgramDrafter:
         self.drafted += drafted
         self.accepted += accepted
         source = self.source
+        if self._book is not None:
+            self._book.record(source, self.sampled, self.run, drafted, accepted)
         self._hits[source] = self._hits[source] * _OWN_DECAY + accepted
         self._misses[source] = self._misses[source] * _OWN_DECAY + (accepted < drafted)
         settings = self._settings

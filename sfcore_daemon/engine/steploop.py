@@ -21,7 +21,7 @@ from typing import Any
 
 from sfcore_daemon.engine import faults
 from sfcore_daemon.engine.containment import ContainedStates, Ender
-from sfcore_daemon.engine.draftgate import StepCosts
+from sfcore_daemon.engine.draftgate import AcceptanceBook, StepCosts
 from sfcore_daemon.engine.job import EndReason, Job
 from sfcore_daemon.engine.rows import Rows
 from sfcore_daemon.engine.sequence import Seq
@@ -68,6 +68,8 @@ class StepLoop:
         # What finished requests generated, for drafts of later ones (any slot).
         self._learned = (NgramStore(self._drafts.ngram_max, self._drafts.store_tokens)
                          if self._drafts is not None and self._drafts.store_tokens else None)
+        # How drafts fared lately, for the draft gate's chances (draftgate.py).
+        self._book = AcceptanceBook()
         self._seqs = [Seq(seq_id) for seq_id in range(slots)]
         # Reproducible mode keeps no states: its bytes never depend on the cache.
         store = None if reproducible else store
@@ -169,12 +171,17 @@ class StepLoop:
             seq.generating = False
             seq.limit = min(job.max_tokens, self.n_ctx - len(job.prompt))
             self._rows.prepare(seq, job)
-            # A request that names its seed drafts from its own text only: the store
-            # holds what other requests generated, and its drafts would make the
-            # request's bytes depend on them (a step's rows round otherwise).
-            learned = self._learned if job.sampling.seed is None else None
-            seq.drafter = (faults.drafter(job)(self._drafts, job.prompt, learned)
+            # A request that names its seed drafts from its own text only, judged by
+            # the fixed prior: the store holds what other requests generated, the book
+            # how their drafts fared, and either would make the request's bytes depend
+            # on them (a step's rows round otherwise).
+            unseeded = job.sampling.seed is None
+            learned = self._learned if unseeded else None
+            seq.drafter = (faults.drafter(job)(self._drafts, job.prompt, learned,
+                                               self._book if unseeded else None)
                            if job.speculative and self._drafts is not None else None)
+            if seq.drafter is not None:
+                seq.drafter.sampled = job.sampling.temperature > 0
             seq.draft = []
             shape = job.grammar.shape if job.grammar is not None else None
             seq.forced = (ForcedDrafts(shape, self.model, job.prompt) if seq.drafter is not None

@@ -96,6 +96,9 @@ class Generation:
             speculative=speculative, logprobs=logprobs, grammar_trigger=grammar_trigger,
         )
         self.job.exclusive = exclusive
+        # A reply written whole at the end needs no drain per step, unless a stop
+        # sequence may end it early (the drain watches for it).
+        self.job.wake_each_step = stream or bool(stops)
         self._text = TextStream(stops)
         # A chat with tools: the text after the call marker is the call (tools.py).
         self._calls = calls

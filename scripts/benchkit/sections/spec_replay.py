@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy
 
+from benchkit.common import chat_turn_renderer
 from benchkit.context import Bench
 from benchkit.sections.spec_rows import Context
 from benchkit.sections.speculative import FREE_STARTS, edit_prompt
@@ -170,12 +171,13 @@ def run(bench: Bench) -> dict[str, Any]:
     context = Context(bench.params["model"])
     cost = step_costs(context, context.tokenize(FREE_STARTS[0]))
     texts: list[tuple[str, list[int], list[int]]] = []
+    turn = chat_turn_renderer(bench.params["model"])
     # The bench's order: an edit and a free prompt, then the edit prompts its edit x4 row
     # sends (replayed too, unmeasured: what the tables learn from them counts).
     for variant in range(args.prompts):
-        for kind, text in (("edit", edit_prompt(variant)),
+        for kind, text in (("edit", edit_prompt(variant, turn)),
                            ("free", FREE_STARTS[variant % len(FREE_STARTS)]),
-                           ("other edit", edit_prompt(args.prompts + variant))):
+                           ("other edit", edit_prompt(args.prompts + variant, turn))):
             prompt = context.tokenize(text)
             texts.append((kind, prompt, greedy(context, prompt)))
     mod = NgramMod()

@@ -31,9 +31,10 @@ import json
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
-from benchkit.common import TIMEOUT_S, log, run_together
+from benchkit.common import TIMEOUT_S, chat_turn_renderer, log, run_together
 from benchkit.context import Bench
 from benchkit.daemon import Daemon
 from benchkit.peers import LlamaServer
@@ -112,10 +113,7 @@ SAMPLED_TOPICS = ["a fox who learns to sing", "the last train of the night", "a 
 SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 
 
-def turn(text: str) -> str:
-    """A user turn in the default model's (Gemma) chat format, as raw prompt text: both
-    servers get the same text through their plain completion endpoints."""
-    return f"<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n"
+Turn = Callable[[str], str]  # a user turn as raw prompt text (common.chat_turn_renderer)
 
 
 def rename(variant: int) -> tuple[str, str]:
@@ -127,18 +125,22 @@ def rename(variant: int) -> tuple[str, str]:
     return old, names[index] + (str(lap + 1) if lap else "")
 
 
-def edit_prompt(variant: int) -> str:
+def edit_prompt(variant: int, turn: Turn) -> str:
     old, new = rename(variant)
     return turn(f"Here is a Python module:\n```python\n{MODULE}```\nRewrite this module with "
                 f"the function `{old}` renamed to `{new}`. Output the whole module.")
 
 
-def workloads(variant: int) -> dict[str, tuple[str, dict[str, Any]]]:
+def workloads(variant: int, turn: Turn) -> dict[str, tuple[str, dict[str, Any]]]:
+    """The requests of one variant, in the order sent. regenerate: the variant's edit
+    prompt sent again (a user's "regenerate"), after the free and sampled requests."""
     topic = SAMPLED_TOPICS[variant % len(SAMPLED_TOPICS)]
+    edit = edit_prompt(variant, turn)
     return {
-        "edit": (edit_prompt(variant), {"temperature": 0.0}),
+        "edit": (edit, {"temperature": 0.0}),
         "free": (FREE_STARTS[variant % len(FREE_STARTS)], {"temperature": 0.0}),
         "sampled": (turn(f"Write a short story about {topic}."), {**SAMPLED, "seed": variant}),
+        "regenerate": (edit, {"temperature": 0.0}),
     }
 
 
@@ -204,7 +206,7 @@ FIRST_TOKEN_PAIRS = 10
 
 
 def first_token_pairs(sides: dict[str, DaemonSide | ServerSide], first_variant: int,
-                      figures: dict[str, dict[str, Any]]) -> None:
+                      figures: dict[str, dict[str, Any]], turn: Turn) -> None:
     """Cold edit prompts of one token, to the daemon with and without speculation in
     pairs, one right after the other (on, off, then off, on, ...): the two processes have
     had the same requests, so they hold the same cells, and a pair's two requests meet
@@ -212,7 +214,7 @@ def first_token_pairs(sides: dict[str, DaemonSide | ServerSide], first_variant: 
     pair = ("daemon", "daemon, speculation off")
     samples: dict[str, list[float]] = {name: [] for name in pair}
     for index in range(FIRST_TOKEN_PAIRS):
-        prompt = edit_prompt(first_variant + index)
+        prompt = edit_prompt(first_variant + index, turn)
         for name in (pair if index % 2 == 0 else pair[::-1]):
             reply = sides[name].generate(prompt, 1, {"temperature": 0.0,
                                                      "cache_prompt": False})
@@ -232,6 +234,7 @@ def measure_sides(params: dict[str, Any], daemon_paths: tuple[str, str], runs: i
         "daemon": DaemonSide(daemon_paths[0], True), "daemon, speculation off":
         DaemonSide(daemon_paths[1], False)}
     servers: list[LlamaServer] = []
+    turn = chat_turn_renderer(params["model"])
     try:
         if llama_server:
             for spec in (None, *SPEC_TYPES):
@@ -249,12 +252,12 @@ def measure_sides(params: dict[str, Any], daemon_paths: tuple[str, str], runs: i
         probes_first = x4_first + (runs + 1) * EDIT_CLIENTS
         for index in range(runs + 1):
             order = names[index % len(names):] + names[:index % len(names)]
-            edit_prompts = [edit_prompt(x4_first + index * EDIT_CLIENTS + i)
+            edit_prompts = [edit_prompt(x4_first + index * EDIT_CLIENTS + i, turn)
                             for i in range(EDIT_CLIENTS)]
             figures: dict[str, dict[str, Any]] = {name: {} for name in names}
             replies: dict[tuple[str, str], list[dict[str, Any]]] = {}
             for variant in range(index * SINGLE_PROMPTS, (index + 1) * SINGLE_PROMPTS):
-                for workload, (prompt, sampling) in workloads(variant).items():
+                for workload, (prompt, sampling) in workloads(variant, turn).items():
                     for name in order:
                         # Cold prompts for every side: every variant's edit prompt starts
                         # with the same module, which a slot would otherwise have cached.
@@ -273,7 +276,7 @@ def measure_sides(params: dict[str, Any], daemon_paths: tuple[str, str], runs: i
                     figures[name]["edit x4"] = aggregate(sides[name], edit_prompts, tokens)
                 except RuntimeError as error:
                     raise RuntimeError(f"{name}, edit x4: {error}") from error
-            first_token_pairs(sides, probes_first + index * FIRST_TOKEN_PAIRS, figures)
+            first_token_pairs(sides, probes_first + index * FIRST_TOKEN_PAIRS, figures, turn)
             if index == 0:
                 continue
             for name in names:
@@ -286,14 +289,14 @@ def measure_sides(params: dict[str, Any], daemon_paths: tuple[str, str], runs: i
             server.stop()
 
 
-ROWS = ("edit", "free", "sampled", "edit x4")
+ROWS = ("edit", "free", "sampled", "regenerate", "edit x4")
 
 
 def medians(samples: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
     result: dict[str, dict[str, float]] = {}
     for side, runs in samples.items():
         result[side] = {}
-        for key in (*ROWS, "first token ms", *(f"{row} acceptance" for row in ROWS[:3])):
+        for key in (*ROWS, "first token ms", *(f"{row} acceptance" for row in ROWS[:4])):
             values = [run[key] for run in runs if run.get(key) is not None]
             result[side][key] = statistics.median(values) if values else float("nan")
     return result
@@ -304,16 +307,17 @@ def print_table(samples: dict[str, list[dict[str, Any]]], header: str) -> list[d
     stats = medians(samples)
     print(f"Speculative decoding: {header}")
     print()
-    print("| side | edit tok/s | free tok/s | sampled tok/s | edit x4 aggregate tok/s | "
-          "acceptance edit / free / sampled | edit first token ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| side | edit tok/s | free tok/s | sampled tok/s | regenerate tok/s | "
+          "edit x4 aggregate tok/s | acceptance edit / free / sampled / regenerate | "
+          "edit first token ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for side, runs in samples.items():
         cells = [f"{summary([run[row] for run in runs])['median']:.1f} "
                  f"({min(run[row] for run in runs):.1f}-{max(run[row] for run in runs):.1f})"
                  for row in ROWS]
         acceptance = " / ".join(
             "-" if stats[side][f"{row} acceptance"] != stats[side][f"{row} acceptance"]
-            else f"{stats[side][f'{row} acceptance']:.2f}" for row in ROWS[:3])
+            else f"{stats[side][f'{row} acceptance']:.2f}" for row in ROWS[:4])
         print(f"| {side} | " + " | ".join(cells) + f" | {acceptance} | "
               f"{stats[side]['first token ms']:.1f} |")
     print()
@@ -329,21 +333,16 @@ def print_table(samples: dict[str, list[dict[str, Any]]], header: str) -> list[d
         side = max(spec_sides, key=lambda s: stats[s][row])
         return side, stats[side][row]
 
+    # Issue 49's bounds, on any model: at least the best llama-server mode on every
+    # single-client row that copies (and at four clients), and speculation never more
+    # than 3% below the same daemon without it.
     if spec_sides:
-        side, value = best("edit")
-        target(f"edit, 1 client >= 1.2 x best llama-server ngram ({side})",
-               daemon["edit"] / value, 1.2)
-    target("edit, 1 client >= 2 x daemon with speculation off", daemon["edit"] / off["edit"], 2.0)
-    if spec_sides:
-        side, value = best("free")
-        target(f"free, 1 client >= 1.0 x best llama-server ngram ({side})",
-               daemon["free"] / value, 1.0)
-    target("sampled >= 0.97 x daemon with speculation off", daemon["sampled"] / off["sampled"],
-           0.97)
-    if spec_sides:
-        side, value = best("edit x4")
-        target(f"edit, 4 clients >= 1.2 x llama-server -np 4 best ngram ({side})",
-               daemon["edit x4"] / value, 1.2)
+        for row in ("edit", "free", "regenerate", "edit x4"):
+            side, value = best(row)
+            target(f"{row} >= 1.0 x best llama-server ngram ({side})",
+                   daemon[row] / value, 1.0)
+    for row in ROWS:
+        target(f"{row}: speculation on >= 0.97 x off", daemon[row] / off[row], 0.97)
     first = {side: [value for run in samples[side]
                     for value in run.get("first token samples", [])]
              for side in ("daemon", "daemon, speculation off")}
