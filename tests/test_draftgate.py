@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -26,6 +27,8 @@ from sfcore_daemon.engine.draftgate import (
     expected_tokens,
     prior_acceptance,
 )
+from sfcore_daemon.engine.drafting import DraftPlan
+from sfcore_daemon.engine.sequence import Seq
 from sfcore_daemon.engine.speculative import NgramDrafter, draft_settings
 from sfcore_daemon.llama.stepcost import BusyMeter
 from tests.harness import done_of, merge, running_daemon
@@ -274,3 +277,36 @@ def test_the_busy_meter_sees_another_process_on_the_cpus() -> None:
         child.kill()
     # One of this machine's CPUs (at most 2 here, more elsewhere) for most of the time.
     assert busy.share() >= 0.5 / (os.cpu_count() or 1) * 0.5
+
+
+# --- a step's drafts ------------------------------------------------------------------
+
+
+def _copying_seq(seq_id: int, book: AcceptanceBook | None = None) -> Seq:
+    """A generating sequence in the middle of copying a 40-token text: its drafter
+    proposes the rest of the copy, with a long run."""
+    text = list(range(1000, 1040))
+    seq = Seq(seq_id)
+    seq.drafter = NgramDrafter(draft_settings(SpeculativeConfig()), [*text, 7, *text[:36]],
+                               book=book)
+    seq.job = SimpleNamespace(grammar=None, grammar_live=False)  # type: ignore[assignment]
+    seq.forced = None
+    seq.limit, seq.n_out, seq.generating = 500, 0, True
+    return seq
+
+
+def test_alone_a_step_drafts_as_far_as_pays_shared_at_most_twice_its_time() -> None:
+    # SmolLM2's step costs here: a row of logits about 0.4 of a one-row step.
+    costs = costs_of({1: 5.0, 2: 10.3, 3: 12.2, 4: 14.9, 5: 17.7, 8: 21.4, 9: 24.3,
+                      16: 33.9, 17: 38.0})
+    settings = draft_settings(SpeculativeConfig())
+    alone = DraftPlan(settings, 64, [_copying_seq(0)], costs)
+    assert alone.rows >= 7  # a long copy pays where it is the only request
+    for others in (1, 3):
+        stepping = [_copying_seq(i) for i in range(others + 1)]
+        plan = DraftPlan(settings, 64, stepping, costs, shared=True)
+        base = len(stepping)
+        assert costs.cost(base + plan.rows) <= 2.0 * costs.cost(base) + 1e-9
+    # One generating sequence beside another's prompt: shared too.
+    shared = DraftPlan(settings, 64, [_copying_seq(0)], costs, shared=True)
+    assert costs.cost(1 + shared.rows) <= 2.0 * costs.cost(1)

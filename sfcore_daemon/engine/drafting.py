@@ -23,6 +23,12 @@ from sfcore_daemon.engine.draftgate import StepCosts, best_length, expected_toke
 from sfcore_daemon.engine.sequence import NO_PARTS, DraftParts, Seq
 from sfcore_daemon.engine.speculative import MIN_DRAFT, DraftSettings, aligned_lengths
 
+# With other requests in the step (generating or reading their prompts), its drafts may
+# make it at most this many times as long as without them (DraftPlan._judge).
+# Unbounded, three streams regenerating earlier answers made 66-row steps of 150 ms on
+# SmolLM2, and a short prompt sent beside them waited 115.6 ms for its first token
+# against 28.7 ms on an idle daemon.
+_SHARED_STEP = 2.0
 # A draft of text a grammar forces, or a copy of the prompt inside a string value, is
 # taken as it is; beside the n-gram drafts it is judged with, each of its tokens counts
 # as this likely (measured on the forced bench: 0.9 of forced tokens accepted).
@@ -35,7 +41,7 @@ class DraftPlan:
     __slots__ = ("_settings", "_drafting", "_lengths", "_spare", "rows", "_costs")
 
     def __init__(self, settings: DraftSettings, draft_rows: int, stepping: list[Seq],
-                 costs: StepCosts | None = None) -> None:
+                 costs: StepCosts | None = None, shared: bool = False) -> None:
         """The step's `draft_rows` shared evenly among the `stepping` sequences; with
         `costs` (the measured step costs), each n-gram draft cut to the length
         that pays most for the step, none when none pays (draftgate.py)."""
@@ -63,14 +69,17 @@ class DraftPlan:
                 self._lengths.append(length)
                 spare -= length
         if costs is not None and self._drafting:
-            spare += self._judge(costs, len(stepping))
+            spare += self._judge(costs, len(stepping), shared)
         self._spare = spare
         self.rows = sum(self._lengths)  # the draft rows proposed
 
-    def _judge(self, costs: StepCosts, rows: int) -> int:
+    def _judge(self, costs: StepCosts, rows: int, shared: bool) -> int:
         """Cut each n-gram draft to the length that gives the step the most tokens per
         second by the measured costs, the likeliest first, and drop those cut to none;
-        the draft rows this frees."""
+        the draft rows this frees. Shared with other requests (`shared`), the step is
+        each one's token time, and the wait of one that arrives meanwhile: its drafts
+        may make it at most _SHARED_STEP times as long as without them."""
+        budget = _SHARED_STEP * costs.cost(rows) if shared else float("inf")
         tokens = float(rows)
         judged: list[tuple[float, int]] = []
         for index, (seq, proposal) in enumerate(self._drafting):
@@ -84,7 +93,10 @@ class DraftPlan:
         freed = 0
         for p, index in judged:
             length = lengths[index]
-            kept, gain = best_length(costs, rows, tokens, p, longest=length,
+            longest = length
+            while longest and costs.cost(rows + longest) > budget:
+                longest -= 1
+            kept, gain = best_length(costs, rows, tokens, p, longest=longest,
                                      shortest=MIN_DRAFT, multiple=self._settings.row_multiple)
             lengths[index] = kept
             freed += length - kept

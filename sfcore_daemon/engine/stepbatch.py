@@ -86,7 +86,8 @@ class StepBatch:
         # Every generating sequence first: its pending token and its draft, if any, each
         # row asking for logits. The drafts are proposed now and settled once the
         # prompt chunks are planned: a prompt read to its end adds a logit row too.
-        plan = (DraftPlan(self._drafts, self._draft_rows, stepping, self.costs)
+        plan = (DraftPlan(self._drafts, self._draft_rows, stepping, self.costs,
+                          shared=len(active) > 1)
                 if self._drafts is not None and stepping else None)
         n = len(stepping) + (plan.rows if plan is not None else 0)
         # Then prompt tokens: first the short rests (their first token is near), the
