@@ -9,6 +9,7 @@ import json
 import re
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -436,3 +437,18 @@ def test_a_whole_document_leaves_nothing_to_draft() -> None:
     assert drafts.fitting(emitted, list(b"\n{")) == 0
     drafts, emitted = byte_drafts(whole[:-1])
     assert drafts.fitting(emitted, list(b"}\n{")) == 1  # the `}` is still to come
+
+
+@pytest.mark.parametrize(("kind", "before"), [("integer", b'{"n":0'), ("integer", b'{"n":-0'),
+                                               ("number", b'{"n":0'), ("number", b'{"n":-0')])
+def test_no_digit_follows_a_leading_zero(kind: str, before: bytes) -> None:
+    # Found by the property above (schema {"aaa_aa": integer}, `{"aaa_aa":0` then `8`):
+    # the tracker took the digit, then knew no way to a whole document.
+    schema = {"type": "object", "properties": {"n": {"type": kind}}, "required": ["n"]}
+    text = ForcedText(compile_schema(schema).shape)
+    text.feed(before)
+    assert text.fits(b"8") == 0
+    assert text.fits(b"}") == 1
+    tracker = JsonTracker(compile_schema(schema).shape)
+    tracker.feed(before + b"8")
+    assert tracker.lost

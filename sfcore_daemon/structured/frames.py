@@ -209,7 +209,9 @@ class NumberFrame(Frame):
         text = self.text
         last = text[-1:]
         if byte in DIGITS:
-            ok = True
+            # A leading zero is the whole integral part in both grammars the tracker
+            # serves ("-"? ([0-9] | [1-9] [0-9]...)): no digit follows it.
+            ok = text.lstrip(b"-") != b"0"
         elif byte == ord("-"):
             ok = not text or (not self.integer and last in (b"e", b"E"))
         elif byte == ord("+"):
