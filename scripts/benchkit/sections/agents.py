@@ -31,7 +31,6 @@ import asyncio
 import json
 import math
 import statistics
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -81,61 +80,22 @@ class HttpResponses(HttpChat):
         self.fresh = fresh
 
     async def respond(self, body: dict[str, Any]) -> dict[str, Any]:
-        reader, writer = await self._connect()
-        payload = json.dumps(body).encode()
-        head = (f"POST /v1/responses HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-                f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-                f"Content-Length: {len(payload)}\r\n\r\n").encode()
-        started = time.perf_counter()
-        writer.write(head + payload)
-        first = 0.0
+        reader, started = await self._post("/v1/responses", body)
+        first = ended = 0.0
         final: dict[str, Any] = {}
-        buffer = b""
         async with asyncio.timeout(TIMEOUT_S):
-            status, headers = await self._head(reader)
-            if status != 200:
-                raise RuntimeError(f"HTTP {status}: {await self._whole(reader, headers)!r}")
-            chunked = headers.get("transfer-encoding", "").lower() == "chunked"
-            remaining = int(headers.get("content-length", "-1"))
-            while not final:
-                if chunked:
-                    size = int((await reader.readline()).split(b";")[0], 16)
-                    if size == 0:
-                        await reader.readline()
-                        break
-                    data = (await reader.readexactly(size + 2))[:-2]
-                else:
-                    if remaining == 0:
-                        break
-                    data = await reader.read(65536 if remaining < 0 else min(65536, remaining))
-                    if not data:
-                        break
-                    remaining -= len(data) if remaining > 0 else 0
-                now = time.perf_counter()
-                buffer += data.replace(b"\r\n", b"\n") if b"\r" in data else data
-                while (end := buffer.find(b"\n\n")) >= 0:
-                    block, buffer = buffer[:end], buffer[end + 2:]
-                    for line in block.split(b"\n"):
-                        if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                            continue
-                        event = json.loads(line[5:])
-                        kind = event.get("type", "")
-                        if not first and (kind == "response.output_text.delta" or (
-                                kind == "response.output_item.added"
-                                and event["item"].get("type") == "function_call")):
-                            first = now
-                        if kind in ("response.completed", "response.incomplete",
-                                    "response.failed"):
-                            final = event["response"]
-            ended = time.perf_counter()
-            if chunked and final:  # the rest of the body: its last chunk
-                while await reader.readline() not in (b"0\r\n", b""):
-                    pass
-                await reader.readline()
-        self.idle_since = time.monotonic()
-        if self.fresh or (not chunked and "content-length" not in headers) \
-                or headers.get("connection", "").lower() == "close":
-            await self.close()
+            headers = await self._streamed_head(reader)
+            async for now, data in self._events(reader, headers):
+                event = json.loads(data)
+                kind = event.get("type", "")
+                if not first and (kind == "response.output_text.delta" or (
+                        kind == "response.output_item.added"
+                        and event["item"].get("type") == "function_call")):
+                    first = now
+                if kind in ("response.completed", "response.incomplete", "response.failed"):
+                    final = event["response"]
+                    ended = now
+        await self._done_with(headers, close=self.fresh)
         if final.get("status") == "failed" or not final:
             raise RuntimeError(f"the response failed: {final.get('error')!r}")
         usage = final.get("usage") or {}

@@ -38,7 +38,7 @@ import math
 import re
 import statistics
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from benchkit.common import TIMEOUT_S, decode_reply, log
@@ -104,59 +104,24 @@ class HttpChat:
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         """Figures of one streamed chat completion (the connection reopened as needed)."""
-        reader, writer = await self._connect()
-        payload = json.dumps(body).encode()
-        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-                f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-                f"Content-Length: {len(payload)}\r\n\r\n").encode()
-        started = time.perf_counter()
-        writer.write(head + payload)
+        reader, started = await self._post("/v1/chat/completions", body)
         first = last = 0.0
         pieces = 0
         usage: dict[str, Any] = {}
         timings: dict[str, Any] = {}
-        buffer = b""
         decode = decode_reply
         async with asyncio.timeout(TIMEOUT_S):
-            status, headers = await self._head(reader)
-            if status != 200:
-                raise RuntimeError(f"HTTP {status}: {await self._whole(reader, headers)!r}")
-            chunked = headers.get("transfer-encoding", "").lower() == "chunked"
-            remaining = int(headers.get("content-length", "-1"))
-            readline, readexactly, read = reader.readline, reader.readexactly, reader.read
-            while True:
-                if chunked:
-                    size = int((await readline()).split(b";")[0], 16)
-                    if size == 0:
-                        await readline()  # the empty trailer
-                        break
-                    data = (await readexactly(size + 2))[:-2]
-                else:
-                    if remaining == 0:
-                        break
-                    data = await read(65536 if remaining < 0 else min(65536, remaining))
-                    if not data:
-                        break
-                    remaining -= len(data) if remaining > 0 else 0
-                now = time.perf_counter()
-                buffer += data.replace(b"\r\n", b"\n") if b"\r" in data else data
-                while (end := buffer.find(b"\n\n")) >= 0:
-                    event, buffer = buffer[:end], buffer[end + 2:]
-                    for line in event.split(b"\n"):
-                        if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                            continue
-                        chunk = decode(line[5:])
-                        for choice in chunk.get("choices") or ():
-                            if (choice.get("delta") or {}).get("content"):
-                                first = first or now
-                                last = now
-                                pieces += 1
-                        usage = chunk.get("usage") or usage
-                        timings = chunk.get("timings") or timings
-        self.idle_since = time.monotonic()
-        if ((not chunked and "content-length" not in headers)
-                or headers.get("connection", "").lower() == "close"):
-            await self.close()
+            headers = await self._streamed_head(reader)
+            async for now, data in self._events(reader, headers):
+                chunk = decode(data)
+                for choice in chunk.get("choices") or ():
+                    if (choice.get("delta") or {}).get("content"):
+                        first = first or now
+                        last = now
+                        pieces += 1
+                usage = chunk.get("usage") or usage
+                timings = chunk.get("timings") or timings
+        await self._done_with(headers)
         # Without usage (a server that ignores stream_options): one text event a token.
         tokens = int(usage.get("completion_tokens", pieces))
         details = usage.get("prompt_tokens_details") or {}
@@ -169,6 +134,65 @@ class HttpChat:
             "server_decode_tok_s": float(timings.get("predicted_per_second", math.nan)),
             "server_first_token_ms": float(timings.get("prompt_ms", math.nan)),
         }
+
+    async def _post(self, path: str, body: dict[str, Any]
+                    ) -> tuple[asyncio.StreamReader, float]:
+        """Send a streamed request for `path` (the connection opened before the clock
+        starts); the reader and the perf_counter() of the send."""
+        reader, writer = await self._connect()
+        payload = json.dumps(body).encode()
+        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+                f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+                f"Content-Length: {len(payload)}\r\n\r\n").encode()
+        started = time.perf_counter()
+        writer.write(head + payload)
+        return reader, started
+
+    async def _streamed_head(self, reader: asyncio.StreamReader) -> dict[str, str]:
+        """The headers of a streamed reply; RuntimeError with the body unless 200."""
+        status, headers = await self._head(reader)
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {await self._whole(reader, headers)!r}")
+        return headers
+
+    @staticmethod
+    async def _events(reader: asyncio.StreamReader, headers: dict[str, str]
+                      ) -> AsyncIterator[tuple[float, bytes]]:
+        """Each server-sent event's data (but `[DONE]`) to the end of the body, with the
+        perf_counter() of the read that brought it."""
+        chunked = headers.get("transfer-encoding", "").lower() == "chunked"
+        remaining = int(headers.get("content-length", "-1"))
+        readline, readexactly, read = reader.readline, reader.readexactly, reader.read
+        buffer = b""
+        while True:
+            if chunked:
+                size = int((await readline()).split(b";")[0], 16)
+                if size == 0:
+                    await readline()  # the empty trailer
+                    return
+                data = (await readexactly(size + 2))[:-2]
+            else:
+                if remaining == 0:
+                    return
+                data = await read(65536 if remaining < 0 else min(65536, remaining))
+                if not data:
+                    return
+                remaining -= len(data) if remaining > 0 else 0
+            now = time.perf_counter()
+            buffer += data.replace(b"\r\n", b"\n") if b"\r" in data else data
+            while (end := buffer.find(b"\n\n")) >= 0:
+                event, buffer = buffer[:end], buffer[end + 2:]
+                for line in event.split(b"\n"):
+                    if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                        yield now, line[5:]
+
+    async def _done_with(self, headers: dict[str, str], close: bool = False) -> None:
+        """After a whole reply: keep the connection unless `close` or the server ends it."""
+        self.idle_since = time.monotonic()
+        chunked = headers.get("transfer-encoding", "").lower() == "chunked"
+        if (close or (not chunked and "content-length" not in headers)
+                or headers.get("connection", "").lower() == "close"):
+            await self.close()
 
     @staticmethod
     async def _head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
