@@ -133,6 +133,17 @@ class Daemon:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    async def log_with(self, text: str, timeout: float = REPLY_TIMEOUT_S) -> str:
+        """The log once it holds `text`. A line logged while serving reaches the file
+        from the daemon's log thread a little after the reply that followed it; the
+        startup lines are all written by READY=1, and all lines by the daemon's exit."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while text not in (log := self.log):
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"{text!r} not logged within {timeout} s; log:\n{log}")
+            await asyncio.sleep(0.01)
+        return log
+
     async def connect(self) -> Client:
         reader, writer = await asyncio.wait_for(
             asyncio.open_unix_connection(self.socket_path, limit=1 << 24), REPLY_TIMEOUT_S)

@@ -126,7 +126,7 @@ async def test_allowed_uids_and_gids_primary_and_supplementary() -> None:
         assert stats["errors"]["forbidden"] == 3, stats
         assert stats["connections"]["rejected"] == 3, stats
         # The peer's pid/uid/gid is logged at debug, refused or not.
-        log = daemon.log
+        log = await daemon.log_with(f", 65534, {CLIENTS})")
         assert "connection from pid/uid/gid (" in log
         assert ", 65534, 65534)" in log and f", 65534, {CLIENTS})" in log, log
 

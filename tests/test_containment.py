@@ -61,6 +61,11 @@ async def _done_of_stream(client: Client) -> dict[str, Any]:
             return line
 
 
+async def contained(daemon: Daemon, what: str) -> list[str]:
+    """The log lines of `what` failing while its request went on (at least one)."""
+    return contained_lines(await daemon.log_with(f": {what}"), what)
+
+
 def contained_lines(log: str, what: str) -> list[str]:
     return [line for line in log.splitlines()
             if f": {what}" in line and "failed (injected fault" in line
@@ -74,7 +79,7 @@ async def test_a_failing_drafter_leaves_its_request_one_token_a_step() -> None:
             copied = done_of(await generate(daemon, {**COPY_CODE, "max_tokens": DRAFTER}))
         assert copied["usage"]["completion_tokens"] == DRAFTER, copied
         assert copied["usage"]["drafted_tokens"] == 0, copied
-        assert len(contained_lines(daemon.log, "the drafter")) == 1, daemon.log
+        assert len(await contained(daemon, "the drafter")) == 1, daemon.log
         # Only that request: the next one drafts.
         again = done_of(await generate(daemon, {**COPY_CODE, "max_tokens": 40}))
         assert again["usage"]["drafted_tokens"] > 0, again
@@ -91,7 +96,7 @@ async def test_a_state_that_cannot_be_taken_is_not_stored_and_that_is_all() -> N
             states = (await client.final({"op": "cache"}))["states"]
         assert cache["errors"] >= 1, cache
         assert not any("Line 0: nothing" in state["preview"] for state in states), states
-        assert contained_lines(daemon.log, "keeping a prompt"), daemon.log
+        assert await contained(daemon, "keeping a prompt"), daemon.log
         # The store goes on: the next long prompt is stored.
         done_of(await generate(daemon, {"prompt": OTHER_2, "max_tokens": 2}))
         async with daemon.client() as client:
@@ -107,7 +112,7 @@ async def test_a_failure_while_ending_a_request_still_answers_it_done() -> None:
             ended = done_of(await generate(daemon, {"prompt": "Count to fifty:",
                                                     "max_tokens": END}))
         assert ended["finish_reason"] in ("length", "stop"), ended
-        assert contained_lines(daemon.log, "ending the request"), daemon.log
+        assert await contained(daemon, "ending the request"), daemon.log
         assert done_of(await generate(daemon, {"prompt": "Count to fifty:", "max_tokens": 4}))
 
 
@@ -137,7 +142,7 @@ async def test_a_restore_that_fails_evaluates_the_prompt_beside_a_running_reques
         assert failed["timings"]["cache_source"] == "none", failed
         assert failed["usage"]["cached_tokens"] == 0, failed
         assert failed["usage"]["completion_tokens"] > 0, failed
-        assert contained_lines(daemon.log, "restoring a prompt state"), daemon.log
+        assert await contained(daemon, "restoring a prompt state"), daemon.log
         # The store still serves the next one.
         again = done_of(await generate(daemon, {"prompt": LONG + QUESTION_2, "max_tokens": 4}))
         assert again["timings"]["cache_source"] in ("ram", "slot"), again

@@ -28,7 +28,7 @@ from sfcore_daemon.serve.ops import Ops
 from sfcore_daemon.serve.scheduler import Scheduler
 from sfcore_daemon.serve.state import ServerState
 from sfcore_daemon.serve.threads import ThreadMonitor
-from sfcore_daemon.system import openmp, systemd
+from sfcore_daemon.system import logs, openmp, systemd
 from sfcore_daemon.system.socketfile import ListeningSocket, StartupError
 
 log = logging.getLogger(__name__)
@@ -197,6 +197,8 @@ class Server:
         also = "".join(f"; {frontend.describe()}" for frontend in self._frontends)
         log.info("ready: serving %s on %s with %d slots%s", info.name, self.socket_path,
                  engine.slots, also)
+        # Whoever is told "ready" can read every startup line (the listener thread may lag).
+        logs.wait_written()
         systemd.notify(f"READY=1\nSTATUS=serving {info.name} on {self.socket_path}{also}")
         return True
 

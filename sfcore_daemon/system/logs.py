@@ -7,6 +7,7 @@ import logging
 import logging.handlers
 import queue
 import sys
+import threading
 
 
 class _DeferredQueueHandler(logging.handlers.QueueHandler):
@@ -16,6 +17,32 @@ class _DeferredQueueHandler(logging.handlers.QueueHandler):
         return record
 
 
+class _Written(logging.LogRecord):
+    """Not a line: the listener reaching it means every record before it is written."""
+
+    def __init__(self) -> None:
+        super().__init__("sfcore_daemon.logs", logging.DEBUG, __file__, 0, "", None, None)
+        self.reached = threading.Event()
+
+
+class _Listener(logging.handlers.QueueListener):
+    def handle(self, record: logging.LogRecord) -> None:
+        if isinstance(record, _Written):
+            record.reached.set()
+        else:
+            super().handle(record)
+
+
+def wait_written(timeout_s: float = 1.0) -> None:
+    """Blocks until the lines logged so far are written (at most `timeout_s`): the
+    ready line must be readable when systemd, or a script, is told the daemon is."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, _DeferredQueueHandler):
+            marker = _Written()
+            handler.queue.put_nowait(marker)
+            marker.reached.wait(timeout_s)
+
+
 def setup_logging(level: str) -> logging.handlers.QueueListener:
     log_queue: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
     output = logging.StreamHandler(sys.stderr)
@@ -23,7 +50,7 @@ def setup_logging(level: str) -> logging.handlers.QueueListener:
         logging.Formatter("%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
                           "%H:%M:%S")
     )
-    listener = logging.handlers.QueueListener(log_queue, output, respect_handler_level=False)
+    listener = _Listener(log_queue, output, respect_handler_level=False)
     root = logging.getLogger()
     root.handlers[:] = [_DeferredQueueHandler(log_queue)]
     root.setLevel(level.upper())
