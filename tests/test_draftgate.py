@@ -238,7 +238,7 @@ async def test_a_daemon_measures_its_step_costs_once_and_judges_drafts_by_them(
         costs = (await info(daemon))["config"]["speculative"]
         assert costs["policy"] == "measured"
         ratios = {int(rows): ratio for rows, ratio in costs["step_costs"].items()}
-        assert ratios[1] == 1.0 and set(range(1, 18)) <= set(ratios)
+        assert ratios[1] == 1.0 and set(range(1, 18)) | {32, 64} <= set(ratios)
         assert all(ratio > 0 for ratio in ratios.values())
         async with daemon.client() as client:
             plain = done_of(await client.request(
@@ -264,6 +264,19 @@ async def test_a_daemon_measures_its_step_costs_once_and_judges_drafts_by_them(
             assert "as measured before" in again.log
         else:
             assert "measured in" in again.log
+
+
+@pytest_asyncio_mark
+async def test_no_step_wider_than_the_daemon_makes_is_measured(tmp_path: Path) -> None:
+    # llama.cpp aborts on a batch with more outputs than the context was made for
+    # (slots + draft_max here): this config once killed the daemon at start-up.
+    short = merge({}, {"speculative": {"policy": "measured", "draft_max": 8},
+                       "cache": {"dir": str(tmp_path / "prompts")}, "server": {"slots": 2}})
+    async with running_daemon(short) as daemon, daemon.client() as client:
+        ratios = (await client.final({"op": "info"}))["config"]["speculative"]["step_costs"]
+        assert done_of(await client.request({**COPY, "temperature": 0}))["usage"][
+            "completion_tokens"] > 0
+    assert 10 <= max(map(int, ratios)) < 32, ratios
 
 
 def test_the_busy_meter_sees_another_process_on_the_cpus() -> None:

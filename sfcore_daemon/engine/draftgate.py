@@ -57,10 +57,11 @@ class StepCosts:
         return estimate[-1] + (rows - len(estimate) + 1) * self._slope
 
     def ratios(self) -> dict[int, float]:
-        """Each size's cost in one-row steps, up to 17 rows (for stats and the docs)."""
+        """Each size's cost in one-row steps, up to 17 rows and at 32 and 64 (for stats
+        and the docs)."""
         one = self._estimate[1]
         return {rows: round(ns / one, 3) for rows, ns in enumerate(self._estimate)
-                if 0 < rows <= 17}
+                if 0 < rows <= 17 or rows in (32, 64)}
 
 
 # Before a sequence's drafts are verified, the chance that a draft token is accepted

@@ -257,7 +257,8 @@ class Engine:
         if self.step_costs is None:
             started = time.perf_counter()
             busy = BusyMeter()
-            self.step_costs = measure_step_costs(model) or None
+            self.step_costs = measure_step_costs(
+                model, most_rows=self.slots + self._draft_rows()) or None
             self.step_costs_ms = (time.perf_counter() - started) * 1000
             self.step_costs_busy = busy.share()
             self.step_costs_measured = self.step_costs is not None
