@@ -323,3 +323,9 @@ def test_alone_a_step_drafts_as_far_as_pays_shared_at_most_twice_its_time() -> N
     # One generating sequence beside another's prompt: shared too.
     shared = DraftPlan(settings, 64, [_copying_seq(0)], costs, shared=True)
     assert costs.cost(1 + shared.rows) <= 2.0 * costs.cost(1)
+    # Four copies draft beside each other, but not in a step that ends another
+    # request's prompt: its first token waits for all of the step.
+    four = [_copying_seq(i) for i in range(4)]
+    assert DraftPlan(settings, 64, four, costs, shared=True).rows > 0
+    four = [_copying_seq(i) for i in range(4)]
+    assert DraftPlan(settings, 64, four, costs, shared=True, first_token=True).rows == 0

@@ -29,6 +29,11 @@ from sfcore_daemon.engine.speculative import MIN_DRAFT, DraftSettings, aligned_l
 # SmolLM2, and a short prompt sent beside them waited 115.6 ms for its first token
 # against 28.7 ms on an idle daemon.
 _SHARED_STEP = 2.0
+# And none where a prompt is read to its end in the step: that request's first token
+# waits for the whole step. With the cap above alone, a short prompt sent beside three
+# streams regenerating earlier answers waited 130 ms for its first token on the default
+# model (22 ms idle): the step it arrived during, then its own step, both doubled.
+_FIRST_TOKEN_STEP = 1.0
 # A draft of text a grammar forces, or a copy of the prompt inside a string value, is
 # taken as it is; beside the n-gram drafts it is judged with, each of its tokens counts
 # as this likely (measured on the forced bench: 0.9 of forced tokens accepted).
@@ -41,10 +46,13 @@ class DraftPlan:
     __slots__ = ("_settings", "_drafting", "_lengths", "_spare", "rows", "_costs")
 
     def __init__(self, settings: DraftSettings, draft_rows: int, stepping: list[Seq],
-                 costs: StepCosts | None = None, shared: bool = False) -> None:
+                 costs: StepCosts | None = None, *, shared: bool = False,
+                 first_token: bool = False) -> None:
         """The step's `draft_rows` shared evenly among the `stepping` sequences; with
         `costs` (the measured step costs), each n-gram draft cut to the length
-        that pays most for the step, none when none pays (draftgate.py)."""
+        that pays most for the step, none when none pays (draftgate.py). `shared`:
+        other requests are in the step; `first_token`: one of them may get its first
+        token from it."""
         self._settings = settings
         self._costs = costs
         spare = draft_rows  # draft rows left in this step
@@ -69,17 +77,18 @@ class DraftPlan:
                 self._lengths.append(length)
                 spare -= length
         if costs is not None and self._drafting:
-            spare += self._judge(costs, len(stepping), shared)
+            limit = (_FIRST_TOKEN_STEP if first_token else _SHARED_STEP) if shared else None
+            spare += self._judge(costs, len(stepping), limit)
         self._spare = spare
         self.rows = sum(self._lengths)  # the draft rows proposed
 
-    def _judge(self, costs: StepCosts, rows: int, shared: bool) -> int:
+    def _judge(self, costs: StepCosts, rows: int, limit: float | None) -> int:
         """Cut each n-gram draft to the length that gives the step the most tokens per
         second by the measured costs, the likeliest first, and drop those cut to none;
-        the draft rows this frees. Shared with other requests (`shared`), the step is
-        each one's token time, and the wait of one that arrives meanwhile: its drafts
-        may make it at most _SHARED_STEP times as long as without them."""
-        budget = _SHARED_STEP * costs.cost(rows) if shared else float("inf")
+        the draft rows this frees. Shared with other requests, the step is each one's
+        token time, and the wait of one that arrives meanwhile: its drafts may make it
+        at most `limit` times as long as without them."""
+        budget = limit * costs.cost(rows) if limit is not None else float("inf")
         tokens = float(rows)
         judged: list[tuple[float, int]] = []
         for index, (seq, proposal) in enumerate(self._drafting):

@@ -83,11 +83,15 @@ class StepBatch:
         prefilling: list[Seq] = []
         stepping = [seq for seq in active if seq.generating and seq.parked is None]
         self.stepping, self.prefilling, self.outputs = stepping, prefilling, outputs
+        reading = [seq for seq in active
+                   if not seq.generating and seq.parked is None and seq.loading is None]
         # Every generating sequence first: its pending token and its draft, if any, each
         # row asking for logits. The drafts are proposed now and settled once the
         # prompt chunks are planned: a prompt read to its end adds a logit row too.
         plan = (DraftPlan(self._drafts, self._draft_rows, stepping, self.costs,
-                          shared=len(active) > 1)
+                          shared=len(active) > 1,
+                          first_token=any(_rest(seq) <= self._prefill_per_step
+                                          for seq in reading))
                 if self._drafts is not None and stepping else None)
         n = len(stepping) + (plan.rows if plan is not None else 0)
         # Then prompt tokens: first the short rests (their first token is near), the
@@ -97,8 +101,6 @@ class StepBatch:
         # so their next token is never held up by a whole long prompt.
         budget = self._n_batch - n if n == 0 else min(self._prefill_per_step, self._n_batch - n)
         chunk = self._prefill_chunk
-        reading = [seq for seq in active
-                   if not seq.generating and seq.parked is None and seq.loading is None]
         if len(reading) > 1:
             reading.sort(key=_reading_order)
             first_rest = _rest(reading[0])
