@@ -203,7 +203,7 @@ def test_the_store_drafts_what_the_latest_occurrence_continues_with_or_nothing(
         store.add(tokens, start)
         reference.add(tokens, start)
     for query in queries + [tokens for tokens, _ in texts]:
-        drafted = store.draft(query, 8)
+        drafted, _ = store.match(query, 8, n)
         assert drafted in ([], reference.draft(query, 8)), (query, drafted)
 
 
@@ -260,7 +260,7 @@ def test_the_store_takes_the_memory_it_says_and_no_more() -> None:
     finally:
         tracemalloc.stop()
     assert used <= store.nbytes + 64 * 1024, (used, store.nbytes)
-    assert store.draft(texts[-1][:60], 4) == texts[-1][60:64]
+    assert store.match(texts[-1][:60], 4, store.n)[0] == texts[-1][60:64]
 
 
 # --- the daemon -----------------------------------------------------------------------

@@ -152,9 +152,6 @@ class NgramStore:
         self._used = 0
         self._table.fill(0)
 
-    def draft(self, tokens: list[int], want: int) -> list[int]:
-        return self.match(tokens, want, self.n)[0]
-
     def match(self, tokens: list[int], want: int, most_run: int) -> tuple[list[int], int]:
         """What followed the latest stored occurrence of the text's last n tokens, up to
         `want` tokens, and how far (n to `most_run` tokens) the stored text before it

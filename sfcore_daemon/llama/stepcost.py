@@ -39,7 +39,7 @@ _PROMPT_TOKENS = 8
 
 
 def measure_step_costs(model: Model, sizes: tuple[int, ...] = SIZES,
-                       rounds: int = ROUNDS, most_rows: int = 65) -> dict[int, float]:
+                       rounds: int = ROUNDS, *, most_rows: int) -> dict[int, float]:
     """rows -> ns of one llama_decode of that many rows (the fastest of `rounds`), on
     the decode thread before it serves; the cache is cleared after. No size past
     `most_rows`, the most logit rows a step of this daemon has: llama.cpp aborts the
