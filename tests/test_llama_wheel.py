@@ -19,7 +19,8 @@ import pytest
 
 from tests.harness import REPO
 
-PATCH = REPO / "scripts" / "llama-patches" / "amx-tile-config.patch"
+PATCHES = REPO / "scripts" / "llama-patches"
+PATCH = PATCHES / "amx-tile-config.patch"
 
 
 def _load() -> ModuleType:
@@ -85,7 +86,10 @@ def test_a_portable_key_does_not_depend_on_the_cpu(tmp_path: Path) -> None:
     assert portable.cpu_flags == ()
     if Path("/proc/cpuinfo").exists():
         assert native.cpu_flags and native.key() != portable.key()
-    assert [name for name, _ in native.patches] == ["amx-tile-config.patch"]
+    assert [name for name, _ in native.patches] == sorted(
+        path.name for path in PATCHES.glob("*.patch"))
+    assert [name for name, _ in native.patches] == ["amx-tile-config.patch",
+                                                     "fa-split-kv-balance.patch"]
 
 
 def _patch() -> object:
@@ -128,6 +132,23 @@ def test_a_patch_that_no_longer_fits_the_unfixed_code_stops_the_build(tmp_path: 
         lw.apply_patch(patch, tmp_path)
     with pytest.raises(lw.BuildError, match="not in the sdist"):
         lw.apply_patch(patch, tmp_path / "elsewhere")
+
+
+@pytest.mark.parametrize("path", sorted(PATCHES.glob("*.patch")), ids=lambda path: path.name)
+def test_each_patch_fixes_what_its_marker_names_and_applies_once(path: Path,
+                                                                 tmp_path: Path) -> None:
+    patch = lw.parse_patch(path.name, path.read_text())
+    hunks = patch.hunks
+    assert any(patch.bug_marker in hunk.old for hunk in hunks)
+    assert not any(patch.bug_marker in hunk.new for hunk in hunks)
+    target = tmp_path / patch.target
+    target.parent.mkdir(parents=True)
+    target.write_text("".join(f"// part {index}\n{hunk.old}" for index, hunk in enumerate(hunks)))
+    assert lw.apply_patch(patch, tmp_path) == "applied"
+    fixed = "".join(f"// part {index}\n{hunk.new}" for index, hunk in enumerate(hunks))
+    assert target.read_text() == fixed
+    assert lw.apply_patch(patch, tmp_path) == "already applied"
+    assert target.read_text() == fixed
 
 
 def test_a_patch_without_a_bug_marker_is_refused() -> None:
