@@ -165,6 +165,24 @@ def test_a_drafter_with_the_book_judges_by_it_and_teaches_it() -> None:
     assert book.chance(0, False, 3) > before
 
 
+def test_the_book_may_lower_a_first_draft_s_chance_but_never_raise_it() -> None:
+    # Bare 4-token matches in greedy text, accepted whole by earlier requests (as the
+    # store's drafts of regenerated answers were): the book then rates them near 1.
+    book = AcceptanceBook()
+    for _ in range(40):
+        book.record(0, False, 3, 8, 8)
+    assert book.chance(0, False, 3) > 0.95
+    text = [1, 2, 3, 4, 1, 2, 3]
+    drafter = NgramDrafter(draft_settings(SpeculativeConfig()), text, book=book)
+    drafter.propose(8)
+    assert drafter.run == 3
+    # Before the request's own first verified draft: no more than the run promises.
+    assert drafter.acceptance() == pytest.approx(prior_acceptance(3))
+    drafter.verified(4, 4)
+    # After it, its own drafts and the book together, as before.
+    assert drafter.acceptance() > 0.9
+
+
 def test_a_sequence_that_keeps_failing_stops_drafting_by_the_gate() -> None:
     drafter = NgramDrafter(draft_settings(SpeculativeConfig()), [1, 2, 3, 4, 1, 2, 3])
     assert drafter.propose(8)[0][:1] == [4]

@@ -93,7 +93,8 @@ class AcceptanceBook:
     no fixed curve served both (docs/performance.md). Decode thread only.
 
     A seeded request is judged by the fixed prior: its drafts, and so its bytes, must
-    not depend on what the daemon served before."""
+    not depend on what the daemon served before. A request's first draft from a source
+    is judged by the lower of the two (speculative.NgramDrafter.acceptance)."""
 
     __slots__ = ("_hits", "_misses")
 
