@@ -21,6 +21,7 @@ import pytest
 
 from sfcore_daemon.config import ModelConfig
 from sfcore_daemon.llama.capi import C
+from sfcore_daemon.llama.logitrow import row_view
 from sfcore_daemon.llama.model import Model
 from tests.models import smollm2_path
 
@@ -74,3 +75,15 @@ def test_idle_cells_in_the_pool_do_not_change_a_sequence_s_logits(model: Model) 
     beside = _next_logits(model, IDLE)
     assert beside == alone
     assert _next_logits(model, ()) == alone  # and the row is the model's, run to run
+
+
+def test_the_kept_row_view_reads_the_row_llama_cpp_gives(model: Model) -> None:
+    """llama/logitrow.py: the numpy view kept per address is the row just written, by the
+    row's own length (another vocabulary at the same address gets a view of its own)."""
+    first = _next_logits(model, ())
+    n_vocab = model.info.n_vocab
+    view = row_view(model.ctx, -1, n_vocab)
+    assert view.size == n_vocab and view.tobytes() == first
+    assert row_view(model.ctx, -1, n_vocab // 2).size == n_vocab // 2
+    second = _next_logits(model, IDLE[:1])  # another step writes the same buffer again
+    assert row_view(model.ctx, -1, n_vocab) is view and view.tobytes() == second

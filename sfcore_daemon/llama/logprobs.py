@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from sfcore_daemon.llama.capi import C
+from sfcore_daemon.llama.logitrow import row_view
 
 if TYPE_CHECKING:
     import numpy as np
@@ -66,14 +66,11 @@ class RowLogprobs:
 
     def of_row(self, ctx: Any, row: int, token: int, top: int) -> RowNumbers:
         """The numbers of `token` chosen from the logits of output row `row` of `ctx`."""
-        logits = self._np.ctypeslib.as_array(C.llama_get_logits_ith(ctx, row),
-                                             shape=(self._n_vocab,))
-        return self.of(logits, token, top)
+        return self.of(row_view(ctx, row, self._n_vocab), token, top)
 
     def copy_row(self, ctx: Any, row: int) -> npt.NDArray[np.float32]:
         """A copy of a logits row, for numbers taken after the next step (a wide pass)."""
-        return self._np.ctypeslib.as_array(C.llama_get_logits_ith(ctx, row),
-                                           shape=(self._n_vocab,)).copy()
+        return row_view(ctx, row, self._n_vocab).copy()
 
     def of(self, logits: npt.NDArray[np.float32], token: int, top: int) -> RowNumbers:
         """The numbers of `token` chosen from `logits`, with the `top` likeliest."""

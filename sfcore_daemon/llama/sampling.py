@@ -8,12 +8,12 @@ argmax of the row instead: the same token, without the chain's candidate array.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from sfcore_daemon.llama.capi import C
+from sfcore_daemon.llama.logitrow import row_view
 
 # llama.cpp takes LLAMA_DEFAULT_SEED (0xFFFFFFFF) as "pick a random seed", so client
 # seeds are folded into the 32-bit range below it.
@@ -104,31 +104,6 @@ def is_plain_greedy(sampling: Sampling) -> bool:
     return sampling.temperature <= 0 and not sampling.penalised and "numpy" in _imported
 
 
-# llama_get_logits_ith returning the row's address as an int: the bindings' own
-# prototype returns a float pointer, and numpy's as_array of one took ~30 us a token on
-# the decode thread (a new ctypes array type and cast each time), against ~8 us for the
-# argmax itself (SmolLM2's 49,152 logits; docs/performance.md).
-_row_address = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)(
-    ("llama_get_logits_ith", C._lib))
-# numpy views of logit rows by address, made once: llama.cpp writes every step's rows
-# into the same buffer, so the same few addresses come back step after step.
-_row_views: dict[int, Any] = {}
-_MOST_VIEWS = 4096  # a new output buffer (more draft rows) brings new addresses
-
-
 def argmax(ctx: Any, row: int, n_vocab: int) -> int:
     """The token with the highest logit in `row` (the first of equals, like top_k(1))."""
-    address = _row_address(ctx, row)
-    if not address:
-        raise RuntimeError(f"llama.cpp has no logits for row {row}")
-    # A view is only read at an address llama.cpp has just given for a whole row: after
-    # the buffer moves, an old address is never asked for again unless it is a row again.
-    view = _row_views.get(address)
-    if view is None:
-        if len(_row_views) >= _MOST_VIEWS:
-            _row_views.clear()
-        numpy = _imported["numpy"]
-        view = numpy.frombuffer((ctypes.c_float * n_vocab).from_address(address),
-                                dtype=numpy.float32)
-        _row_views[address] = view
-    return int(view.argmax())
+    return int(row_view(ctx, row, n_vocab).argmax())
