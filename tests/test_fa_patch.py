@@ -3,7 +3,8 @@ patch's own text with stand-ins for ggml's types, against any mask (hypothesis).
 
 - The split-KV parts cut the whole range into one contiguous part per thread, from 0
   to the end, and hold equal shares (to one cell) of the cells the mask shows.
-- Trimming a part drops hidden cells at its ends only: every shown cell stays in it.
+- The list of a mask row's shown cells in a part is exactly its cells that the mask
+  does not hide, in order.
 
 The real kernel, with the patch built in, is tested in tests/test_kv_layout.py.
 """
@@ -39,8 +40,9 @@ extern "C" void split_bounds(const uint16_t * mask, int64_t nek1, int ith, int n
     ggml_tensor tensor{GGML_TYPE_F16, {nek1, 1, per_head ? 2 : 1, 1}, (void *) mask};
     ggml_flash_attn_ext_split_kv_bounds(mask ? &tensor : nullptr, nek1, ith, nth, start, end);
 }
-extern "C" void trim(const uint16_t * mask, int64_t * first, int64_t * last) {
-    ggml_flash_attn_ext_trim_hidden(mask, first, last);
+extern "C" int64_t shown_cells(const uint16_t * mask, int64_t first, int64_t last,
+                               int32_t * cells) {
+    return ggml_flash_attn_ext_shown_cells(mask, first, last, cells);
 }
 """
 
@@ -68,7 +70,8 @@ def helpers(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     size, pointer = ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)
     lib.split_bounds.argtypes = [ctypes.c_void_p, size, ctypes.c_int, ctypes.c_int,
                                  ctypes.c_int, pointer, pointer]
-    lib.trim.argtypes = [ctypes.c_void_p, pointer, pointer]
+    lib.shown_cells.argtypes = [ctypes.c_void_p, size, size, ctypes.POINTER(ctypes.c_int32)]
+    lib.shown_cells.restype = size
     return lib
 
 
@@ -109,17 +112,14 @@ def test_the_parts_cover_the_range_and_share_the_shown_cells(
 
 @settings(max_examples=300, deadline=None)
 @given(values=st.one_of(masks, runs), data=st.data())
-def test_trimming_drops_only_hidden_cells_at_the_ends(
+def test_the_shown_cells_are_the_cells_the_mask_does_not_hide(
         helpers: ctypes.CDLL, values: list[int], data: st.DataObject) -> None:
     first = data.draw(st.integers(0, len(values)))
     last = data.draw(st.integers(first, len(values)))
-    low, high = ctypes.c_int64(first), ctypes.c_int64(last)
-    helpers.trim(_mask(values), ctypes.byref(low), ctypes.byref(high))
-    shown = [index for index in range(first, last) if values[index] != HIDDEN]
-    if shown:
-        assert (low.value, high.value) == (shown[0], shown[-1] + 1)
-    else:
-        assert low.value == high.value and first <= low.value <= last
+    cells = (ctypes.c_int32 * max(last - first, 1))()
+    count = helpers.shown_cells(_mask(values), first, last, cells)
+    assert list(cells[:count]) == [index for index in range(first, last)
+                                   if values[index] != HIDDEN]
 
 
 @pytest.mark.parametrize("per_head", [False, True])

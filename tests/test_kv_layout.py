@@ -8,6 +8,10 @@ sequence's own cells (another float sum) and could leave one thread all the work
 (SmolLM2 decoded 7-8.5% slower per token beside idle slots' cells). Patched, the parts
 are equal shares of the cells the row attends to: the same cut, the same bits.
 
+Several sequences decoding together interleave their cells. Each query row lists its
+mask row's shown cells once and reads the list for every head (rows run heads first):
+a row's logits must not depend on what the other rows of its batch, or their cells, are.
+
 Real model (SmolLM2-135M: plain full attention, 30 layers), the daemon's own context
 settings, llama.cpp's C API in this process.
 """
@@ -75,6 +79,40 @@ def test_idle_cells_in_the_pool_do_not_change_a_sequence_s_logits(model: Model) 
     beside = _next_logits(model, IDLE)
     assert beside == alone
     assert _next_logits(model, ()) == alone  # and the row is the model's, run to run
+
+
+def _batched_logits(model: Model, others: tuple[int, int], base: int) -> bytes:
+    """Sequence 0's logits row after 4 steps of 3 rows (sequences 0, 1, 2 together), the
+    other two with `others` cells before and tokens from `base`."""
+    C.llama_memory_clear(model.memory, True)
+    _decode(model, 0, [1000 + index % 700 for index in range(CONTEXT)], 0, logits=False)
+    for seq, cells in enumerate(others, start=1):
+        _decode(model, seq, [base + (index * 7) % 900 for index in range(cells)], 0,
+                logits=False)
+    batch = C.llama_batch_init(3, 0, 1)
+    try:
+        for step in range(4):
+            rows = [(0, 4242 + step, CONTEXT + step)] + [
+                (seq, base + 11 * step + seq, cells + step)
+                for seq, cells in enumerate(others, start=1)]
+            for row, (seq, token, position) in enumerate(rows):
+                batch.token[row], batch.pos[row] = token, position
+                batch.n_seq_id[row], batch.seq_id[row][0] = 1, seq
+                batch.logits[row] = int(row == 0 and step == 3)
+            batch.n_tokens = len(rows)
+            assert C.llama_decode(model.ctx, batch) == 0
+    finally:
+        C.llama_batch_free(batch)
+    row = C.llama_get_logits_ith(model.ctx, 0)
+    return ctypes.string_at(row, model.info.n_vocab * ctypes.sizeof(ctypes.c_float))
+
+
+def test_a_row_s_logits_do_not_depend_on_the_other_rows_of_its_batch(model: Model) -> None:
+    first = _batched_logits(model, IDLE, 2000)
+    # Other sequences' lengths and tokens: other cells in the pool, interleaved with
+    # sequence 0's new ones, other rows beside its row in every step.
+    assert _batched_logits(model, (40, 310), 3000) == first
+    assert _batched_logits(model, IDLE, 2000) == first
 
 
 def test_the_kept_row_view_reads_the_row_llama_cpp_gives(model: Model) -> None:
