@@ -203,8 +203,31 @@ def test_the_store_drafts_what_the_latest_occurrence_continues_with_or_nothing(
         store.add(tokens, start)
         reference.add(tokens, start)
     for query in queries + [tokens for tokens, _ in texts]:
-        drafted, _ = store.match(query, 8, n)
+        drafted, _, _ = store.match(query, 8, n)
         assert drafted in ([], reference.draft(query, 8)), (query, drafted)
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 4), texts=st.lists(st.tuples(_TEXTS, st.integers(0, 12)), max_size=8),
+       queries=st.lists(st.tuples(_TEXTS, st.integers(-5, 400)), max_size=12))
+def test_a_hinted_match_is_a_stored_occurrence_of_the_text_s_end_or_nothing(
+        n: int, texts: list[tuple[list[int], int]], queries: list[tuple[list[int], int]]) -> None:
+    # Any hint, stale or out of range: the draft follows a place whose n tokens before
+    # it end the text, runs back as far as it says, and never crosses a stored text's end.
+    store = NgramStore(n, 200)
+    for tokens, start in texts:
+        store.add(tokens, start)
+    stored = store._tokens.tolist()
+    for query, hint in queries:
+        drafted, run, position = store.match(query, 8, 16, hint)
+        if not run:
+            assert (drafted, position) == ([], 0)
+            continue
+        assert n <= run <= min(16, len(query))
+        assert stored[position - run:position] == query[-run:]
+        assert drafted == stored[position:position + len(drafted)]
+        assert -1 not in drafted and len(drafted) <= 8
+        assert len(drafted) == 8 or stored[position + len(drafted)] == -1
 
 
 def test_a_store_match_says_how_far_it_runs_back() -> None:
@@ -212,10 +235,10 @@ def test_a_store_match_says_how_far_it_runs_back() -> None:
     answer = list(range(50, 90))
     store.add([1, 2, 3, 4, *answer], 4)
     # Regenerating the same answer: the stored text runs back as far as was asked.
-    draft, run = store.match([9, 1, 2, 3, 4, *answer[:20]], 8, 32)
+    draft, run, _ = store.match([9, 1, 2, 3, 4, *answer[:20]], 8, 32)
     assert draft == answer[20:28] and run == 24
     # Only the last 4 tokens shared: a bare n-gram match.
-    draft, run = store.match([7, 7, 7, *answer[16:20]], 8, 32)
+    draft, run, _ = store.match([7, 7, 7, *answer[16:20]], 8, 32)
     assert draft == answer[20:28] and run == 4
     assert store.match([*answer[:20]], 8, 10)[1] == 10  # at most most_run
 
@@ -242,6 +265,33 @@ def test_a_regenerate_drafts_its_first_answer_over_the_prompt_it_copies() -> Non
     assert regenerating.draft(8) == long_answer[90:98]
     assert regenerating.source == 1 and regenerating.run == 94  # the answer and 4 before
     assert regenerating.acceptance() > 0.95
+
+
+def test_a_regenerate_follows_its_first_answer_where_its_lines_repeat() -> None:
+    # The first answer repeats a line (code does): the table's latest occurrence of the
+    # line's 4-grams is its second copy, which a regenerate standing in the first does
+    # not continue from. The drafter follows the place its text stands in the store.
+    line = [70, 71, 72, 73, 74]
+    answer = [*range(100, 110), *line, *range(110, 120), *line, *range(120, 140)]
+    prompt = [1, 2, 3, 4, 5]
+    store = NgramStore(4, 1000)
+    store.add([*prompt, *answer], len(prompt))
+    settings = draft_settings(SpeculativeConfig(store_tokens=1000))
+    # Without a place followed, the latest occurrence: the second copy's continuation.
+    fresh = NgramDrafter(settings, [*prompt, *answer[:15]], store)
+    assert fresh.draft(8) == answer[30:38]
+    # A regenerate that drafted from the store at its start follows the first copy.
+    regenerating = NgramDrafter(settings, [*prompt, *answer[:2]], store)
+    assert regenerating.draft(8) == answer[2:10]
+    for token in answer[2:15]:
+        regenerating.append(token)
+    draft = regenerating.draft(8)
+    assert draft == answer[15:23] and regenerating.source == 1
+    assert regenerating.run == 4 + 15  # the whole answer so far and the 4 before it
+    # Once emptied, the store forgets the place (positions are reused).
+    store.clear()
+    store.add([9, 9, 9, 9, *answer[:15], 5, 6, 7, 8, 9, 10], 4)
+    assert regenerating.draft(8) == [5, 6, 7, 8, 9, 10]
 
 
 def test_the_store_takes_the_memory_it_says_and_no_more() -> None:

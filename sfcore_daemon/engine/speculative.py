@@ -101,7 +101,7 @@ class NgramStore:
     differ: a request with a seed never drafts from it (StepLoop._begin).
     """
 
-    __slots__ = ("n", "_capacity", "_tokens", "_used", "_table", "_shift")
+    __slots__ = ("n", "_capacity", "_tokens", "_used", "_table", "_shift", "generation")
 
     def __init__(self, n: int, capacity: int) -> None:
         import numpy as np  # here, not at import: the daemon imports numpy beside its load
@@ -114,6 +114,8 @@ class NgramStore:
         slots = 1 << (2 * capacity - 1).bit_length()
         self._table = np.zeros(slots, np.int32)  # 0: empty (positions start at n >= 1)
         self._shift = 64 - (slots.bit_length() - 1)
+        # Counts the times it was emptied: a position from before is no longer valid.
+        self.generation = 0
 
     @property
     def nbytes(self) -> int:
@@ -151,31 +153,53 @@ class NgramStore:
     def clear(self) -> None:
         self._used = 0
         self._table.fill(0)
+        self.generation += 1
 
-    def match(self, tokens: list[int], want: int, most_run: int) -> tuple[list[int], int]:
-        """What followed the latest stored occurrence of the text's last n tokens, up to
-        `want` tokens, and how far (n to `most_run` tokens) the stored text before it
-        equals the text's end; ([], 0) when none."""
+    def match(self, tokens: list[int], want: int, most_run: int,
+              hint: int = 0) -> tuple[list[int], int, int]:
+        """What followed the stored occurrence of the text's last n tokens that runs back
+        furthest (n to `most_run` tokens: how far the stored text before it equals the
+        text's end), up to `want` tokens: of the latest occurrence and of `hint`, a
+        position in the store that the text has been following (0: none); that draft,
+        its run and its position, or ([], 0, 0) when neither matches. The table keeps
+        the latest occurrence only, and an answer that repeats its lines (code does)
+        has its latest occurrence of most 4-grams elsewhere than where a regenerate of
+        it stands."""
         n = self.n
         if len(tokens) < n:
-            return _NO_MATCH
+            return _NO_STORE_MATCH
         key = tokens[-n:]
         hashed = sum(token * factor for token, factor in zip(key, _HASH_FACTORS, strict=False))
         slot = ((hashed & _MASK64) * _GOLDEN & _MASK64) >> self._shift
-        start = int(self._table[slot])
-        stored = self._tokens
-        if not start or stored[start - n:start].tolist() != key:
-            return _NO_MATCH
-        draft: list[int] = stored[start:min(start + want, self._used)].tolist()
+        best_run, best_start = 0, 0
+        for start in (int(self._table[slot]), hint):
+            if (start < n or start >= self._used or start == best_start
+                    or self._tokens[start] == _SEPARATOR):  # a stored text's end
+                continue
+            run = self._run(tokens, key, start, most_run)
+            if run > best_run:
+                best_run, best_start = run, start
+        if not best_run:
+            return _NO_STORE_MATCH
+        draft: list[int] = self._tokens[best_start:min(best_start + want, self._used)].tolist()
         if _SEPARATOR in draft:
             del draft[draft.index(_SEPARATOR):]
-        # The run back, within this text of the store (a separator never equals a token).
+        return draft, best_run, best_start
+
+    def _run(self, tokens: list[int], key: list[int], start: int, most_run: int) -> int:
+        """How far (n to `most_run`) the stored text before `start` equals the text's
+        end, within one stored text (a separator never equals a token); 0 when its last
+        n tokens are not `key`."""
+        n = self.n
+        stored = self._tokens
+        if stored[start - n:start].tolist() != key:
+            return 0
         back = min(most_run, start, len(tokens))
         before = stored[start - back:start].tolist()
         run = n
         while run < back and before[back - run - 1] == tokens[-run - 1]:
             run += 1
-        return draft, run
+        return run
 
 
 # One odd 64-bit factor per position of an n-gram (ngram_max is at most 16), and the
@@ -185,6 +209,7 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
 _SEPARATOR = -1  # between two requests' texts in the store: no draft runs across it
 _NO_MATCH: tuple[list[int], int] = ([], 0)
+_NO_STORE_MATCH: tuple[list[int], int, int] = ([], 0, 0)
 
 
 class NgramDrafter:
@@ -196,7 +221,7 @@ class NgramDrafter:
 
     __slots__ = ("_tokens", "_indexed", "_maps", "_settings", "_limit", "_pause",
                  "_next_pause", "drafted", "accepted", "_store", "prompt_length", "failure",
-                 "_hits", "_misses", "source", "run", "sampled", "_book")
+                 "_hits", "_misses", "source", "run", "sampled", "_book", "_followed")
 
     def __init__(self, settings: DraftSettings, tokens: list[int],
                  store: NgramStore | None = None, book: AcceptanceBook | None = None) -> None:
@@ -226,6 +251,9 @@ class NgramDrafter:
         self.drafted = 0
         self.accepted = 0
         self.failure: BaseException | None = None
+        # The store's generation, a position in it and the text's length when the text
+        # stood there: the place a regenerate follows (NgramStore.match's hint).
+        self._followed = (-1, 0, 0)
 
     def append(self, token: int) -> None:
         """A token the sequence emitted."""
@@ -264,10 +292,12 @@ class NgramDrafter:
         store = self._store
         # The store's matches are ngram_max long: better than a shorter match in the
         # sequence's own text, and than one as long that runs back less far, as far as
-        # an own match looks (a regenerated answer follows its first form past the
-        # places it changed the prompt's text, where a copy of the prompt stops; an
-        # answer to another edit of the same text stops there too, so the prompt
-        # keeps the draft where both run back as far).
+        # either runs back, unless it drafts less (a regenerated answer follows its
+        # first form past the places it changed the prompt's text, where a copy of the
+        # prompt stops, and its run takes in the prompt's last tokens before the answer;
+        # an answer to another edit of the same text stops there too, so the prompt
+        # keeps the draft where both run back as far; a stored text that ends soon,
+        # or loops, drafts less than the own text's periodic continuation).
         stored, store_n = None, 0
         if store is not None:
             stored, store_n = self._from_store(store, tokens, room, limit,
@@ -280,9 +310,10 @@ class NgramDrafter:
             start = positions.get(tuple(tokens[length - n:]))
             if start is not None:
                 run = _match_length(tokens, start, n, most_run)
-                if stored is not None and min(self.run, most_run) > run:
-                    return stored
                 want = max(min(limit, max(settings.draft_start, _REACH * run)), MIN_DRAFT)
+                if stored is not None and stored[1] >= want and self.run > (
+                        run if run < most_run else _match_length(tokens, start, n, self.run)):
+                    return stored
                 continuation = tokens[start:start + room]
                 if len(continuation) < room:
                     # The match runs into the end of the text: the text is periodic
@@ -296,7 +327,11 @@ class NgramDrafter:
                     most_run: int) -> tuple[list[int], int] | None:
         """A match in the store of earlier answers, drafted as far as a match of the
         sequence's own text that runs back as far would be."""
-        continuation, run = store.match(tokens, room, most_run)
+        generation, position, at = self._followed
+        hint = position + len(tokens) - at if generation == store.generation else 0
+        continuation, run, position = store.match(tokens, room, most_run, hint)
+        if position:
+            self._followed = (store.generation, position, len(tokens))
         if len(continuation) < MIN_DRAFT:
             return None
         want = max(min(limit, max(self._settings.draft_start, _REACH * run)), MIN_DRAFT)
