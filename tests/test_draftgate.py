@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sfcore_daemon.config import SpeculativeConfig
@@ -103,6 +103,37 @@ def test_the_length_chosen_is_none_or_pays(p: float, longest: int, rows: int,
         assert (rows + gain) / costs.cost(rows + kept) > rows / costs.cost(rows)
     else:
         assert gain == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 8), st.lists(st.floats(0.0, 100.0), min_size=1, max_size=16),
+       st.integers(2, 320), st.integers(1, 8), st.floats(0.0, 1.0))
+def test_below_the_least_paying_chance_no_length_pays(
+        rows: int, increments: list[float], longest: int, multiple: int, below: float) -> None:
+    # The gate's shortcut (DraftPlan._judge) is best_length's own answer.
+    table, total = {}, 1.0
+    for size, extra in enumerate(increments, start=1):
+        total += extra
+        table[size] = total
+    table.setdefault(2, table[1] + 1.0)
+    costs = costs_of(table)
+    least = costs.least_paying(rows)
+    assert costs.least_paying(rows) == least  # kept
+    p = least * below
+    assert best_length(costs, rows, float(rows), p, longest=longest, shortest=2,
+                       multiple=multiple) == (0, 0.0)
+
+
+def test_the_least_paying_chance_is_the_bound_itself() -> None:
+    # A row at a quarter of a step: drafts pay from a modest chance, and just above the
+    # bound some length does.
+    costs = costs_of({rows: 13.3 + 3.7 * (rows - 1) for rows in (1, 2, 4, 8, 16)})
+    least = costs.least_paying(1)
+    assert 0.2 < least < 0.6
+    assert best_length(costs, 1, 1.0, least + 1e-4, longest=320, shortest=2,
+                       multiple=1)[0] > 0
+    # Every row as dear as a step: nothing pays at any chance.
+    assert costs_of({rows: 10.0 * rows for rows in range(1, 10)}).least_paying(1) >= 0.999
 
 
 def test_a_match_that_runs_back_further_is_trusted_more() -> None:

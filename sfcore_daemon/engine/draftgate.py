@@ -16,6 +16,9 @@ from __future__ import annotations
 # A draft must promise this much more throughput than the step without it: the
 # measurements are noisy, and a draft that only breaks even costs host time.
 _MARGIN = 1.02
+# The longest draft StepCosts.least_paying considers: draft_max (at most 256) and the
+# rows that aligning a step may add (row_multiple - 1, at most 63).
+_LONGEST = 320
 
 
 class StepCosts:
@@ -24,7 +27,7 @@ class StepCosts:
     daemon's life, so that the drafts of a request do not depend on what it served
     before (nor on how busy the machine was a moment ago)."""
 
-    __slots__ = ("_estimate", "_slope")
+    __slots__ = ("_estimate", "_slope", "_least")
 
     def __init__(self, measured: dict[int, float], most_rows: int) -> None:
         """`measured`: rows -> ns, with 1 and at least one more size."""
@@ -48,6 +51,7 @@ class StepCosts:
                 estimate[rows] = measured[low] + share * (measured[high] - measured[low])
         self._estimate = estimate
         self._slope = slope
+        self._least: dict[int, float] = {}  # rows -> least_paying(rows)
 
     def cost(self, rows: int) -> float:
         """The estimated ns of a step of `rows` logit rows."""
@@ -55,6 +59,36 @@ class StepCosts:
         if rows < len(estimate):
             return estimate[rows]
         return estimate[-1] + (rows - len(estimate) + 1) * self._slope
+
+    def least_paying(self, rows: int) -> float:
+        """A chance of acceptance below which no draft (of 2 to _LONGEST tokens) pays
+        at a step of `rows` logit rows and no other draft: `best_length` would keep
+        none. Found once per `rows` and kept; a hair under the true bound, so that a
+        draft turned away by it is one `best_length` turns away. Text with nothing to
+        copy proposes a draft most steps and the gate refuses each: about 30 us of
+        host time a step on SmolLM2 (5 ms a token), where this takes one comparison."""
+        least = self._least.get(rows)
+        if least is None:
+            least = self._least[rows] = self._least_paying(rows)
+        return least
+
+    def _least_paying(self, rows: int) -> float:
+        base = rows / self.cost(rows) * _MARGIN
+        least = 1.0
+        for k in range(2, _LONGEST + 1):
+            # Pays where rows + E(p, k) > base * cost(rows + k); E rises with p.
+            need = base * self.cost(rows + k) - rows
+            if need >= k:
+                continue  # not even a draft accepted whole pays
+            low, high = 0.0, 1.0
+            for _ in range(40):
+                middle = (low + high) / 2
+                if expected_tokens(middle, k) > need:
+                    high = middle
+                else:
+                    low = middle
+            least = min(least, low)
+        return max(least - 1e-6, 0.0)
 
     def ratios(self) -> dict[int, float]:
         """Each size's cost in one-row steps, up to 17 rows and at 32 and 64 (for stats
