@@ -64,9 +64,9 @@ class StepCosts:
         """A chance of acceptance below which no draft (of 2 to _LONGEST tokens) pays
         at a step of `rows` logit rows and no other draft: `best_length` would keep
         none. Found once per `rows` and kept; a hair under the true bound, so that a
-        draft turned away by it is one `best_length` turns away. Text with nothing to
-        copy proposes a draft most steps and the gate refuses each: about 30 us of
-        host time a step on SmolLM2 (5 ms a token), where this takes one comparison."""
+        draft turned away by it is one `best_length` turns away. In text with little to
+        copy the gate refuses most drafts proposed, each in about 30 us of the decode
+        thread's time on SmolLM2 (5 ms a token); this takes one comparison."""
         least = self._least.get(rows)
         if least is None:
             least = self._least[rows] = self._least_paying(rows)
