@@ -169,7 +169,9 @@ class NgramStore:
         if len(tokens) < n:
             return _NO_STORE_MATCH
         key = tokens[-n:]
-        hashed = sum(token * factor for token, factor in zip(key, _HASH_FACTORS, strict=False))
+        hashed = 0
+        for token, factor in zip(key, _HASH_FACTORS, strict=False):
+            hashed += token * factor
         slot = ((hashed & _MASK64) * _GOLDEN & _MASK64) >> self._shift
         best_run, best_start = 0, 0
         for start in (int(self._table[slot]), hint):
@@ -425,6 +427,13 @@ class NgramDrafter:
         # continuation yet. zip builds the keys in C: no Python loop per token.
         start = self._indexed
         if start >= length:
+            return
+        if start == length - 1 and start >= self._maps[0][0]:
+            # One token since the last step (decoding): its n-grams by slices, without
+            # zip's machinery, which costs more than the work for a single position.
+            for n, positions in self._maps:
+                positions[tuple(tokens[start - n:start])] = start
+            self._indexed = length
             return
         for n, positions in self._maps:
             first = max(start, n)
