@@ -124,6 +124,15 @@ def test_below_the_least_paying_chance_no_length_pays(
                        multiple=multiple) == (0, 0.0)
 
 
+def test_a_step_is_timed_as_a_one_row_step_for_the_thread_policy() -> None:
+    # 8 rows cost 2.5 one-row steps: a 25 ms step of 8 rows runs at a one-row step's
+    # 10 ms pace, so a drafted step is not mistaken for a stretched one.
+    costs = costs_of({1: 10.0, 8: 25.0})
+    assert costs.as_one_row(25_000_000, 8) == 10_000_000
+    assert costs.as_one_row(7_000_000, 1) == 7_000_000
+    assert costs.as_one_row(50_000_000, 8) == 20_000_000  # twice as slow: stretched
+
+
 def test_the_least_paying_chance_is_the_bound_itself() -> None:
     # A row at a quarter of a step: drafts pay from a modest chance, and just above the
     # bound some length does.

@@ -60,6 +60,15 @@ class StepCosts:
             return estimate[rows]
         return estimate[-1] + (rows - len(estimate) + 1) * self._slope
 
+    def as_one_row(self, elapsed_ns: int, rows: int) -> int:
+        """A step of `rows` logit rows that took `elapsed_ns`, as the time of a one-row
+        step at the same pace: what the thread policy compares (threadpolicy.py). Its
+        baseline is a one-row step's time; a step of drafts or of several requests'
+        tokens takes longer with nothing slowing it down."""
+        if rows <= 1:
+            return elapsed_ns
+        return int(elapsed_ns * self._estimate[1] / self.cost(rows))
+
     def least_paying(self, rows: int) -> float:
         """A chance of acceptance below which no draft (of 2 to _LONGEST tokens) pays
         at a step of `rows` logit rows and no other draft: `best_length` would keep

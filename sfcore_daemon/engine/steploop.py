@@ -265,9 +265,16 @@ class StepLoop:
         rows.read(outputs, woken)
         rows.wake(woken)
         threads = self._threads
-        if threads is not None and not steps.prefilling and threads.step(now - started, now):
-            # Between two steps: the next graph runs with the new team size.
-            C.llama_set_n_threads(ctx, threads.threads, threads.threads_batch)
+        if threads is not None and not steps.prefilling:
+            # Each step as a one-row step's time: a step of drafts (a 17-row one costs
+            # 7.6 one-row steps on SmolLM2) is not a stretched one. Fed raw, drafted
+            # edits beside an idle bench client sent an idle machine's daemon to one
+            # thread, and its next free text decoded at 0.91 of a daemon without drafts.
+            costs = steps.costs
+            elapsed = now - started if costs is None else costs.as_one_row(now - started, n)
+            if threads.step(elapsed, now):
+                # Between two steps: the next graph runs with the new team size.
+                C.llama_set_n_threads(ctx, threads.threads, threads.threads_batch)
         if self._states.enabled:
             # Once the first tokens are on their way: the states of prompts read whole
             # this step, while their cells are the prompt (a sliding-window cache lets
