@@ -267,9 +267,9 @@ class StepLoop:
         threads = self._threads
         if threads is not None and not steps.prefilling:
             # Each step as a one-row step's time: a step of drafts (a 17-row one costs
-            # 7.6 one-row steps on SmolLM2) is not a stretched one. Fed raw, drafted
-            # edits beside an idle bench client sent an idle machine's daemon to one
-            # thread, and its next free text decoded at 0.91 of a daemon without drafts.
+            # 7.6 one-row steps on SmolLM2) is not a stretched one. Fed raw, the bench's
+            # drafted edits made 4-6 thread changes on an idle machine (SmolLM2), and a
+            # free text after them decoded on one thread.
             costs = steps.costs
             elapsed = now - started if costs is None else costs.as_one_row(now - started, n)
             if threads.step(elapsed, now):
