@@ -40,6 +40,16 @@ def costs_of(table: dict[int, float], most: int = 70) -> StepCosts:
     return StepCosts({rows: ms * 1e6 for rows, ms in table.items()}, most)
 
 
+def rising_costs(increments: list[float]) -> StepCosts:
+    """Costs that rise by `increments` (ms) from 1 ms at one row, with at least 2 sizes."""
+    table, total = {}, 1.0
+    for size, extra in enumerate(increments, start=1):
+        total += extra
+        table[size] = total
+    table.setdefault(2, table[1] + 1.0)
+    return costs_of(table)
+
+
 def test_costs_need_a_one_row_step_and_one_more() -> None:
     with pytest.raises(ValueError):
         StepCosts({1: 10e6}, 16)
@@ -90,12 +100,7 @@ def test_with_one_row_as_dear_as_a_step_nothing_pays() -> None:
        st.lists(st.floats(0.0, 100.0), min_size=1, max_size=16))
 def test_the_length_chosen_is_none_or_pays(p: float, longest: int, rows: int,
                                            increments: list[float]) -> None:
-    table, total = {}, 1.0
-    for size, extra in enumerate(increments, start=1):
-        total += extra
-        table[size] = total
-    table.setdefault(2, table[1] + 1.0)
-    costs = costs_of(table)
+    costs = rising_costs(increments)
     kept, gain = best_length(costs, rows, float(rows), p, longest=longest, shortest=2,
                              multiple=4)
     assert kept == 0 or 2 <= kept <= longest
@@ -111,12 +116,7 @@ def test_the_length_chosen_is_none_or_pays(p: float, longest: int, rows: int,
 def test_below_the_least_paying_chance_no_length_pays(
         rows: int, increments: list[float], longest: int, multiple: int, below: float) -> None:
     # The gate's shortcut (DraftPlan._judge) is best_length's own answer.
-    table, total = {}, 1.0
-    for size, extra in enumerate(increments, start=1):
-        total += extra
-        table[size] = total
-    table.setdefault(2, table[1] + 1.0)
-    costs = costs_of(table)
+    costs = rising_costs(increments)
     least = costs.least_paying(rows)
     assert costs.least_paying(rows) == least  # kept
     p = least * below
