@@ -26,6 +26,7 @@ from sfcore_daemon.engine.draftgate import (
     best_length,
     expected_tokens,
     prior_acceptance,
+    search_length,
 )
 from sfcore_daemon.engine.drafting import DraftPlan
 from sfcore_daemon.engine.sequence import Seq
@@ -115,13 +116,13 @@ def test_the_length_chosen_is_none_or_pays(p: float, longest: int, rows: int,
        st.integers(2, 320), st.integers(1, 8), st.floats(0.0, 1.0))
 def test_below_the_least_paying_chance_no_length_pays(
         rows: int, increments: list[float], longest: int, multiple: int, below: float) -> None:
-    # The gate's shortcut (DraftPlan._judge) is best_length's own answer.
+    # best_length's shortcut gives the answer of the full search.
     costs = rising_costs(increments)
     least = costs.least_paying(rows)
     assert costs.least_paying(rows) == least  # kept
     p = least * below
-    assert best_length(costs, rows, float(rows), p, longest=longest, shortest=2,
-                       multiple=multiple) == (0, 0.0)
+    assert search_length(costs, rows, float(rows), p, longest=longest, shortest=2,
+                         multiple=multiple) == (0, 0.0)
 
 
 def test_a_step_is_timed_as_a_one_row_step_for_the_thread_policy() -> None:

@@ -185,7 +185,17 @@ def best_length(costs: StepCosts, rows: int, tokens: float, p: float, *, longest
     """The draft length (0, or `shortest` to `longest`) that gives a step of `rows`
     logit rows and `tokens` expected tokens the most tokens per second, and the
     expected tokens it adds. Lengths tried: each up to 8, then those that make the
-    step's rows a multiple of `multiple`, and `longest`."""
+    step's rows a multiple of `multiple`, and `longest`. A step without other drafts
+    and a chance below `least_paying` is answered at once: no length pays."""
+    if tokens == rows and p < costs.least_paying(rows):
+        return 0, 0.0
+    return search_length(costs, rows, tokens, p, longest=longest, shortest=shortest,
+                         multiple=multiple)
+
+
+def search_length(costs: StepCosts, rows: int, tokens: float, p: float, *, longest: int,
+                  shortest: int, multiple: int) -> tuple[int, float]:
+    """`best_length` by trying every candidate length."""
     base_rate = tokens / costs.cost(rows)
     best, best_rate, best_gain = 0, base_rate * _MARGIN, 0.0
     step = max(multiple, 1)

@@ -105,12 +105,8 @@ class DraftPlan:
             longest = length
             while longest and costs.cost(rows + longest) > budget:
                 longest -= 1
-            if tokens == rows and p < costs.least_paying(rows):
-                kept, gain = 0, 0.0  # no length pays: best_length's answer, cheaply
-            else:
-                kept, gain = best_length(costs, rows, tokens, p, longest=longest,
-                                         shortest=MIN_DRAFT,
-                                         multiple=self._settings.row_multiple)
+            kept, gain = best_length(costs, rows, tokens, p, longest=longest,
+                                     shortest=MIN_DRAFT, multiple=self._settings.row_multiple)
             lengths[index] = kept
             freed += length - kept
             rows += kept
