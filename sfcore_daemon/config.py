@@ -82,8 +82,13 @@ class ModelConfig(_Section, frozen=True):
     n_ctx: Annotated[int, msgspec.Meta(ge=64, le=2**31 - 1)] = 8192
     n_batch: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] = 512
     n_ubatch: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] = 512
-    use_mmap: bool = True
+    # False: the weights are read into the daemon's memory, where huge_pages can back
+    # them with 2 MiB pages (system/hugepages.py); True: the file is mapped, shared with
+    # other processes through the page cache, in 4 KiB pages.
+    use_mmap: bool = False
     use_mlock: bool = False
+    # Collapse the memory the load made (weights, KV cache, buffers) into 2 MiB pages.
+    huge_pages: bool = True
     # -1 offloads every layer; 0 keeps the model on the CPU. "auto": -1 where the
     # llama.cpp build has a GPU backend that finds a device, else 0 (gpu.py).
     n_gpu_layers: Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)] | Literal["auto"] = "auto"

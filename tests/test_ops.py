@@ -74,7 +74,8 @@ async def test_info_reports_model_effective_config_and_versions() -> None:
     assert (effective["n_ctx"], effective["batch"], effective["ubatch"]) == (2048, 256, 128)
     assert effective["threads"] == 1
     assert effective["threads_batch"] >= 1  # derived: logical CPUs in the pinned set
-    assert effective["cpu_affinity"] and effective["mmap"] is True
+    assert effective["cpu_affinity"] and effective["mmap"] is False  # read, for huge pages
+    assert effective["huge_page_bytes"] >= 0
     assert effective["chat_template"] == "gemma"
     assert "CPU" in info["system_info"]
     versions = info["versions"]

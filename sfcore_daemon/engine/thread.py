@@ -14,7 +14,6 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
@@ -26,7 +25,6 @@ from sfcore_daemon.engine.speculative import DraftSettings
 from sfcore_daemon.engine.steploop import StepLoop
 from sfcore_daemon.engine.storepolicy import PromptStore, store_fingerprint
 from sfcore_daemon.engine.threadpolicy import ThreadLimits, ThreadPolicy
-from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.model import EngineClosed, LoadAborted, Model, ModelLoadError
 from sfcore_daemon.llama.modelfile import known_sha256
 from sfcore_daemon.llama.sampling import import_numpy_beside
@@ -106,7 +104,6 @@ class Engine:
         self.step_costs_ms = 0.0
         self.step_costs_busy = 0.0  # other processes' share of the CPUs meanwhile
         self._abort_load = False
-        self._load_progress = C.llama_progress_callback(self._on_load_progress)
 
     @property
     def progress(self) -> int:
@@ -170,7 +167,7 @@ class Engine:
                 # (kvcache.KVCache.state, .protect and .restore).
                 slots=self.slots, draft_rows=self._draft_rows(),
                 spare_seqs=self.slots + 2 if self.store is not None else 0,
-                progress=self._load_progress)
+                progress=self._on_load_progress)
         except ModelLoadError:
             if self._abort_load:
                 raise LoadAborted("the model load was stopped") from None
@@ -212,7 +209,7 @@ class Engine:
         """Make a model load in progress fail soon (at llama.cpp's next progress call)."""
         self._abort_load = True
 
-    def _on_load_progress(self, _progress: float, _data: Any) -> bool:
+    def _on_load_progress(self, _fraction: float) -> bool:
         self._load_ticks += 1
         return not self._abort_load
 

@@ -12,7 +12,7 @@ import ctypes
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ from sfcore_daemon.config import ModelConfig
 from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.gpu import gpu_layers, placement
 from sfcore_daemon.llama.logrouter import llama_log_router
+from sfcore_daemon.system.hugepages import HugePageLoad, HugePages
 
 
 class ModelLoadError(Exception):
@@ -55,11 +56,12 @@ class Model:
     """A loaded model and its context: the vocabulary, the tokenizer, token pieces."""
 
     def __init__(self, path: str, model: Any, ctx: Any, load_seconds: float, *,
-                 n_gpu_layers: int = 0) -> None:
+                 n_gpu_layers: int = 0, huge_pages: HugePages | None = None) -> None:
         self.path = path
         self.model = model
         self.ctx = ctx
         self.load_seconds = load_seconds
+        self.huge_pages = huge_pages or HugePages(note="off ([model] huge_pages = false)")
         self.vocab = C.llama_model_get_vocab(model)
         self.memory = C.llama_get_memory(ctx)
         self.n_ctx: int = C.llama_n_ctx(ctx)
@@ -85,11 +87,12 @@ class Model:
     @classmethod
     def load(cls, path: str, config: ModelConfig, n_threads: int, n_threads_batch: int, *,
              slots: int, draft_rows: int = 0, spare_seqs: int = 0,
-             progress: Any = None) -> Model:
+             progress: Callable[[float], bool] | None = None) -> Model:
         """The model with its context; ModelLoadError (with llama.cpp's reason) if either
-        cannot be made. `progress`: a llama_progress_callback that may stop the load."""
+        cannot be made. `progress`: see load_model."""
         started = time.perf_counter()
-        model = load_model(path, config, progress)
+        huge_pages = HugePageLoad() if config.huge_pages else None
+        model = load_model(path, config, progress, huge_pages)
         ctx = C.llama_init_from_model(model, context_params(
             config, n_threads, n_threads_batch, slots, draft_rows, spare_seqs=spare_seqs))
         if not ctx:
@@ -100,7 +103,8 @@ class Model:
                 "see the llama.cpp messages above"
             )
         return cls(path, model, ctx, time.perf_counter() - started,
-                   n_gpu_layers=gpu_layers(config.n_gpu_layers))
+                   n_gpu_layers=gpu_layers(config.n_gpu_layers),
+                   huge_pages=huge_pages.finish() if huge_pages is not None else None)
 
     def tokenize(self, text: str, add_special: bool = True,
                  parse_special: bool = True) -> list[int]:
@@ -222,19 +226,34 @@ class Model:
         return True
 
 
-def load_model(model_path: str, model_config: ModelConfig, progress: Any = None) -> Any:
+def load_model(model_path: str, model_config: ModelConfig,
+               progress: Callable[[float], bool] | None = None,
+               huge_pages: HugePageLoad | None = None) -> Any:
     """llama_backend_init, then the model with the daemon's settings; ModelLoadError
     (with llama.cpp's own reason, in one line) if it cannot be loaded.
 
-    `progress`: a llama_progress_callback; when it returns False the load stops
-    (and fails like any other load; the caller knows why).
+    `progress`: called with the fraction loaded before each tensor; when it returns
+    False the load stops (and fails like any other load; the caller knows why).
+    `huge_pages`: marks the weights' buffers at the first call, before they are written.
     """
     C.llama_backend_init()
     params = C.llama_model_default_params()
     params.n_gpu_layers = gpu_layers(model_config.n_gpu_layers)
     params.load_mode = load_mode(model_config.use_mmap, model_config.use_mlock)
-    if progress is not None:
-        params.progress_callback = progress
+    first_call = True
+
+    def on_progress(fraction: float, _data: Any) -> bool:
+        nonlocal first_call
+        if first_call and huge_pages is not None:
+            # The buffers exist now and no weight is written yet.
+            huge_pages.mark_new()
+        first_call = False
+        return progress(fraction) if progress is not None else True
+
+    # Kept in a local for as long as llama.cpp may call it.
+    callback = C.llama_progress_callback(on_progress)
+    if progress is not None or huge_pages is not None:
+        params.progress_callback = callback
     with llama_log_router.capturing_errors() as errors:
         model = C.llama_model_load_from_file(model_path.encode(), params)
     if not model:

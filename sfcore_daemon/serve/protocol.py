@@ -318,6 +318,9 @@ class EffectiveConfig(Struct, kw_only=True):
     cpu_affinity: list[int]
     mmap: bool
     mlock: bool
+    # Bytes of the load's memory (weights unless mmap, KV cache, buffers) collapsed into
+    # 2 MiB pages at start-up; 0 where huge_pages is off or the kernel refused.
+    huge_page_bytes: int
     gpu_layers: int
     flash_attn: bool | str
     reproducible: bool
