@@ -319,18 +319,19 @@ type Info struct {
 		HasChatTemplate bool   `json:"has_chat_template"`
 	} `json:"model"`
 	Config struct {
-		NCtx         int     `json:"n_ctx"`
-		Threads      int     `json:"threads"`
-		ThreadsBatch int     `json:"threads_batch"`
-		Batch        int     `json:"batch"`
-		Ubatch       int     `json:"ubatch"`
-		CPUAffinity  []int   `json:"cpu_affinity"`
-		Mmap         bool    `json:"mmap"`
-		Mlock        bool    `json:"mlock"`
-		GPULayers    int     `json:"gpu_layers"`
-		FlashAttn    any     `json:"flash_attn"` // true, false or "auto"
-		Reproducible bool    `json:"reproducible"`
-		ChatTemplate *string `json:"chat_template"`
+		NCtx          int     `json:"n_ctx"`
+		Threads       int     `json:"threads"`
+		ThreadsBatch  int     `json:"threads_batch"`
+		Batch         int     `json:"batch"`
+		Ubatch        int     `json:"ubatch"`
+		CPUAffinity   []int   `json:"cpu_affinity"`
+		Mmap          bool    `json:"mmap"`
+		Mlock         bool    `json:"mlock"`
+		HugePageBytes int64   `json:"huge_page_bytes"`
+		GPULayers     int     `json:"gpu_layers"`
+		FlashAttn     any     `json:"flash_attn"` // true, false or "auto"
+		Reproducible  bool    `json:"reproducible"`
+		ChatTemplate  *string `json:"chat_template"`
 	} `json:"config"`
 	SystemInfo string            `json:"system_info"`
 	Versions   map[string]string `json:"versions"` // sfcore, llama_cpp_python, llama_cpp

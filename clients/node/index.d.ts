@@ -264,6 +264,8 @@ export interface InfoReply {
     cpu_affinity: number[];
     mmap: boolean;
     mlock: boolean;
+    /** Bytes of the daemon's load in 2 MiB pages (0: huge_pages off or unavailable). */
+    huge_page_bytes: number;
     gpu_layers: number;
     flash_attn: boolean | "auto";
     reproducible: boolean;
