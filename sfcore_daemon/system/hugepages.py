@@ -2,8 +2,8 @@
 
 A decode step reads every weight once: 92 MB for SmolLM2-135M Q4_1, 250 MB for the
 default model. In 4 KiB pages that is 23,000-60,000 pages a step, far more than the
-CPU's TLB holds, so each step walks page tables for most of them. In 2 MiB pages one
-step decoded 8-15% faster here (docs/performance.md, "Huge pages").
+CPU's TLB holds, so each step walks page tables for most of them. In 2 MiB pages
+llama.cpp's own one-row step took 8-9% less time here (docs/performance.md, "Huge pages").
 
 llama.cpp asks for none. A mapped model file (`use_mmap = true`) lies in the page
 cache in 4 KiB pages; read into memory (`use_mmap = false`, the daemon's default) it
