@@ -68,6 +68,24 @@ def test_any_maps_text_parses_to_well_formed_regions(lines: list[str]) -> None:
             assert span[0] % hugepages.HUGE_PAGE == 0 == span[1] % hugepages.HUGE_PAGE
 
 
+def test_a_failure_while_marking_never_reaches_llama_cpp(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """mark_new runs inside llama.cpp's progress callback: an exception there would
+    stop the load, so it is kept for the log line instead."""
+    load = hugepages.HugePageLoad()
+
+    def unreadable() -> set[hugepages.Region]:
+        raise RuntimeError("maps went away")
+
+    monkeypatch.setattr(hugepages, "current_regions", unreadable)
+    load.mark_new()
+    result = load.finish()
+    assert result.huge_bytes == 0 and result.marked_bytes == 0
+    if THP not in (None, "never"):
+        assert "RuntimeError: maps went away" in result.note
+    assert result.line().startswith("huge pages: 0 MiB")
+
+
 def _anon_huge_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
         if line.startswith("AnonHugePages:"):

@@ -111,7 +111,7 @@ def thp_mode(path: str = THP_MODE_PATH) -> str | None:
     """The bracketed word of transparent_hugepage/enabled ("always", "madvise",
     "never"), or None where the kernel has none."""
     try:
-        with open(path, encoding="ascii") as file:
+        with open(path, encoding="ascii", errors="replace") as file:
             text = file.read()
     except OSError:
         return None
@@ -136,11 +136,21 @@ class HugePageLoad:
         self._spans: list[Region] = []
         self._refused: set[int] = set()
         self._libc: ctypes.CDLL | None = None
+        self._failure = ""
 
     def mark_new(self) -> None:
-        """Mark the anonymous regions made since the last mark (or the start)."""
+        """Mark the anonymous regions made since the last mark (or the start). Never
+        raises: it runs inside llama.cpp's progress callback, where an exception would
+        read as "stop the load"."""
         if not self._enabled:
             return
+        try:
+            self._mark_new()
+        except Exception as exc:  # huge pages are an optimisation; the load goes on
+            self._enabled = False
+            self._failure = f"not used ({type(exc).__name__}: {exc})"
+
+    def _mark_new(self) -> None:
         now = current_regions()
         fresh, self._before = now - self._before, now
         if self._libc is None:
@@ -157,13 +167,14 @@ class HugePageLoad:
 
     def finish(self) -> HugePages:
         """Mark what the load made since the last mark, collapse every marked span."""
-        if not self._enabled:
+        self.mark_new()
+        if self._failure:
+            return HugePages(note=self._failure)
+        libc = self._libc
+        if not self._enabled or libc is None:
             mode = thp_mode() if sys.platform == "linux" else None
             return HugePages(note="not Linux" if sys.platform != "linux" else
                              f"transparent huge pages are {mode or 'not in this kernel'}")
-        self.mark_new()
-        libc = self._libc
-        assert libc is not None
         marked = sum(high - low for low, high in self._spans)
         for low, high in self._spans if self._collapse else ():
             # Page by page: one page the kernel cannot collapse (a buffer's unused
