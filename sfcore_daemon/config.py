@@ -87,7 +87,7 @@ class ModelConfig(_Section, frozen=True):
     # other processes through the page cache, in 4 KiB pages.
     use_mmap: bool = False
     use_mlock: bool = False
-    # Collapse the memory the load made (weights, KV cache, buffers) into 2 MiB pages.
+    # Ask for 2 MiB pages under the memory the load makes: weights, KV cache, buffers.
     huge_pages: bool = True
     # -1 offloads every layer; 0 keeps the model on the CPU. "auto": -1 where the
     # llama.cpp build has a GPU backend that finds a device, else 0 (gpu.py).

@@ -173,6 +173,7 @@ class Engine:
                 raise LoadAborted("the model load was stopped") from None
             raise
         self.load_seconds = model.load_seconds
+        self.huge_pages = model.huge_pages
         self.n_ctx = model.n_ctx
         self.n_ubatch = model.n_ubatch
         self.info = model.info

@@ -194,7 +194,7 @@ class Ops:
                 threads_batch=engine.n_threads_batch, batch=model_config.n_batch,
                 ubatch=engine.n_ubatch, cpu_affinity=list(self.state.cpus),
                 mmap=model_config.use_mmap, mlock=model_config.use_mlock,
-                huge_page_bytes=engine.loaded_model().huge_pages.huge_bytes,
+                huge_page_bytes=engine.huge_pages.huge_bytes,
                 gpu_layers=gpu_layers(model_config.n_gpu_layers),
                 flash_attn=model_config.flash_attn,
                 reproducible=model_config.reproducible,
