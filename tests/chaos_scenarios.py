@@ -481,7 +481,7 @@ class FolderWatch:
 
 KILL_MOMENTS: tuple[tuple[str, int, str], ...] = (
     ("a temporary state file created", _IN_CREATE, ".partial"),
-    ("a temporary state file closed after its fsync", _IN_CLOSE_WRITE, ".partial"),
+    ("a temporary state file closed, all written", _IN_CLOSE_WRITE, ".partial"),
     ("a state file renamed into place", _IN_MOVED_TO, ".kv"),
     ("every done line in (writes still queued)", 0, ""),
 )

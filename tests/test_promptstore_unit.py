@@ -114,6 +114,29 @@ def test_files_are_whole_checked_and_read_back(tmp_path: Path) -> None:
         damaged.close(5)
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_the_writer_waits_for_idle_cores_and_the_reader_does_not(tmp_path: Path) -> None:
+    """A write lands inside the decode's steps on a 2-core machine (system/background.py);
+    a read is waited for by a request, so it keeps the normal priority."""
+    store = opened(tmp_path)
+    try:
+        store.put([5, 6, 7, 8], bytearray(b"x" * 4096))
+        assert store.flush(10)  # past its first write: past the priority change
+        writer = store._thread
+        assert writer is not None and writer.native_id is not None
+        assert os.sched_getscheduler(writer.native_id) == os.SCHED_IDLE
+        readers = [thread for thread in threading.enumerate()
+                   if thread.name == "sfcore-cache-read" and thread.native_id is not None]
+        assert readers
+        assert all(os.sched_getscheduler(thread.native_id) == os.SCHED_OTHER
+                   for thread in readers)
+        # Whole files without an fsync: the rename is what makes one visible.
+        assert [path.name for path in (tmp_path / ("a" * 32)).iterdir()] == [
+            state_name([5, 6, 7, 8])]
+    finally:
+        store.close(5)
+
+
 def test_a_file_of_another_fingerprint_is_removed_at_the_scan(tmp_path: Path) -> None:
     store = opened(tmp_path)
     store.put([1, 2, 3, 4], bytearray(100))

@@ -132,7 +132,12 @@ class DiskTier(PromptIndex):
         size = len(head) + len(data)
         final = folder / entry.name
         # Another daemon sharing the folder only ever sees whole files: a temporary
-        # name of its own, fsync, then an atomic rename.
+        # name of its own, then an atomic rename. No fsync: a file is a cache entry
+        # whose CRC is checked before it is used, so a power cut costs at most the
+        # files it tears (removed when read). An fsync's synchronous writeback made the
+        # request decoding beside it 7% slower (SmolLM2, 16 MB states, 8 paired
+        # rounds: 0.931 of a daemon not writing, 0.995 without the fsync); the kernel's
+        # own writeback, later and in bulk, cost nothing measurable.
         partial = folder / f".{entry.name}.{os.getpid()}.{threading.get_ident()}.partial"
         try:
             folder.mkdir(parents=True, exist_ok=True)  # removed while running: made again
@@ -141,8 +146,6 @@ class DiskTier(PromptIndex):
             with partial.open("wb") as file:
                 file.write(head)
                 file.write(data)
-                file.flush()
-                os.fsync(file.fileno())
             with self._files:
                 os.replace(partial, final)
         except OSError as exc:

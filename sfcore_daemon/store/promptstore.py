@@ -12,7 +12,8 @@ folder named after the fingerprint (fingerprint.py), each checked before it is t
 
 Threads: the decode thread calls `find`, `stored_prefix`, `put`, `take_ram`, `load` and
 `read_overdue` (no I/O, no logging: a lock held for microseconds); the store's own
-thread hashes the model, scans the folder and writes files; a reader thread loads
+thread hashes the model, scans the folder, then writes files at idle priority
+(system/background.py); a reader thread loads
 files for the decode thread, which gives up on a read that takes longer than
 `[cache] disk_read_timeout_ms` (engine/storepolicy.py).
 """
@@ -34,6 +35,7 @@ from sfcore_daemon.store import disk
 from sfcore_daemon.store.disktier import DiskTier
 from sfcore_daemon.store.index import CacheCounters, Cleared, Entry, StateView
 from sfcore_daemon.store.statefile import StateHeader, state_name
+from sfcore_daemon.system.background import run_when_idle
 
 __all__ = ["CacheCounters", "Cleared", "Entry", "PromptStore", "StateHeader", "StateView",
            "prompt_store", "state_name"]
@@ -123,6 +125,10 @@ class PromptStore(DiskTier):
             self._open_disk(fingerprint)
         finally:
             self._opened.set()
+        # The writes (and clears) that follow wait for a core the decode leaves idle;
+        # the fingerprint above did not: the disk tier serves nothing until it is done.
+        log.debug("prompt cache: the writer thread runs at %s", run_when_idle() or
+                  "normal priority")
         while True:
             write = self._writes.get()
             if write is None:
