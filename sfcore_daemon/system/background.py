@@ -2,11 +2,11 @@
 
 On a 2-core machine the decode's threads use both cores for the whole of a request, so
 any other CPU work in the process lands inside its steps. Writing a prompt state to
-disk is such work: a 16 MB state is a CRC, a copy into the page cache and an fsync's
-writeback, and the request decoded right after a four-client edit burst ran at 0.92-0.95
-of the same request on a daemon without a disk tier (SmolLM2, 8 paired rounds), while
-a RAM-only store cost nothing. Those writes can wait for an idle moment: the state is
-in RAM (or dropped) until then.
+disk is such work: a 16 MB state is a CRC and a copy into the page cache. (It was an
+fsync's writeback too, the larger part: the request decoded right after a four-client
+edit burst ran at 0.92-0.95 of the same request on a daemon not writing, 0.995 once the
+fsync was gone; store/disktier.py.) Those writes can wait for an idle moment: the state
+is in RAM (or dropped) until then.
 """
 
 from __future__ import annotations
