@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -365,6 +366,13 @@ async def test_the_cache_op_lists_the_states_and_clears_ram_and_disk(cache_dir: 
             assert cleared["removed_files"] >= 1 and cleared["removed_bytes"] > 0, cleared
             assert cleared["states"] == []
             assert not list(folder.iterdir())
+            if hasattr(os, "SCHED_IDLE"):
+                # The clear ran on the store's writer thread, after it left the normal
+                # priority: it is the daemon's one thread that waits for idle cores
+                # (system/background.py); the decode and the loop keep theirs.
+                policies = [os.sched_getscheduler(int(tid)) for tid in
+                            os.listdir(f"/proc/{daemon.process.pid}/task")]
+                assert policies.count(os.SCHED_IDLE) == 1, policies
             cache = await cache_stats(client)
             assert cache["ram_states"] == cache["disk_files"] == 0, cache
             assert cache["ram_bytes"] == cache["disk_bytes"] == 0, cache

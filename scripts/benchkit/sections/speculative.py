@@ -331,8 +331,7 @@ def print_table(samples: dict[str, list[dict[str, Any]]], header: str) -> list[d
     spec_sides = [side for side in stats if side.startswith("llama-server ")]
     targets: list[dict[str, Any]] = []
 
-    def target(label: str, row: str, other: str, bound: float) -> None:
-        measured = paired(samples, row, "daemon", other)
+    def target(label: str, row: str, other: str, bound: float, measured: float) -> None:
         targets.append({"target": label, "measured": round(measured, 3),
                         "of medians": round(stats["daemon"][row] / stats[other][row], 3),
                         "met": measured >= bound})
@@ -340,15 +339,17 @@ def print_table(samples: dict[str, list[dict[str, Any]]], header: str) -> list[d
     # Issue 49's bounds, on any model: at least the best llama-server mode on every
     # single-client row that copies (and at four clients), and speculation never more
     # than 3% below the same daemon without it. Each measured as the median of the
-    # request-by-request ratios (paired_requests), and against llama-server's mode
+    # request-by-request ratios (`paired`), and against llama-server's mode
     # that the daemon leads least: the strictest reading of "the best mode".
     if spec_sides:
         for row in ("edit", "free", "regenerate", "edit x4"):
             led = {other: paired(samples, row, "daemon", other) for other in spec_sides}
             side = min(led, key=led.__getitem__)
-            target(f"{row} >= 1.0 x best llama-server ngram ({side})", row, side, 1.0)
+            target(f"{row} >= 1.0 x best llama-server ngram ({side})", row, side, 1.0,
+                   led[side])
     for row in ROWS:
-        target(f"{row}: speculation on >= 0.97 x off", row, "daemon, speculation off", 0.97)
+        target(f"{row}: speculation on >= 0.97 x off", row, "daemon, speculation off", 0.97,
+               paired(samples, row, "daemon", "daemon, speculation off"))
     first = {side: [value for run in samples[side]
                     for value in run.get("first token samples", [])]
              for side in ("daemon", "daemon, speculation off")}
@@ -378,10 +379,10 @@ def print_table(samples: dict[str, list[dict[str, Any]]], header: str) -> list[d
 
 # How a target compares two sides: each request with the same request to the other
 # side, sent within seconds of it (all sides take a variant's request before the next
-# variant), and the median of those ratios. The ratio of the two sides' medians of
-# per-run medians moved by up to 6% between runs of one side in a sitting on
-# SmolLM2 (free, speculation off: 164.2-185.0 tok/s), more than the bounds it was
-# checked against, while the machine's drift over a minute is shared by a pair.
+# variant), and the median of those ratios. One side's per-run medians spread by up to
+# 12% in a sitting on SmolLM2 (free, speculation off: 164.2-185.0 tok/s), more than the
+# bounds they were checked against, while the machine's drift over a minute is shared
+# by a pair.
 def paired(samples: dict[str, list[dict[str, Any]]], row: str, side: str,
            other: str) -> float:
     """The median over the sitting's requests of `side`'s rate / `other`'s on the same
