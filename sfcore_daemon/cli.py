@@ -20,6 +20,7 @@ from sfcore_daemon.config import Config, ConfigError, apply_overrides, load_conf
 from sfcore_daemon.system import openmp
 
 if TYPE_CHECKING:
+    from sfcore_daemon.httpd.api import HttpApi
     from sfcore_daemon.system.socketfile import ListeningSocket
 
 log = logging.getLogger("sfcore_daemon")
@@ -191,7 +192,7 @@ def _run(config: Config, pinned: list[int]) -> int:
     try:
         address = config.openai.address
         if address is not None:
-            from sfcore_daemon.openai.listener import open_http_socket
+            from sfcore_daemon.httpd.listener import open_http_socket
 
             http = open_http_socket(address, config.server.socket_mode_bits)
         _check_descriptors(config, http is not None)
@@ -252,14 +253,15 @@ def _serve(config: Config, pinned: list[int], model_path: str, *,
     # while this thread imports the server and sets up the event loop.
     engine.start()
     try:
-        from sfcore_daemon.serve.server import Frontend, Server
+        from sfcore_daemon.core.server import Frontend, Server
+        from sfcore_daemon.ndjson.listener import NdjsonListener
 
-        frontends: list[Frontend] = []
+        frontends: list[Frontend] = [NdjsonListener(config, listening)]
         if http is not None:
-            from sfcore_daemon.openai.listener import OpenAIListener
+            from sfcore_daemon.httpd.listener import HttpListener
 
-            frontends.append(OpenAIListener(config, http))
-        server = Server(config, engine, pinned, listening, frontends)
+            frontends.append(HttpListener(config, http, _http_apis()))
+        server = Server(config, engine, pinned, frontends)
         return _run_event_loop(server.run())
     except (StartupError, ModelLoadError) as exc:
         log.error("%s", exc)
@@ -267,6 +269,15 @@ def _serve(config: Config, pinned: list[int], model_path: str, *,
     finally:
         # Shutdown order: the model is freed first, then the socket file goes.
         engine.close()
+
+
+def _http_apis() -> list[HttpApi]:
+    """The APIs the HTTP listener serves, each a front end of its own."""
+    from sfcore_daemon.anthropic.api import MessagesApi
+    from sfcore_daemon.openai.api import OpenAIApi
+    from sfcore_daemon.responses.api import ResponsesApi
+
+    return [OpenAIApi(), ResponsesApi(), MessagesApi()]
 
 
 def _run_event_loop(main: Coroutine[Any, Any, int]) -> int:

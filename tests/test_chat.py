@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from sfcore_daemon.config import ModelConfig
+from sfcore_daemon.core import chat
 from sfcore_daemon.engine.thread import Engine
 from sfcore_daemon.llama.modelfile import resolve_model_path
-from sfcore_daemon.serve import chat
 from tests.harness import done_of, run_cli, running_daemon, tokens_text
 
 GEMMA_TURN = "<start_of_turn>{role}\n{content}<end_of_turn>\n"

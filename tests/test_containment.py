@@ -173,7 +173,7 @@ async def test_a_dead_decode_thread_answers_everyone_and_exits_non_zero() -> Non
             await running.close()
             await others.close()
         log = daemon.log
-        assert "sfcore_daemon.serve.server: the decode thread died" in log, log
+        assert "sfcore_daemon.core.server: the decode thread died" in log, log
         assert "InjectedFault: injected fault at decode_thread" in log, log
 
 

@@ -20,11 +20,11 @@ import pytest
 import pytest_asyncio
 
 from sfcore_daemon.config import Config
+from sfcore_daemon.core.generation import Generation
+from sfcore_daemon.core.scheduler import Scheduler
+from sfcore_daemon.core.stats import Stats
 from sfcore_daemon.llama.sampling import Sampling
-from sfcore_daemon.serve.connection import Connection, GenerationReply
-from sfcore_daemon.serve.output import Generation
-from sfcore_daemon.serve.scheduler import Scheduler
-from sfcore_daemon.serve.stats import Stats
+from sfcore_daemon.ndjson.connection import Connection, GenerationReply
 
 pytestmark = pytest.mark.asyncio
 

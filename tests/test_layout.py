@@ -12,19 +12,25 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "sfcore_daemon"
 MAX_MODULE_LINES = 600
 MAX_CLASS_LINES = 300
-# Each package may import from its own modules and from packages of a lower layer only.
-# store and structured share a layer and know nothing of each other; tune is a command
-# of its own beside serving, built on the layers below the engine.
+# Each package may import from its own modules and from packages of a lower layer only,
+# so packages of one layer know nothing of each other: store and structured; the core
+# and tune (a command of its own beside serving); the NDJSON front end and the HTTP
+# listener; the HTTP APIs, each a front end of its own on the listener.
 LAYERS: dict[str, int] = {
     "config": 0,
     "system": 1,
     "llama": 2,
     "store": 3, "structured": 3,
     "engine": 4,
-    "serve": 5, "tune": 5,
-    "openai": 6,
-    "cli": 7, "__main__": 7, "__init__": 7,
+    "core": 5, "tune": 5,
+    "ndjson": 6, "httpd": 6,
+    "openai": 7, "responses": 7, "anthropic": 7, "ollama": 7,
+    "cli": 8, "__main__": 8, "__init__": 8,
 }
+FRONT_ENDS = ("ndjson", "httpd", "openai", "responses", "anthropic", "ollama")
+# Other libraries' public names that start with an underscore: NamedTuple's methods,
+# the ctypes library handle of llama-cpp-python's bindings.
+FOREIGN_PRIVATE = {"_replace", "_asdict", "_fields", "_lib"}
 
 
 def _modules() -> dict[str, Path]:
@@ -146,3 +152,54 @@ def test_each_package_says_what_it_owns_in_two_lines() -> None:
         assert doc is not None and len(doc.splitlines()) == 2, package.name
     flat = sorted(path.stem for path in PACKAGE.glob("*.py"))
     assert flat == ["__init__", "__main__", "cli", "config"], flat
+
+
+def test_the_core_imports_no_front_end() -> None:
+    graph = _graph()
+    leaks = [f"{module} -> {target}" for module, targets in graph.items()
+             if module.split(".", 1)[0] in ("core", "engine")
+             for target in sorted(targets) if target.split(".", 1)[0] in FRONT_ENDS]
+    assert not leaks, leaks
+
+
+def _private_names(package: str) -> set[str]:
+    """Every `_name` a package defines: functions, classes, module names, attributes
+    its code assigns (`self._x = ...`), and __slots__ entries."""
+    names: set[str] = set()
+    for name, path in _modules().items():
+        if name.split(".", 1)[0] != package and (package or "." in name):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names.add(node.value)  # __slots__ entries
+    return {name for name in names if name.startswith("_") and not name.startswith("__")}
+
+
+def test_no_private_name_is_used_across_packages() -> None:
+    """`obj._name` and `from x import _name` only where the package defines `_name`:
+    one package reaches another only through its public names."""
+    own: dict[str, set[str]] = {}
+    crossing = []
+    for name, path in _modules().items():
+        package = name.split(".", 1)[0] if "." in name else ""
+        defined = own.setdefault(package, _private_names(package))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                    and not node.attr.startswith("__"):
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    continue
+                if node.attr not in defined and node.attr not in FOREIGN_PRIVATE:
+                    crossing.append(f"{name}:{node.lineno}: .{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and node.module \
+                    and node.module.startswith("sfcore_daemon"):
+                crossing += [f"{name}:{node.lineno}: import {alias.name}"
+                             for alias in node.names
+                             if alias.name.startswith("_") and not alias.name.startswith("__")
+                             and alias.name not in defined]
+    assert not crossing, "private names used across packages:\n" + "\n".join(crossing)

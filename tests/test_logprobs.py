@@ -13,11 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sfcore_daemon.core import errors
+from sfcore_daemon.core.logprobs import LogprobTrail
+from sfcore_daemon.core.request import ChatRequest, GenerateRequest
+from sfcore_daemon.core.textstream import TextStream
 from sfcore_daemon.llama.logprobs import RowLogprobs, TokenLogprobs
-from sfcore_daemon.serve import protocol
-from sfcore_daemon.serve.logprobs import LogprobTrail
-from sfcore_daemon.serve.protocol import ChatRequest, GenerateRequest, RequestError
-from sfcore_daemon.serve.textstream import TextStream
+from sfcore_daemon.ndjson import protocol
+from sfcore_daemon.ndjson.protocol import RequestError
 from tests.harness import Client, done_of, running_daemon
 
 # --- the numbers of a row --------------------------------------------------------------
@@ -164,7 +166,7 @@ def test_any_json_value_for_logprobs_decodes_or_is_invalid_request(value: Any) -
     try:
         request = protocol.decode_request(line)
     except RequestError as error:
-        assert error.code == protocol.INVALID_REQUEST
+        assert error.code == errors.INVALID_REQUEST
         assert "$.logprobs" in error.message and error.request_id == 5
         return
     assert isinstance(request, GenerateRequest)

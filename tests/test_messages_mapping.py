@@ -1,4 +1,4 @@
-"""The Messages mapping's pure logic (openai/messages/), fast: whatever a client sends
+"""The Messages mapping's pure logic (anthropic/), fast: whatever a client sends
 is decoded and mapped, or refused with a 400 naming the field, never a crash; what is
 valid maps onto a request the NDJSON decoder takes; the reply's events are what the
 `anthropic` SDK's own types parse."""
@@ -17,20 +17,16 @@ from anthropic.types.shared import ErrorResponse as SdkErrorResponse
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sfcore_daemon.openai.messages import errors, translate
-from sfcore_daemon.openai.messages.reply import MessagesShape
-from sfcore_daemon.openai.messages.schema import count_tokens_decoder, messages_decoder
-from sfcore_daemon.openai.reply import HttpReply
+from sfcore_daemon.anthropic import errors, translate
+from sfcore_daemon.anthropic.reply import MessagesShape
+from sfcore_daemon.anthropic.schema import count_tokens_decoder, messages_decoder
+from sfcore_daemon.core import errors as codes
+from sfcore_daemon.core import result
+from sfcore_daemon.core.request import ChatRequest, FunctionCall, ToolCall
+from sfcore_daemon.core.result import Result, Timings, Usage
+from sfcore_daemon.httpd.reply import HttpReply
+from sfcore_daemon.ndjson import protocol
 from sfcore_daemon.openai.translate import ApiError
-from sfcore_daemon.serve import protocol
-from sfcore_daemon.serve.protocol import (
-    ChatRequest,
-    DoneReply,
-    FunctionCall,
-    Timings,
-    ToolCall,
-    Usage,
-)
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FIELDS = ["model", "messages", "max_tokens", "system", "stop_sequences", "stream",
@@ -118,8 +114,9 @@ def refused_as_the_route_does(data: bytes, decoder: msgspec.json.Decoder[Any]) -
 
 
 def re_encodes_as_ndjson(request: ChatRequest) -> None:
-    decoded = msgspec.json.decode(msgspec.json.encode(request), type=protocol.Request)
-    assert decoded == request
+    line = msgspec.json.encode({"op": "chat", **msgspec.structs.asdict(request)})
+    decoded = msgspec.json.decode(line, type=protocol.Request)
+    assert msgspec.structs.asdict(decoded) == msgspec.structs.asdict(request)
 
 
 @FAST
@@ -205,9 +202,9 @@ def test_error_types_by_status() -> None:
     assert not errors.is_messages_path("/v1/messagesx")
 
 
-def _done(reason: protocol.FinishReason, *, stop: str | None = None,
-          calls: list[ToolCall] | None = None, text: str = "") -> DoneReply:
-    return DoneReply(
+def _done(reason: result.FinishReason, *, stop: str | None = None,
+          calls: list[ToolCall] | None = None, text: str = "") -> Result:
+    return Result(
         id="r", text=text, finish_reason=reason, stop_sequence=stop, truncated=False,
         usage=Usage(prompt_tokens=7, cached_tokens=0, completion_tokens=3, drafted_tokens=0,
                     accepted_tokens=0),
@@ -220,16 +217,16 @@ CALL = ToolCall(id="call_ab", function=FunctionCall(name="add", arguments={"a": 
 _events = pydantic.TypeAdapter(RawMessageStreamEvent)
 
 
-def _stream(texts: list[str], done: DoneReply | ApiError) -> list[tuple[str, Any]]:
+def _stream(texts: list[str], done: Result | ApiError) -> list[tuple[str, Any]]:
     shape = MessagesShape("m")
     shape.input_tokens = 7
     reply = HttpReply(shape, True, 1 << 20, lambda _: None)
     for text in texts:
         reply.token(text, None)
-    if isinstance(done, DoneReply):
+    if isinstance(done, Result):
         reply.done(done)
     else:
-        reply.error(protocol.INTERNAL, done.message)
+        reply.error(codes.INTERNAL, done.message)
     stream = (shape.opening() + reply.take()).decode()
     pairs = []
     for block in stream.strip().split("\n\n"):
@@ -247,7 +244,7 @@ def _stream(texts: list[str], done: DoneReply | ApiError) -> list[tuple[str, Any
     ([], _done("tool_calls", calls=[CALL]), "tool_use", ["tool_use"]),
 ])
 def test_stream_events_are_what_the_sdk_parses_and_equal_the_whole_body(
-        texts: list[str], done: DoneReply, reason: str, blocks: list[str]) -> None:
+        texts: list[str], done: Result, reason: str, blocks: list[str]) -> None:
     events = _stream(texts, done)
     kinds = [kind for kind, _ in events]
     assert kinds[:2] == ["message_start", "ping"] and kinds[-2:] == ["message_delta",

@@ -1,4 +1,4 @@
-"""Prometheus metrics (serve/metrics.py): GET /metrics, the `metrics` op and
+"""Prometheus metrics (core/metrics.py): GET /metrics, the `metrics` op and
 `sfcore stats --prometheus`, read with prometheus_client's reference parser.
 
 The live test makes real generations (NDJSON and HTTP) and checks what the scrapes
@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from sfcore_client import AsyncClient, Client
 
-from sfcore_daemon.serve.histogram import Histogram
-from sfcore_daemon.serve.metrics import CONTENT_TYPE, Exposition
+from sfcore_daemon.core.histogram import Histogram
+from sfcore_daemon.core.metrics import CONTENT_TYPE, Exposition
 from tests.harness import REPO, running_daemon
 from tests.harness import Client as NdjsonClient
 

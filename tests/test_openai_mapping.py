@@ -11,18 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sfcore_daemon.core import errors
+from sfcore_daemon.core.request import ChatRequest, GenerateRequest
+from sfcore_daemon.core.result import Result, Timings, TokenLogprob, TopLogprob, Usage
+from sfcore_daemon.ndjson import protocol
 from sfcore_daemon.openai import schema, translate
 from sfcore_daemon.openai.translate import ApiError
-from sfcore_daemon.serve import protocol
-from sfcore_daemon.serve.protocol import (
-    ChatRequest,
-    DoneReply,
-    GenerateRequest,
-    Timings,
-    TokenLogprob,
-    TopLogprob,
-    Usage,
-)
 
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -80,8 +74,9 @@ def as_ndjson(request: ChatRequest | GenerateRequest) -> protocol.Request:
         # does not; the sampler keeps at least one token, so 0 means greedy (the
         # end-to-end test sends it).
         request = msgspec.structs.replace(request, top_p=None)
-    decoded: protocol.Request = msgspec.json.decode(msgspec.json.encode(request),
-                                                    type=protocol.Request)
+    op = "chat" if isinstance(request, ChatRequest) else "generate"
+    line = msgspec.json.encode({"op": op, **msgspec.structs.asdict(request)})
+    decoded: protocol.Request = msgspec.json.decode(line, type=protocol.Request)
     return decoded
 
 
@@ -277,8 +272,8 @@ def test_examples_of_the_mapping() -> None:
 # --- replies ---------------------------------------------------------------------------------
 
 
-def done(finish: str, truncated: bool = False) -> DoneReply:
-    return DoneReply(
+def done(finish: str, truncated: bool = False) -> Result:
+    return Result(
         id="x", text="t", finish_reason=finish, stop_sequence=None,  # type: ignore[arg-type]
         truncated=truncated,
         usage=Usage(prompt_tokens=7, cached_tokens=3, completion_tokens=5, drafted_tokens=0,
@@ -329,19 +324,19 @@ def test_legacy_logprobs_offsets_are_cumulative(items: list[TokenLogprob], offse
 
 
 def test_daemon_error_codes_as_http_errors() -> None:
-    expected = {protocol.INVALID_REQUEST: (400, "invalid_request"),
-                protocol.CONTEXT_OVERFLOW: (400, "context_length_exceeded"),
-                protocol.QUEUE_FULL: (429, "queue_full"),
-                protocol.LINE_TOO_LONG: (413, "line_too_long"),
-                protocol.SHUTTING_DOWN: (503, "shutting_down"),
-                protocol.INTERNAL: (500, "internal")}
+    expected = {errors.INVALID_REQUEST: (400, "invalid_request"),
+                errors.CONTEXT_OVERFLOW: (400, "context_length_exceeded"),
+                errors.QUEUE_FULL: (429, "queue_full"),
+                errors.LINE_TOO_LONG: (413, "line_too_long"),
+                errors.SHUTTING_DOWN: (503, "shutting_down"),
+                errors.INTERNAL: (500, "internal")}
     for code, (status, openai_code) in expected.items():
         error = ApiError.from_code(code, "m")
         assert (error.status, error.code, error.param) == (status, openai_code, None)
     # Every code the daemon has maps to an HTTP error status.
-    assert all(ApiError.from_code(code, "m").status >= 400 for code in protocol.ERROR_CODES)
+    assert all(ApiError.from_code(code, "m").status >= 400 for code in errors.ERROR_CODES)
     # The daemon's field names, as the OpenAI field they came from.
-    schema_error = ApiError.from_code(protocol.INVALID_REQUEST,
+    schema_error = ApiError.from_code(errors.INVALID_REQUEST,
                                       "bad schema - at `$.json_schema.properties`")
     assert schema_error.param == "response_format"
-    assert ApiError.from_code(protocol.INVALID_REQUEST, "x - at `$.stop[2]`").param == "stop[2]"
+    assert ApiError.from_code(errors.INVALID_REQUEST, "x - at `$.stop[2]`").param == "stop[2]"

@@ -12,17 +12,18 @@ from typing import Any
 
 import pytest
 
-from sfcore_daemon.openai.reply import DONE_EVENT, ChatShape, HttpReply
-from sfcore_daemon.openai.routes import pump
-from sfcore_daemon.serve.protocol import DoneReply, Timings, Usage
+from sfcore_daemon.core.result import Result, Timings, Usage
+from sfcore_daemon.httpd.api import pump
+from sfcore_daemon.httpd.reply import HttpReply
+from sfcore_daemon.openai.shapes import DONE_EVENT, ChatShape
 from tests.harness import REPLY_TIMEOUT_S, running_daemon
 from tests.test_openai_limits import LISTEN, port_of, request_bytes, wait_for_outcome
 
 pytestmark = pytest.mark.asyncio
 
 
-def _done(text: str) -> DoneReply:
-    return DoneReply(
+def _done(text: str) -> Result:
+    return Result(
         id="r", text=text, finish_reason="length", stop_sequence=None, truncated=False,
         usage=Usage(prompt_tokens=3, cached_tokens=0, completion_tokens=2, drafted_tokens=0,
                     accepted_tokens=0),

@@ -6,8 +6,10 @@ import json
 
 import pytest
 
-from sfcore_daemon.serve import protocol
-from sfcore_daemon.serve.protocol import GenerateRequest, HealthRequest, RequestError
+from sfcore_daemon.core import errors
+from sfcore_daemon.core.request import GenerateRequest
+from sfcore_daemon.ndjson import protocol
+from sfcore_daemon.ndjson.protocol import HealthRequest, RequestError
 
 
 def decode_error(line: bytes) -> RequestError:
@@ -58,7 +60,7 @@ def test_client_id_is_kept(request_id: object) -> None:
     ],
 )
 def test_bad_json(line: bytes) -> None:
-    assert decode_error(line).code == protocol.BAD_JSON
+    assert decode_error(line).code == errors.BAD_JSON
 
 
 @pytest.mark.parametrize(
@@ -84,7 +86,7 @@ def test_bad_json(line: bytes) -> None:
 )
 def test_invalid_request_names_the_field(line: bytes, field: str) -> None:
     error = decode_error(line)
-    assert error.code == protocol.INVALID_REQUEST
+    assert error.code == errors.INVALID_REQUEST
     assert f"`{field}`" in error.message
 
 
@@ -98,7 +100,7 @@ def test_invalid_request_names_the_field(line: bytes, field: str) -> None:
 )
 def test_unknown_and_missing_fields_are_named(line: bytes, word: str) -> None:
     error = decode_error(line)
-    assert error.code == protocol.INVALID_REQUEST
+    assert error.code == errors.INVALID_REQUEST
     assert word in error.message
 
 
@@ -122,7 +124,7 @@ def test_stop_forms() -> None:
 
 
 def test_reply_lines_are_single_line_json() -> None:
-    line = protocol.error_line("x", protocol.INTERNAL, "multi\nline")
+    line = protocol.error_line("x", errors.INTERNAL, "multi\nline")
     assert line.endswith(b"\n") and line.count(b"\n") == 1
     assert json.loads(line) == {"type": "error", "id": "x", "code": "internal",
                                 "message": "multi\nline"}

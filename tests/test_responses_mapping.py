@@ -1,4 +1,4 @@
-"""The Responses API's pure logic (openai/responses*.py), fast: whatever a client sends
+"""The Responses API's pure logic (responses/), fast: whatever a client sends
 to /v1/responses is decoded and mapped or refused with a 400 naming the field, never a
 crash; what maps is a chat request the NDJSON side would accept; the streamed events
 are numbered and in the documented order; the store keeps its bounds."""
@@ -13,20 +13,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sfcore_daemon.openai.responses.reply import ResponsesShape
-from sfcore_daemon.openai.responses.schema import ResponsesRequest, responses_decoder
-from sfcore_daemon.openai.responses.store import ResponseStore
-from sfcore_daemon.openai.responses.translate import responses_request
+from sfcore_daemon.core.request import ChatRequest, FunctionCall, Message, ToolCall
+from sfcore_daemon.core.result import Result, Timings, Usage
 from sfcore_daemon.openai.translate import ApiError
-from sfcore_daemon.serve.protocol import (
-    ChatRequest,
-    DoneReply,
-    FunctionCall,
-    Message,
-    Timings,
-    ToolCall,
-    Usage,
-)
+from sfcore_daemon.responses.reply import ResponsesShape
+from sfcore_daemon.responses.schema import ResponsesRequest, responses_decoder
+from sfcore_daemon.responses.store import ResponseStore
+from sfcore_daemon.responses.translate import responses_request
 from tests.test_openai_mapping import FAST, as_ndjson, check_refusal, json_values
 
 FIELDS = ["model", "input", "instructions", "previous_response_id", "store", "stream",
@@ -184,8 +177,8 @@ def test_a_wrong_type_names_the_field() -> None:
 # --- replies ---------------------------------------------------------------------------
 
 
-def done(text: str, calls: list[ToolCall] | None = None, finish: str = "stop") -> DoneReply:
-    return DoneReply(
+def done(text: str, calls: list[ToolCall] | None = None, finish: str = "stop") -> Result:
+    return Result(
         id="x", text=text, finish_reason=finish, stop_sequence=None,  # type: ignore[arg-type]
         truncated=False, tool_calls=calls,
         usage=Usage(prompt_tokens=7, cached_tokens=3, completion_tokens=5, drafted_tokens=0,

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from sfcore_daemon.serve import sandbox
-from sfcore_daemon.serve.chat import TemplateBudgetError, resolve_template
+from sfcore_daemon.core import sandbox
+from sfcore_daemon.core.chat import TemplateBudgetError, resolve_template
 from tests.harness import run_cli
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' "

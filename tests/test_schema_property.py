@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sfcore_daemon.serve.admission import request_grammar
-from sfcore_daemon.serve.protocol import GenerateRequest
+from sfcore_daemon.core.admission import request_grammar
+from sfcore_daemon.core.request import GenerateRequest
 from sfcore_daemon.structured.checker import check_schema
 from sfcore_daemon.structured.compiler import checked_to_gbnf, compile_schema, schema_to_gbnf
 from sfcore_daemon.structured.gbnf import shape_gbnf

@@ -191,7 +191,7 @@ def test_supported_schemas_convert_and_unsupported_grammar_nesting_is_refused() 
 
 def test_compiling_a_schema_imports_neither_numpy_nor_the_high_level_package() -> None:
     """The compiler writes GBNF itself: not even llama-cpp-python's converter module."""
-    code = ("import sys; import sfcore_daemon.serve.server; "
+    code = ("import sys; import sfcore_daemon.core.server; "
             "from sfcore_daemon.structured import compiler; "
             "compiler.schema_to_gbnf({'type': 'object', 'properties': {'a': {}}}); "
             "compiler.compile_json_object(); "

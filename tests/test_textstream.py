@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sfcore_daemon.serve.textstream import TextStream
+from sfcore_daemon.core.textstream import TextStream
 
 
 def run(pieces: list[bytes], stops: tuple[str, ...] = ()) -> tuple[list[str], str, str | None]:

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sfcore_daemon.serve.protocol import ChatRequest, FunctionSpec, Message, Tool
-from sfcore_daemon.serve.tools import CALL_MARKER, MarkerSplit, plan, read_calls, render
+from sfcore_daemon.core.request import ChatRequest, FunctionSpec, Message, Tool
+from sfcore_daemon.core.tools import CALL_MARKER, MarkerSplit, plan, read_calls, render
 from sfcore_daemon.structured.grammar import GrammarError
 from tests.harness import REPLY_TIMEOUT_S, running_daemon
 from tests.tool_round_trip import ADD, PARAMETERS, TOOLS

@@ -7,7 +7,7 @@ fewer threads, each with a core of its own, then decode faster. `ThreadPolicy` i
 pure logic of that choice (a clock passed in, nothing read or logged here): the decode
 thread feeds it each decode step's time and applies what it says between steps (with
 OpenMP, `llama_set_n_threads` only changes the next graph's team size); the event loop
-writes the other processes' load into `others_cpus` (serve/threads.py) and logs the
+writes the other processes' load into `others_cpus` (core/threads.py) and logs the
 changes it sees in `changes`.
 
 Down: the steps of a window are stretched past `stretch` times the idle baseline and

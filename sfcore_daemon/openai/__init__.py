@@ -1,2 +1,2 @@
-"""The OpenAI-compatible HTTP endpoint: aiohttp routes that feed the same admission.
-Event loop only; off unless [openai] listen is set (the top level wires it in)."""
+"""OpenAI's Chat Completions and Completions on the HTTP listener: bodies, their translation
+into the core's request, chunks and bodies back (docs/openai.md)."""

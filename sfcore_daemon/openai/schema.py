@@ -13,11 +13,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from sfcore_daemon.serve.protocol import MAX_LOGPROBS, ToolName
+from sfcore_daemon.core.request import PositiveInt, ToolName, TopLogprobs
 
-PositiveInt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
-TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 
 
 # --- requests -------------------------------------------------------------------------
@@ -130,17 +128,6 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
 
 # --- replies --------------------------------------------------------------------------
-
-
-class ErrorBody(Struct, kw_only=True):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(Struct, kw_only=True):
-    error: ErrorBody
 
 
 class ModelCard(Struct, kw_only=True):
@@ -281,4 +268,4 @@ class Completion(Struct, kw_only=True, omit_defaults=True):
 
 chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 completion_decoder = msgspec.json.Decoder(CompletionRequest)
-encoder = msgspec.json.Encoder()
+

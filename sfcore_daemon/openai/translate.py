@@ -1,17 +1,30 @@
 """What maps to what: OpenAI requests to the daemon's own, its replies back to OpenAI's.
 
-A chat or completions body becomes the `ChatRequest` or `GenerateRequest` an NDJSON
-client could have sent, so both kinds of client go through the same admission,
-scheduler, prompt store and limits. A value the daemon cannot honour is an `ApiError`
+A chat or completions body becomes the core's `ChatRequest` or `GenerateRequest`, so
+every front end's requests go through the same admission, scheduler, prompt store and
+limits. A value the daemon cannot honour is an `ApiError`
 (OpenAI's error shape, with the field as `param`), never silently dropped.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from typing import Any, Final
+from typing import Any
 
+from sfcore_daemon.core.request import (
+    MAX_STOPS,
+    ChatRequest,
+    ChosenFunction,
+    ChosenTool,
+    FunctionCall,
+    FunctionSpec,
+    GenerateRequest,
+    Message,
+    Tool,
+    ToolCall,
+)
+from sfcore_daemon.core.result import Result, TokenLogprob
+from sfcore_daemon.httpd.errors import ApiError
 from sfcore_daemon.openai.schema import (
     ChatCompletionRequest,
     ChatMessage,
@@ -19,8 +32,6 @@ from sfcore_daemon.openai.schema import (
     ChosenToolIn,
     CompletionRequest,
     CompletionUsage,
-    ErrorBody,
-    ErrorResponse,
     FunctionCallOut,
     LegacyLogprobs,
     PromptTokensDetails,
@@ -29,77 +40,6 @@ from sfcore_daemon.openai.schema import (
     ToolCallOut,
     TopLogprobOut,
 )
-from sfcore_daemon.serve import protocol
-from sfcore_daemon.serve.protocol import (
-    ChatRequest,
-    ChosenFunction,
-    ChosenTool,
-    DoneReply,
-    FunctionCall,
-    FunctionSpec,
-    GenerateRequest,
-    Message,
-    TokenLogprob,
-    Tool,
-    ToolCall,
-)
-
-# The daemon's stop list holds 8 strings (OpenAI's 4).
-MAX_STOPS: Final = 8
-
-# error code -> (HTTP status, OpenAI error type)
-_STATUS: Final[dict[str, tuple[int, str]]] = {
-    protocol.BAD_JSON: (400, "invalid_request_error"),
-    protocol.INVALID_REQUEST: (400, "invalid_request_error"),
-    protocol.CONTEXT_OVERFLOW: (400, "invalid_request_error"),
-    protocol.GRAMMAR_DEAD_END: (400, "invalid_request_error"),
-    protocol.FORBIDDEN: (401, "authentication_error"),
-    protocol.LINE_TOO_LONG: (413, "invalid_request_error"),
-    protocol.QUEUE_FULL: (429, "rate_limit_error"),
-    protocol.TOO_MANY_CONNECTIONS: (429, "rate_limit_error"),
-    protocol.INTERNAL: (500, "server_error"),
-    protocol.SHUTTING_DOWN: (503, "server_error"),
-}
-# OpenAI's own codes where it has one for the same thing.
-_OPENAI_CODE: Final = {protocol.CONTEXT_OVERFLOW: "context_length_exceeded"}
-# The daemon's fields named in its messages, as the OpenAI field they came from.
-_FIELD_PARAM: Final = {"json_schema": "response_format", "format": "response_format"}
-_AT_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`")
-
-
-class ApiError(Exception):
-    """A request answered with OpenAI's error shape and an HTTP status."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, kind: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-
-    @classmethod
-    def from_code(cls, code: str, message: str, param: str | None = None) -> ApiError:
-        """The daemon's error `code` (PROTOCOL.md) as an HTTP error."""
-        status, kind = _STATUS.get(code, (500, "server_error"))
-        if param is None and (match := _AT_PATH.search(message)):
-            path = match["path"]
-            head = re.split(r"[.\[]", path, maxsplit=1)[0]
-            param = _FIELD_PARAM.get(head, path) if head in _FIELD_PARAM else path or None
-        return cls(status, message, param, _OPENAI_CODE.get(code, code), kind)
-
-    @classmethod
-    def invalid(cls, message: str) -> ApiError:
-        """A body that failed decoding: msgspec's message names the field."""
-        match = _AT_PATH.search(message)
-        return cls(400, message, match["path"] if match and match["path"] else None,
-                   "invalid_request")
-
-    def body(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorBody(message=self.message, type=self.kind,
-                                             param=self.param, code=self.code))
-
 
 # --- requests -------------------------------------------------------------------------
 
@@ -249,18 +189,16 @@ def _options(body: SamplingFields, max_tokens: int | None,
 # --- replies --------------------------------------------------------------------------
 
 
-def finish_reason(done: DoneReply) -> str:
+def finish_reason(done: Result) -> str:
     """OpenAI's finish_reason. A JSON document closed early to fit max_tokens is
     "length" (it still parses); a generation cut by a stopping daemon is "length" too,
     since OpenAI's clients know no other word for text that ended early."""
     if done.tool_calls:
         return "tool_calls"
-    if done.truncated or done.finish_reason in ("length", "cancelled"):
-        return "length"
-    return "stop"
+    return "length" if done.cut_short else "stop"
 
 
-def tool_calls(done: DoneReply) -> list[ToolCallOut] | None:
+def tool_calls(done: Result) -> list[ToolCallOut] | None:
     """The answer's calls in OpenAI's shape (arguments as JSON text)."""
     if not done.tool_calls:
         return None
@@ -270,7 +208,7 @@ def tool_calls(done: DoneReply) -> list[ToolCallOut] | None:
         for call in done.tool_calls]
 
 
-def usage(done: DoneReply) -> CompletionUsage:
+def usage(done: Result) -> CompletionUsage:
     counts = done.usage
     return CompletionUsage(
         prompt_tokens=counts.prompt_tokens, completion_tokens=counts.completion_tokens,

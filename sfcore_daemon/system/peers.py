@@ -11,11 +11,16 @@ refuses it.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import pwd
+import socket
 import struct
+from typing import Any
 
+# SO_PEERGROUPS (Linux 4.13+): the peer's supplementary groups at connect time.
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 _TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
 # Rows that are not a live peer: a TIME_WAIT row has no owner (uid 0, which reads as
 # root) and may repeat a closed connection's addresses; a listener has no peer.
@@ -79,3 +84,27 @@ def user_groups(uid: int) -> tuple[int, set[int]]:
     except OSError:
         return user.pw_gid, set()
 
+
+def peer_credentials(sock: Any) -> tuple[int, int, int] | None:
+    """(pid, uid, gid) of the peer process, from SO_PEERCRED."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    pid, uid, gid = struct.unpack("3i", creds)
+    return pid, uid, gid
+
+
+def peer_groups(sock: Any) -> set[int]:
+    """The peer's supplementary groups (SO_PEERGROUPS); empty if the kernel can't say."""
+    size = 4 * 64
+    while size <= 4 * 65536:
+        try:
+            data = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, size)
+        except OSError as exc:
+            if exc.errno == errno.ERANGE:
+                size *= 4
+                continue
+            return set()
+        return set(struct.unpack(f"{len(data) // 4}I", data[: len(data) // 4 * 4]))
+    return set()

@@ -1,0 +1,357 @@
+"""The event-loop half of a generation: the output pipeline.
+
+`Generation` turns the pieces the decode thread produces into reply events: it runs
+the UTF-8/stop-sequence filter, hands the text (and its logprobs) to a `ReplySink`
+in batches, then the final `done` (with usage and timings) or an error, and counts
+the outcome in `stats` once. The sink is the front end's: an NDJSON connection's
+reply slot encodes protocol lines, the OpenAI listener server-sent events or one
+JSON body. Which slot it runs in and when it starts is the scheduler's business,
+which it tells through `on_released`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol, cast
+
+from sfcore_daemon.core import errors
+from sfcore_daemon.core.logprobs import LogprobTrail
+from sfcore_daemon.core.request import RequestId, ToolCall
+from sfcore_daemon.core.result import FinishReason, Result, Timings, TokenLogprob, Usage
+from sfcore_daemon.core.stats import Stats
+from sfcore_daemon.core.textstream import TextStream
+from sfcore_daemon.core.tools import CALL_MARKER, MarkerSplit, read_calls
+from sfcore_daemon.engine.job import Job
+from sfcore_daemon.llama.sampling import Sampling
+from sfcore_daemon.structured.grammar import GrammarDeadEnd, GrammarSampler
+
+log = logging.getLogger(__name__)
+
+
+class ReplySink(Protocol):
+    """Where one generation's reply goes, as events the front end encodes.
+
+    `token` and `flush` may come many times; then exactly one of `done`, `error`
+    (each the last word: the sink closes) or `close` (the client is gone: nothing
+    more is said). Any call may find the client gone and abandon the generation
+    before it returns."""
+
+    def token(self, text: str, logprobs: list[TokenLogprob] | None) -> None:
+        """Streamed text (stream true), with its tokens' logprobs if asked for."""
+        ...
+
+    def flush(self) -> None:
+        """The end of a batch of `token` calls: send what they gathered."""
+        ...
+
+    def done(self, reply: Result) -> None: ...
+
+    def error(self, code: str, message: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Generation:
+    """One generate or chat request, from the moment it is queued until its last line
+    is written. Its outcome is counted in `stats` exactly once, when it is decided."""
+
+    def __init__(
+        self,
+        *,
+        request_id: RequestId,
+        stream: bool,
+        stops: tuple[str, ...],
+        prompt: list[int],
+        sampling: Sampling,
+        max_tokens: int,
+        cache_prompt: bool,
+        sink: ReplySink,
+        arrived_ns: int,
+        loop: asyncio.AbstractEventLoop,
+        stats: Stats,
+        exclusive: bool = False,
+        grammar: GrammarSampler | None = None,
+        speculative: bool = False,
+        logprobs: int | None = None,
+        grammar_trigger: bytes | None = None,
+        calls: MarkerSplit | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.stream = stream
+        self.sink = sink
+        self.arrived_ns = arrived_ns
+        self.job = Job(
+            prompt, sampling, max_tokens, cache_prompt,
+            loop=loop, on_pieces=self._drain, on_finished=self._finished, grammar=grammar,
+            speculative=speculative, logprobs=logprobs, grammar_trigger=grammar_trigger,
+        )
+        self.job.exclusive = exclusive
+        # A reply written whole at the end needs no drain per step, unless a stop
+        # sequence may end it early (the drain watches for it).
+        self.job.wake_each_step = stream or bool(stops)
+        self._text = TextStream(stops)
+        # A chat with tools: the text after the call marker is the call (tools.py).
+        self._calls = calls
+        self._parts: list[str] = []
+        # Asked for logprobs: each token's entry on its way to a line (logprobs.py), and
+        # those a `done` line carries (stream false: all of them).
+        self._trail = LogprobTrail(self.job.numbers) if logprobs is not None else None
+        self._entries: list[TokenLogprob] = []
+        self.completion_tokens = 0
+        self._last_token_ns = 0
+        # True once nothing more may be written: done/error sent, or the client is gone.
+        self.replied = False
+        # Times a later request started ahead of this one while it waited for room.
+        self.overtaken = 0
+        # Set by the scheduler that starts it: told once the job has ended, so that it
+        # frees the slot.
+        self.on_released: Callable[[Generation], None] | None = None
+        self._stats = stats
+
+    # --- called by the scheduler and the connection --------------------------------------
+
+    def cancel(self) -> None:
+        """End the generation early; its `done` says `cancelled` (cancel op, shutdown)."""
+        self.job.stop_requested = True
+
+    def abandon(self) -> None:
+        """The client is gone: stop at the next token and write nothing more."""
+        self.job.stop_requested = True
+        if not self.replied:
+            self.replied = True
+            self._record("cancelled")
+            self.sink.close()
+
+    def fail(self, code: str, message: str) -> None:
+        """Answer with an error instead of running (used for queued requests)."""
+        if not self.replied:
+            self.replied = True
+            self._record("error")
+            self._stats.errors[code] += 1
+            self.sink.error(code, message)
+
+    def cancel_queued(self) -> None:
+        """Answer a request that never ran: `done`, finish_reason "cancelled"."""
+        if not self.replied:
+            self._reply_done("cancelled")
+
+    # --- called on the event loop by the decode thread's wake-ups -----------------------
+
+    def _drain(self) -> None:
+        job = self.job
+        # Cleared before reading, so a piece appended meanwhile schedules another drain.
+        job.wake_pending = False
+        pieces = job.pieces
+        if self.replied:
+            pieces.clear()
+            job.numbers.clear()
+            return
+        text_stream, stream, trail, sink = self._text, self.stream, self._trail, self.sink
+        gaps = self._stats.token_gap
+        entries = None
+        while pieces:
+            piece, sampled_ns = pieces.popleft()
+            if self.completion_tokens:
+                gaps.observe_ns(sampled_ns - self._last_token_ns)
+            self.completion_tokens += 1
+            self._last_token_ns = sampled_ns
+            if trail is None:
+                text = text_stream.feed(piece)
+            else:
+                text, entries = trail.feed(text_stream, piece)
+            if self._calls is not None and text:
+                text = self._calls.feed(text)
+                if not text and entries:  # a call's tokens: their entries go with `done`
+                    self._entries += entries
+            if text:
+                if stream:
+                    sink.token(text, entries)
+                else:
+                    self._parts.append(text)
+                    if entries:
+                        self._entries += entries
+            if text_stream.stop_hit is not None:
+                # Reply now; the decode thread notices within one token and frees the slot.
+                job.stop_requested = True
+                pieces.clear()
+                sink.flush()
+                self._reply_done("stop_sequence")
+                return
+        sink.flush()
+
+    def _finished(self) -> None:
+        # The slot is released whatever happens here: a bug in writing the last
+        # lines must never leave the slot busy for ever.
+        try:
+            self._drain()
+            job = self.job
+            if not self.replied:
+                if job.end_reason == "error":
+                    self._fail_with(job.error)
+                else:
+                    tail = self._text.finish()
+                    if self._calls is not None:
+                        tail = self._calls.feed(tail) + self._calls.finish()
+                    if tail:
+                        self._emit_tail(tail)
+                    # end_reason is "stop", "length" or "cancelled" here ("error" is above).
+                    self._reply_done("stop_sequence" if self._text.stop_hit is not None
+                                     else cast(FinishReason, job.end_reason))
+        except Exception:
+            log.exception("finishing generation %r failed", self.request_id)
+            self.fail(errors.INTERNAL, "unexpected error in the daemon; see its log")
+        finally:
+            if self.on_released is not None:
+                self.on_released(self)
+
+    def _emit_tail(self, tail: str) -> None:
+        """The text held back until the end."""
+        trail = self._trail
+        entries = trail.emitted(len(tail)) if trail is not None else None
+        if self.stream:
+            self.sink.token(tail, entries)
+            self.sink.flush()
+        else:
+            self._parts.append(tail)
+            if entries:
+                self._entries += entries
+
+    def _fail_with(self, error: BaseException | None) -> None:
+        if isinstance(error, GrammarDeadEnd):
+            # The request's own grammar, not a fault of the daemon: no traceback.
+            log.info("generation %r: %s", self.request_id, error)
+            if error.at_start:
+                field = self.job.grammar.field if self.job.grammar is not None else "grammar"
+                self.fail(errors.INVALID_REQUEST, f"{error} - at `$.{field}`")
+            else:
+                self.fail(errors.GRAMMAR_DEAD_END,
+                          f"{error} after {self.completion_tokens} tokens; the text so far "
+                          "was streamed")
+            return
+        log.error("generation %r failed", self.request_id, exc_info=error)
+        self.fail(errors.INTERNAL, "the model failed while generating; see the daemon log")
+
+    def _record(self, outcome: str) -> None:
+        job = self.job
+        self._stats.generation_ended(outcome, len(job.prompt), job.n_cached,
+                                     self.completion_tokens, self._decode_ns())
+        # Only what happened: a request answered before it ran has no queue wait.
+        if job.t_start:
+            self._stats.queue_wait.observe_ns(max(job.t_start - self.arrived_ns, 0))
+        if job.t_first:
+            self._stats.first_token.observe_ns(max(job.t_first - self.arrived_ns, 0))
+        if job.grammar is not None:
+            self._stats.grammar_requests += 1
+            self._stats.grammar_tokens += job.grammar.tokens
+            self._stats.grammar_resampled += job.grammar.resampled
+            self._stats.grammar_closed_early += self._truncated
+        self._stats.cache_hit(job.cache_source, job.n_cached)
+        if job.restore_failed:
+            log.warning("generation %r: llama.cpp refused a stored prompt state; "
+                        "its prompt was evaluated instead", self.request_id)
+        for what, error in job.contained:
+            log.warning("generation %r: %s failed (%s); the request went on without it",
+                        self.request_id, what, error, exc_info=error)
+        if job.drafted:
+            self._stats.speculative_requests += 1
+            self._stats.drafted_tokens += job.drafted
+            self._stats.accepted_tokens += job.accepted
+            self._stats.forced_drafted += job.forced_drafted
+            self._stats.forced_accepted += job.forced_accepted
+            self._stats.draft_steps += job.draft_steps
+            self._stats.aligned_steps += job.aligned_steps
+            self._stats.logit_rows += job.logit_rows
+
+    @property
+    def _truncated(self) -> bool:
+        """Closed early to fit max_tokens, and the reply is that whole document."""
+        grammar = self.job.grammar
+        return (grammar is not None and grammar.closed_early and self.job.end_reason == "stop"
+                and self._text.stop_hit is None)
+
+    def _decode_ns(self) -> int:
+        return self._last_token_ns - self.job.t_first if self.completion_tokens > 1 else 0
+
+    def _tool_calls(self, reason: FinishReason) -> tuple[FinishReason, list[ToolCall] | None]:
+        """The answer's calls, if it made any: read from the text after the marker.
+        Text that does not read as whole calls (an "auto" answer cut short before its
+        grammar took hold) is given back as text."""
+        calls = self._calls
+        if calls is None or calls.call is None or reason == "cancelled":
+            return reason, None
+        text = "".join(calls.call)
+        calls.call = None
+        made = read_calls(text)
+        if made is not None:
+            return "tool_calls", made
+        # The model wrote the marker of an "auto" call; a forced call's is the prompt's.
+        self._emit_tail(("" if calls.forced else CALL_MARKER) + text)
+        return reason, None
+
+    def _reply_done(self, reason: FinishReason) -> None:
+        if self.replied:
+            # A line written just before (the text up to a stop sequence, the held-back
+            # tail) dropped the connection, and that counted the request as cancelled.
+            return
+        reason, tool_calls = self._tool_calls(reason)
+        if self.replied:  # giving back the call's text dropped the connection
+            return
+        self.replied = True
+        self._record(reason)
+        self.sink.done(Result(
+            id=self.request_id,
+            text="" if self.stream else "".join(self._parts),
+            finish_reason=reason,
+            stop_sequence=self._text.stop_hit,
+            truncated=self._truncated,
+            usage=Usage(
+                prompt_tokens=len(self.job.prompt),
+                cached_tokens=self.job.n_cached,
+                completion_tokens=self.completion_tokens,
+                drafted_tokens=self.job.drafted,
+                accepted_tokens=self.job.accepted,
+                forced_drafted_tokens=self.job.forced_drafted,
+                forced_accepted_tokens=self.job.forced_accepted,
+            ),
+            timings=self._timings(),
+            logprobs=self._done_entries(),
+            tool_calls=tool_calls,
+        ))
+
+    def _done_entries(self) -> list[TokenLogprob] | None:
+        """The entries the `done` line carries: with stream false all of them; else
+        those no token line took. None when the request asked for none."""
+        trail = self._trail
+        if trail is None:
+            return None
+        if self._text.stop_hit is None:
+            self._entries += trail.rest()
+        return self._entries
+
+    def _timings(self) -> Timings:
+        job, now = self.job, time.perf_counter_ns()
+        started = job.t_start or now
+        prompt_ns = job.t_prompt_done - job.t_start if job.t_prompt_done else 0
+        evaluated = len(job.prompt) - job.n_cached
+        decode_ns = self._decode_ns()
+        return Timings(
+            queued_ms=_ms(started - self.arrived_ns),
+            prompt_ms=_ms(prompt_ns),
+            prompt_tok_s=_rate(evaluated, prompt_ns),
+            first_token_ms=_ms(job.t_first - self.arrived_ns) if job.t_first else 0.0,
+            decode_ms=_ms(decode_ns),
+            decode_tok_s=_rate(self.completion_tokens - 1, decode_ns),
+            total_ms=_ms(now - self.arrived_ns),
+            cache_source=job.cache_source,
+        )
+
+
+def _ms(ns: int) -> float:
+    return round(ns / 1e6, 3)
+
+
+def _rate(count: int, ns: int) -> float:
+    return round(count * 1e9 / ns, 2) if ns > 0 and count > 0 else 0.0

@@ -1,0 +1,242 @@
+"""The wait queue and the decode slots.
+
+`Scheduler` keeps one FIFO for every connection and hands the engine a generation's
+job whenever a slot and room in the KV pool are free; a generation tells it when its
+slot is free again (`Generation.on_released`). What a generation writes is
+`output.Generation`'s business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+
+from sfcore_daemon.core.counts import SlotUse
+from sfcore_daemon.core.generation import Generation
+from sfcore_daemon.engine.thread import Engine
+from sfcore_daemon.llama.kvcache import shared_prefix
+
+# Tokens in common with a slot's cache that make a request go to that slot even
+# though most of what the slot holds would be overwritten.
+_WORTHWHILE_PREFIX = 64
+
+
+# How often later requests may start ahead of a waiting one that does not fit yet.
+_MAX_OVERTAKES = 8
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Scheduler:
+    """One FIFO in front of `slots` decode slots sharing one KV pool. Event loop only.
+
+    The head of the queue starts as soon as a slot is free and the KV pool can hold
+    everything it may come to need (its prompt plus max_tokens) beside what running
+    requests may need; idle slots' cached prefixes are dropped, least recently used
+    first, to make that room. So a running request never fails for lack of cells,
+    and a waiting one only waits. Strict FIFO: nothing overtakes the head.
+    """
+
+    def __init__(self, engine: Engine, max_queue: int, slots: int = 1) -> None:
+        self._engine = engine
+        self._max_queue = max_queue
+        self.slots = slots
+        self.waiting: deque[Generation] = deque()
+        self.running: dict[int, Generation] = {}
+        # What each idle slot holds in the KV cache, as the decode thread left it.
+        self._slot_tokens: list[list[int]] = [[] for _ in range(slots)]
+        self._slot_used: list[int] = [0] * slots
+        self._uses = 0
+        self.slot_requests: list[int] = [0] * slots  # per-slot use, for `stats`
+        self._exclusive = False  # a running request must have the batch to itself
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._working = asyncio.Event()  # the opposite of _idle
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running)
+
+    @property
+    def busy_slots(self) -> int:
+        return len(self.running)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    def surely_full(self) -> bool:
+        """Whether a request arriving now would be refused `queue_full` whatever its
+        prompt: admission asks before it compiles a grammar or renders a template."""
+        if self.waiting:
+            return len(self.waiting) >= self._max_queue
+        return self._max_queue == 0 and len(self.running) >= self.slots
+
+    def submit(self, generation: Generation) -> None:
+        if not self.waiting and self._try_start(generation):
+            return
+        if len(self.waiting) >= self._max_queue:
+            raise QueueFull
+        self.waiting.append(generation)
+        self._pump()  # it may fit where the head waiting for room does not
+
+    def abandon(self, generation: Generation) -> None:
+        """The client went away: drop it from the queue, or stop it within one token."""
+        generation.abandon()
+        if not self._is_running(generation):
+            with contextlib.suppress(ValueError):  # already dispatched or answered
+                self.waiting.remove(generation)
+                self._pump()  # it may have been the head that held the others back
+
+    def cancel(self, generation: Generation) -> None:
+        """The cancel op: a queued request is answered at once, a running one stops
+        within one token (or one prompt batch)."""
+        if self._is_running(generation):
+            generation.cancel()
+            return
+        with contextlib.suppress(ValueError):
+            self.waiting.remove(generation)
+        generation.cancel_queued()
+        self._pump()
+
+    def reject_waiting(self, code: str, message: str) -> None:
+        while self.waiting:
+            self.waiting.popleft().fail(code, message)
+
+    def fail_all(self, code: str, message: str) -> None:
+        """The decode thread is gone: every request, running or waiting, is answered
+        with an error now (no running one will ever finish) and the slots are free."""
+        running = list(self.running.values())
+        self.running.clear()
+        for generation in running:
+            generation.fail(code, message)
+        self.reject_waiting(code, message)
+        self._idle.set()
+        self._working.clear()
+
+    def cancel_running(self) -> None:
+        for generation in list(self.running.values()):
+            generation.cancel()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    async def wait_busy(self) -> None:
+        await self._working.wait()
+
+    def slot_uses(self) -> list[SlotUse]:
+        return [SlotUse(slot=slot, busy=slot in self.running,
+                        requests=self.slot_requests[slot],
+                        cached_tokens=0 if slot in self.running else len(self._slot_tokens[slot]))
+                for slot in range(self.slots)]
+
+    def _is_running(self, generation: Generation) -> bool:
+        return self.running.get(generation.job.slot) is generation
+
+    def _try_start(self, generation: Generation) -> bool:
+        job = generation.job
+        if self.running and (job.exclusive or self._exclusive):
+            return False
+        free = [slot for slot in range(self.slots) if slot not in self.running]
+        if not free:
+            return False
+        slot = self._pick_slot(free, job.prompt)
+        pool = self._engine.n_ctx
+        held = sum(g.job.reserved_cells for g in self.running.values())
+        held += job.reserved_cells
+        idle = sorted((s for s in free if s != slot and self._slot_tokens[s]),
+                      key=self._slot_used.__getitem__)
+        held += sum(len(self._slot_tokens[s]) for s in idle)
+        evict = []
+        # A request that reuses nothing (`cache_prompt: false`) and starts alone gets an
+        # empty cache too, so that its bytes are a fresh daemon's, whatever was served
+        # before: the other slots' cells decide where llama.cpp puts its cells and how
+        # many cells attention spans, which pick and partition the attention kernels
+        # (docs/protocol.md, "Reproducibility and the prompt cache").
+        empty = job.exclusive or (not job.cache_prompt and not self.running)
+        for other in idle:
+            if held <= pool and not empty:
+                break
+            # Where llama.cpp places a sequence's cells, among other sequences' cells,
+            # changes the order its attention sums in, so only an otherwise empty cache
+            # gives cold-run bytes.
+            evict.append(other)
+            held -= len(self._slot_tokens[other])
+        if held > pool:
+            return False
+        for other in evict:
+            self._slot_tokens[other] = []
+        job.slot = slot
+        job.evict = tuple(evict)
+        self.running[slot] = generation
+        self._exclusive = job.exclusive
+        self.slot_requests[slot] += 1
+        self._idle.clear()
+        self._working.set()
+        generation.on_released = self.release
+        self._engine.submit(job)
+        return True
+
+    def _pick_slot(self, free: list[int], prompt: list[int]) -> int:
+        """The free slot whose cache shares the longest worthwhile prefix with `prompt`,
+        else the least recently used one (an unused one first).
+
+        A shared prefix is worthwhile when it is most of what the slot holds, or long
+        in itself (a common system prompt): a lone BOS in common is not worth
+        overwriting another conversation's cache for.
+        """
+        best, best_shared = -1, 0
+        for slot in free:
+            cached = self._slot_tokens[slot]
+            shared = shared_prefix(cached, prompt)
+            worthwhile = shared * 2 > len(cached) or shared >= _WORTHWHILE_PREFIX
+            if worthwhile and shared > best_shared:
+                best, best_shared = slot, shared
+        if best >= 0:
+            return best
+        return min(free, key=self._slot_used.__getitem__)
+
+    def release(self, generation: Generation) -> None:
+        """`generation`'s job has ended: its slot keeps what the job left in the cache."""
+        slot = generation.job.slot
+        if self.running.get(slot) is not generation:
+            return
+        del self.running[slot]
+        self._exclusive = False
+        self._slot_tokens[slot] = generation.job.kept
+        self._uses += 1
+        self._slot_used[slot] = self._uses
+        self._pump()
+
+    def _pump(self) -> None:
+        waiting = self.waiting
+        while waiting:
+            head = waiting[0]
+            if head.replied:
+                waiting.popleft()
+                continue
+            if not self._try_start(head):
+                break
+            waiting.popleft()
+        if waiting:
+            self._overtake(waiting[0])
+        if not self.running and not waiting:
+            self._idle.set()
+            self._working.clear()
+
+    def _overtake(self, head: Generation) -> None:
+        """The head waits for room in the KV pool (a large reservation) or for the batch
+        to empty: later requests that fit now start first, at most _MAX_OVERTAKES times
+        in all, so one large request neither holds up the small ones nor waits forever."""
+        for generation in list(self.waiting)[1:]:
+            if head.overtaken >= _MAX_OVERTAKES or len(self.running) >= self.slots:
+                return
+            if generation.replied or generation.job.exclusive:
+                continue
+            if self._try_start(generation):
+                self.waiting.remove(generation)
+                head.overtaken += 1
+

@@ -1,0 +1,95 @@
+"""OpenAI's Chat Completions and Completions: `/v1/chat/completions`,
+`/v1/completions`, `/v1/models`.
+
+A body is decoded (schema.py), translated into the core's request (translate.py) and
+generated through the listener's `ApiHost`; the reply is written in OpenAI's chunks or
+body (shapes.py). The listener's default error shape is OpenAI's, so these paths need
+none of their own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from sfcore_daemon.core.request import GenerationRequest
+from sfcore_daemon.httpd.api import ApiHost
+from sfcore_daemon.httpd.errors import ApiError, json_response
+from sfcore_daemon.openai import schema, translate
+from sfcore_daemon.openai.schema import ModelCard, ModelList
+from sfcore_daemon.openai.shapes import ChatShape, CompletionShape
+
+
+class OpenAIApi:
+    """An `httpd.api.HttpApi`."""
+
+    def __init__(self) -> None:
+        self._host: ApiHost | None = None
+
+    def counted_ops(self) -> Iterable[tuple[str, str]]:
+        return (("chat", "chat_completions"), ("generate", "completions"))
+
+    def add_routes(self, router: web.UrlDispatcher, host: ApiHost) -> None:
+        self._host = host
+        router.add_get("/v1/models", self.models)
+        router.add_get("/v1/models/{model:.+}", self.model)
+        router.add_post("/v1/chat/completions", self.chat)
+        router.add_post("/v1/completions", self.completions)
+
+    def error_response(self, path: str, error: ApiError) -> web.Response | None:
+        return None
+
+    @property
+    def host(self) -> ApiHost:
+        assert self._host is not None, "add_routes first"
+        return self._host
+
+    async def models(self, _request: web.Request) -> web.Response:
+        await self.host.loaded()
+        return json_response(ModelList(data=[self._card()]))
+
+    async def model(self, request: web.Request) -> web.Response:
+        host = self.host
+        await host.loaded()
+        name = request.match_info["model"]
+        if name != host.model_id:
+            raise ApiError(404, f"the model {name!r} does not exist; this daemon serves "
+                           f"{host.model_id!r}", "model", "model_not_found")
+        return json_response(self._card())
+
+    def _card(self) -> ModelCard:
+        return ModelCard(id=self.host.model_id, created=self.host.created)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._completion(request, schema.chat_decoder, translate.chat_request,
+                                      ChatShape, "chat", api="chat_completions")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._completion(request, schema.completion_decoder,
+                                      translate.completion_request, CompletionShape,
+                                      "generate", api="completions")
+
+    async def _completion(self, request: web.Request, decoder: msgspec.json.Decoder[Any],
+                          mapping: Callable[[Any, str], GenerationRequest],
+                          shape_type: type[ChatShape | CompletionShape],
+                          op: str, *, api: str) -> web.StreamResponse:
+        """Decode, translate into the core's request (`op`), and generate."""
+        arrived_ns = time.perf_counter_ns()
+        host = self.host
+        body = await host.decode(request, decoder)
+        host.count(op, api)
+        shape = shape_type(host.model_id, host.fingerprint(), _include_usage(body))
+        try:
+            core_request = mapping(body, shape.id)
+        except ApiError:
+            host.refuse_invalid()
+            raise
+        return await host.generate(request, core_request, shape, arrived_ns)
+
+
+def _include_usage(body: schema.SamplingFields) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage

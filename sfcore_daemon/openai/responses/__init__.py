@@ -1,2 +1,0 @@
-"""OpenAI's Responses API (docs/responses.md): its bodies, their mapping, its replies and
-streamed events, the responses kept, its routes."""
