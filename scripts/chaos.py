@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The chaos run (issue 33): the prompt store's faults, against the real daemon.
 
-Scenarios (tests/chaos_scenarios.py, which tests/test_chaos.py runs too): kill -9 at four
+Scenarios (tests/kit/chaos.py, which tests/lifecycle/test_chaos.py runs too): kill -9 at four
 moments of the store's writes; a small filesystem filled up; a read-only store folder;
 the folder deleted while the store writes; damaged and hostile files in it. Each drives
 the real daemon with the real default model on a prompt store in a temp folder.
@@ -39,7 +39,7 @@ def table(results: list[dict[str, Any]]) -> str:
 
 def main() -> int:
     sys.path.insert(0, str(REPO))
-    from tests.chaos_scenarios import SCENARIOS, run_scenario
+    from tests.kit.chaos import SCENARIOS, run_scenario
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("scenarios", nargs="*", choices=[[], *SCENARIOS], metavar="SCENARIO",

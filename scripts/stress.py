@@ -13,13 +13,14 @@ phase's wall time), the gaps between their token lines, and the ratio hostile/al
 (paired per run); then every hostile kind with the outcomes it got. The exit status is 1
 if any well-behaved request did not end with `done` and the tokens it asked for, if a
 hostile request got anything but its expected outcome, or if the daemon logged a
-traceback. `--json PATH` writes every figure (tests/test_stress.py reads it).
+traceback. `--json PATH` writes every figure (tests/lifecycle/test_stress.py reads it).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import sys
 import time
@@ -29,9 +30,15 @@ from pathlib import Path
 from typing import Any
 
 import uvloop
-from benchkit.common import REPO, decode_reply, filler_text, log
-from benchkit.daemon import Daemon
-from benchkit.table import paired_ratio, summary
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the kit's NDJSON client (tests/kit) and the daemon's package
+
+from benchkit.common import filler_text, log  # noqa: E402  (the path above first)
+from benchkit.daemon import Daemon  # noqa: E402
+from benchkit.table import paired_ratio, summary  # noqa: E402
+
+from tests.kit.ndjson import Client  # noqa: E402
 
 GOOD_PROMPTS = [  # each runs past 64 tokens greedily; distinct, so no client shares a prefix
     "Write a long essay about the ocean.",
@@ -46,93 +53,66 @@ STEP_TIMEOUT_S = 60.0
 CONTROL_LITERAL = "".join(f"\\x{byte:02x}" for byte in [3, 7, 1, 5, 2, 8, 4, 6] * 4)
 
 
-class Line:
-    """One connection of the hostile client."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-
-    @classmethod
-    async def open(cls, path: str) -> Line:
-        reader, writer = await asyncio.open_unix_connection(path, limit=1 << 24)
-        return cls(reader, writer)
-
-    def send(self, payload: bytes | dict[str, Any]) -> None:
-        self.writer.write(payload if isinstance(payload, bytes)
-                          else json.dumps(payload).encode() + b"\n")
-
-    async def final(self) -> dict[str, Any]:
-        """The first line that is not a token."""
-        while True:
-            line = await self.reader.readline()
-            if not line:
-                return {"type": "eof"}
-            reply = decode_reply(line)
-            if reply["type"] != "token":
-                return reply
-
-    async def tokens(self, count: int) -> None:
-        for _ in range(count):
-            reply = decode_reply(await self.reader.readline())
-            if reply["type"] != "token":
-                raise RuntimeError(f"expected a token, got {reply}")
-
-    def close(self) -> None:
-        self.writer.transport.abort()
-
-
 def outcome(reply: dict[str, Any]) -> str:
     return reply.get("code") or reply.get("finish_reason") or reply["type"]
 
 
+async def final(client: Client) -> dict[str, Any]:
+    """The first line that is not a token; {"type": "eof"} if the daemon hangs up first."""
+    while (reply := await client.recv(STEP_TIMEOUT_S)) is not None:
+        if reply["type"] != "token":
+            return reply
+    return {"type": "eof"}
+
+
 async def ask(path: str, payload: bytes | dict[str, Any]) -> str:
-    line = await Line.open(path)
+    client = await Client.open(path)
     try:
-        line.send(payload)
-        return outcome(await line.final())
+        client.write(payload)
+        return outcome(await final(client))
     finally:
-        line.close()
+        client.abort()
 
 
 async def abandon_after(path: str, request: dict[str, Any], tokens: int) -> str:
     """Read `tokens` token lines, then hang up mid-stream."""
-    line = await Line.open(path)
+    client = await Client.open(path)
     try:
-        line.send(request)
-        await line.tokens(tokens)
+        client.write(request)
+        for _ in range(tokens):
+            reply = await client.recv(STEP_TIMEOUT_S)
+            if reply is None or reply["type"] != "token":
+                raise RuntimeError(f"expected a token, got {reply}")
         return "abandoned"
     finally:
-        line.close()
+        client.abort()
 
 
 async def never_read(path: str) -> str:
     """Ask for a long stream and a large tokenize, read nothing, hang up a second later."""
-    line = await Line.open(path)
+    client = await Client.open(path)
     try:
-        line.send({"prompt": "Write.", "max_tokens": 4000, "grammar": "root ::= [a-z ] root"})
-        line.send({"op": "tokenize", "text": "7 " * 300_000})
+        client.write({"prompt": "Write.", "max_tokens": 4000, "grammar": "root ::= [a-z ] root"})
+        client.write({"op": "tokenize", "text": "7 " * 300_000})
         await asyncio.sleep(1.0)  # what is measured is the others' rate meanwhile
         return "abandoned"
     finally:
-        line.close()
+        client.abort()
 
 
 async def hang_up(path: str, request: dict[str, Any]) -> str:
     """Send `request` and hang up at once (its grammar pass may be running by then)."""
-    line = await Line.open(path)
-    line.send(request)
-    await line.writer.drain()
-    line.close()
+    client = await Client.open(path)
+    await client.send(request)
+    client.abort()
     return "abandoned"
 
 
 async def flood(path: str) -> str:
     """Pipeline 200 requests in one write and hang up without reading."""
-    line = await Line.open(path)
-    line.send(b"".join(json.dumps({"op": "health", "id": i}).encode() + b"\n"
-                       for i in range(200)))
-    await line.writer.drain()
-    line.close()
+    client = await Client.open(path)
+    await client.send(*({"op": "health", "id": i} for i in range(200)))
+    client.abort()
     return "abandoned"
 
 
@@ -181,23 +161,15 @@ def over(until: float, record: dict[str, Any]) -> bool:
 
 
 async def good_client(path: str, index: int, until: float, record: dict[str, Any]) -> None:
-    prompt = GOOD_PROMPTS[index]
-    reader, writer = await asyncio.open_unix_connection(path, limit=1 << 22)
-    request = json.dumps({"prompt": prompt, "max_tokens": GOOD_TOKENS, "temperature": 0,
-                          "stream": True}).encode() + b"\n"
+    request = {"prompt": GOOD_PROMPTS[index], "max_tokens": GOOD_TOKENS, "temperature": 0,
+               "stream": True}
+    client = await Client.open(path)
     try:
         while not over(until, record):
-            writer.write(request)
-            last = 0.0
-            async with asyncio.timeout(STEP_TIMEOUT_S):
-                while True:
-                    reply = decode_reply(await reader.readline())
-                    now = time.perf_counter()
-                    if reply["type"] != "token":
-                        break
-                    if last:
-                        record["gaps"].append(now - last)
-                    last = now
+            timed = await client.timed(request, STEP_TIMEOUT_S)
+            arrivals = timed.arrivals
+            record["gaps"].extend(b - a for a, b in itertools.pairwise(arrivals))
+            reply = timed.final
             asked = (reply["type"] == "done" and reply["finish_reason"] == "length"
                      and reply["usage"]["completion_tokens"] == GOOD_TOKENS)
             if asked:
@@ -207,7 +179,7 @@ async def good_client(path: str, index: int, until: float, record: dict[str, Any
             else:
                 record["failed"].append(reply)
     finally:
-        writer.close()
+        await client.close()
 
 
 async def hostile_client(path: str, until: float, record: dict[str, Any]) -> None:
@@ -323,7 +295,6 @@ def main() -> int:
     parser.add_argument("--log", help="write the daemon's log to this file")
     parser.add_argument("--json", help="write every figure to this file")
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
     results = uvloop.run(run(args))
     ok = report(results)
     if args.json:

@@ -67,12 +67,8 @@ def set_library_defaults(environ: MutableMapping[str, str]) -> None:
     """Settings read from the environment by llama.cpp and the BLAS it links; each is a
     default that the user's own environment overrides. Set before llama.cpp loads."""
     environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    # A CUDA build without flash-attention kernels multiplies attention in cuBLAS, and
-    # cuBLAS's Hopper f16 kernel (sm90_xmma_gemm_f16f16_f16f16_f16_tn_n_tilesize64x64x64)
-    # hits an illegal instruction when a captured CUDA graph replays a step that has
-    # several sequences with several rows each (drafts, prompt chunks): the whole process
-    # aborts. f32 compute picks other kernels; single-row decode steps never use cuBLAS.
-    # Found with compute-sanitizer, docs/operations.md ("GPU"). Other builds ignore it.
+    # cuBLAS's f16 Hopper kernel aborts on multi-row steps replayed from a CUDA graph; f32
+    # avoids it (docs/gpu.md, "The crash under concurrent speculation"). Others ignore it.
     environ.setdefault("GGML_CUDA_CUBLAS_COMPUTE_TYPE", "f32")
     # libgomp's spin at ggml's per-node barriers: short, so that a decode thread whose
     # partner another process preempted sleeps instead of spinning for milliseconds.
@@ -274,10 +270,11 @@ def _serve(config: Config, pinned: list[int], model_path: str, *,
 def _http_apis() -> list[HttpApi]:
     """The APIs the HTTP listener serves, each a front end of its own."""
     from sfcore_daemon.anthropic.api import MessagesApi
+    from sfcore_daemon.ollama.api import OllamaApi
     from sfcore_daemon.openai.api import OpenAIApi
     from sfcore_daemon.responses.api import ResponsesApi
 
-    return [OpenAIApi(), ResponsesApi(), MessagesApi()]
+    return [OpenAIApi(), ResponsesApi(), MessagesApi(), OllamaApi()]
 
 
 def _run_event_loop(main: Coroutine[Any, Any, int]) -> int:

@@ -37,12 +37,11 @@ class ServerConfig(_Section, frozen=True):
     # Otherwise a peer needs its uid in allowed_uids or one of its groups in allowed_gids.
     allowed_uids: tuple[NonNegInt, ...] = ()
     allowed_gids: tuple[NonNegInt, ...] = ()
-    # Requests decoded together, each on its own sequence of one shared KV pool
-    # (model.n_ctx cells); see docs/performance.md, "Parallel slots".
+    # Requests decoded together, each its own sequence in one KV pool of model.n_ctx
+    # cells; see docs/performance/slots.md.
     slots: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
-    # Prompt tokens evaluated per decode step while other requests stream: bounds
-    # their inter-token gap while a long prompt is read (alone, a prompt goes in
-    # whole model.n_batch chunks).
+    # Prompt tokens per decode step while others stream, bounding their inter-token gap
+    # (a prompt read alone goes in whole model.n_batch chunks).
     prefill_per_step: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] = 64
     max_queue: NonNegInt = 64
     max_connections: PositiveInt = 64
@@ -55,11 +54,8 @@ class ServerConfig(_Section, frozen=True):
     # closed; 0 never closes idle connections.
     idle_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 300.0
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
-    # CPU time one request may spend following its grammar: its checks in the decode
-    # steps, and its passes over 32768 or more candidates (milliseconds to over a second
-    # each, on the grammar thread while the request sits out of the steps). A bound on
-    # how long one request can occupy either; past it the request ends with
-    # grammar_dead_end. 0: no limit.
+    # CPU time one request may spend on its grammar (step checks and wide candidate
+    # passes) before it ends with grammar_dead_end; 0: no limit (docs/configuration.md).
     grammar_budget_s: Annotated[float, msgspec.Meta(ge=0)] = 3.0
 
     @property
@@ -82,9 +78,8 @@ class ModelConfig(_Section, frozen=True):
     n_ctx: Annotated[int, msgspec.Meta(ge=64, le=2**31 - 1)] = 8192
     n_batch: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] = 512
     n_ubatch: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] = 512
-    # False: the weights are read into the daemon's memory, where huge_pages can back
-    # them with 2 MiB pages (system/hugepages.py); True: the file is mapped, shared with
-    # other processes through the page cache, in 4 KiB pages.
+    # False: weights read into the daemon's memory, where huge_pages can back them in
+    # 2 MiB pages; True: the file is mapped, shared through the page cache in 4 KiB pages.
     use_mmap: bool = False
     use_mlock: bool = False
     # Ask for 2 MiB pages under the memory the load makes: weights, KV cache, buffers.
@@ -94,9 +89,8 @@ class ModelConfig(_Section, frozen=True):
     n_gpu_layers: Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)] | Literal["auto"] = "auto"
     flash_attn: bool | Literal["auto"] = "auto"
     reproducible: bool = False
-    # Used by `chat` when the model file has no tokenizer.chat_template: a llama.cpp
-    # built-in template name (e.g. "gemma", "chatml") or a Jinja template text.
-    # Empty: the built-in template matching the model's architecture, if any.
+    # For `chat` when the model file has no template: a llama.cpp built-in name ("gemma")
+    # or Jinja text; empty: the built-in matching the model's architecture, if any.
     chat_template: str = ""
 
     def __post_init__(self) -> None:
@@ -127,9 +121,8 @@ class GenerationConfig(_Section, frozen=True):
 
 
 class SpeculativeConfig(_Section, frozen=True):
-    # "ngram": a generating request proposes the tokens that followed the last
-    # occurrence of its latest n-gram in its own text, and one decode step verifies
-    # them (docs/performance.md, "Speculative decoding"); "off": one token a step.
+    # "ngram": drafts from the request's own text, verified in one decode step
+    # (docs/performance/speculative.md); "off": one token a step.
     mode: Literal["ngram", "off"] = "ngram"
     # Tokens one draft may propose; a match drafts twice as far as it runs back, at
     # least draft_start tokens (speculative.py).
@@ -138,23 +131,17 @@ class SpeculativeConfig(_Section, frozen=True):
     # N-gram lengths matched, the longest first.
     ngram_max: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
     ngram_min: Annotated[int, msgspec.Meta(ge=1, le=16)] = 2
-    # "measured": a draft is made only as long as it pays, by what a step of each size
-    # costs on this model and machine (measured once, before serving, and kept in the
-    # cache folder) and how often the request's drafts were accepted
-    # (engine/draftgate.py); "always": every draft the matching proposes.
+    # "measured": draft only as far as it pays, by this machine's step costs and past
+    # acceptance (engine/draftgate.py); "always": every draft the matching proposes.
     policy: Literal["measured", "always"] = "measured"
-    # Output tokens of finished requests kept to draft later requests from (any slot);
-    # 0: none. A request sent again (a regenerate) drafts from its earlier answer, so
-    # it verifies in other batch shapes and may come out as other bytes; a request that
-    # names its seed never drafts from it. 262144 tokens: 3 MB.
+    # Output tokens of finished requests kept to draft later ones from; 0: none. A seeded
+    # request never drafts from it: a regenerate verifies in other shapes, other bytes.
     store_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 262144
-    # Drafts are cut or grown so that a step's logit rows are a multiple of this:
-    # llama.cpp's CPU kernel for the output matrix takes rows four at a time and sweeps
-    # the whole matrix again for a remainder (speculative.aligned_lengths). 1: as drafted.
+    # Drafts are cut or grown to make a step's logit rows a multiple of this (1: as drafted);
+    # see docs/performance/speculative.md, "Rows come in fours".
     row_multiple: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
-    # A json_schema request (tool calls included) drafts the text its grammar forces
-    # (keys, punctuation, the rest of an enum value) beside its n-gram drafts; verified
-    # like them (structured/forced.py).
+    # A json_schema request also drafts the text its grammar forces (keys, punctuation),
+    # verified like n-gram drafts (structured/forced.py).
     forced_drafts: bool = True
 
     def __post_init__(self) -> None:
@@ -167,9 +154,8 @@ class SpeculativeConfig(_Section, frozen=True):
 
 
 class CacheConfig(_Section, frozen=True):
-    # Prompt states (the KV cells of a long prefix) kept after their slot lets them go,
-    # in RAM and on disk, and restored into a slot instead of evaluating the prefix
-    # again (promptstore.py). Not used with [model] reproducible = true.
+    # Long prefixes' KV cells kept in RAM and on disk and restored instead of evaluated
+    # again (store/promptstore.py); unused with [model] reproducible = true.
     enabled: bool = True
     # Empty: $CACHE_DIRECTORY (systemd's CacheDirectory=) or $XDG_CACHE_HOME/sfcore-ai
     # (~/.cache/sfcore-ai), plus "/prompts".
@@ -243,9 +229,8 @@ HostName = Annotated[str, msgspec.Meta(pattern=r"^(\*|[^\s/*]+)$")]
 
 
 class OpenAIConfig(_Section, frozen=True):
-    # Empty: no HTTP listener. "127.0.0.1:8080" (a loopback address and port),
-    # "[::1]:8080", or "unix:/path/to.sock". Anything not loopback needs allow_remote.
-    # Port 0: a free port, named in the start-up log and systemd's STATUS.
+    # Empty: no HTTP listener; else "127.0.0.1:8080", "[::1]:8080" or "unix:/path".
+    # Anything not loopback needs allow_remote; port 0 takes a free port, logged.
     listen: str = ""
     # true: `listen` may be an address other hosts reach (0.0.0.0, a LAN address, a
     # host name). The endpoint then serves whoever reaches it: set api_key.
@@ -258,23 +243,17 @@ class OpenAIConfig(_Section, frozen=True):
     # A remote listener (allow_remote) with no api_key serves anyone who reaches it:
     # refused at start-up unless this is true too (and then a warning is logged).
     allow_remote_without_key: bool = False
-    # Time limits on a connection's phases, so that one that never finishes a request
-    # holds no descriptor for long: a request's headers, from its first byte; its body,
-    # from the end of its headers (answered 408); a reply the client leaves unread
-    # (no byte taken for this long). Between requests: [server] idle_timeout_s.
+    # Per-phase limits, so a connection that never finishes holds no descriptor for long:
+    # headers, body (408), an unread reply. Between requests: [server] idle_timeout_s.
     header_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 10.0
     body_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 30.0
     write_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 30.0
-    # Browsers: a request with an Origin header is refused (403) unless it is the
-    # listener's own origin or listed here ("https://app.example", or "*": any); listed
-    # ones get CORS headers. On a loopback or Unix listener the Host header must name
-    # localhost, 127.0.0.1 or [::1] (a DNS-rebinding page sends its own name), or a
-    # name listed here ("proxy.example" any port, "proxy.example:8443", "*": any).
+    # Origins besides the listener's own (others get 403), and Host names a loopback listener
+    # takes besides localhost, against DNS rebinding; "*": any (docs/openai.md#web-pages).
     allowed_origins: tuple[Origin, ...] = ()
     allowed_hosts: tuple[HostName, ...] = ()
-    # Responses kept for previous_response_id and GET /v1/responses/{id}, least
-    # recently used out first, by count and by MiB; in memory only (ids end with the
-    # daemon; the prompt states that keep their conversations warm are the cache's).
+    # Responses kept for previous_response_id and GET /v1/responses/{id}, least recently
+    # used out first, by count and by MiB; in memory only, so ids end with the daemon.
     stored_responses: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 1000
     stored_responses_mb: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 256
 

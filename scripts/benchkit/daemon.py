@@ -1,5 +1,6 @@
-"""The one daemon launcher: a daemon subprocess on a temp socket, waited for by its READY=1,
-and one NDJSON connection to it, timed at the arrival of every reply line."""
+"""The benches' daemon launcher: a daemon subprocess on a temp socket, waited for by its
+READY=1 and timed to it; and their NDJSON connection, the kit's client (tests/kit/ndjson.py,
+importable because scripts/bench.py puts the repository root on sys.path)."""
 
 from __future__ import annotations
 
@@ -16,64 +17,33 @@ from pathlib import Path
 from typing import Any
 
 from benchkit import common
-from benchkit.common import SAMPLED, TIMEOUT_S, decode_reply, filler_text, generation_figures
+from benchkit.common import SAMPLED, TIMEOUT_S, filler_text, generation_figures
+from tests.kit.ndjson import Client
 
 
-class Stream:
-    """One NDJSON connection, timed at the arrival of every reply line."""
+class Stream(Client):
+    """The kit's NDJSON client (tests/kit/ndjson.py), with the figures the benches print
+    of one generation (from `Client.timed`: the arrival of every reply line)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-
-    @classmethod
-    async def open(cls, path: str) -> Stream:
-        reader, writer = await asyncio.open_unix_connection(path, limit=1 << 22)
-        return cls(reader, writer)
-
-    async def request(self, request: dict[str, Any]) -> dict[str, Any]:
-        # A lean client: it shares the CPUs with the daemon, and every microsecond it
-        # spends per token line is taken from llama.cpp's threads. One timeout per
-        # request (not a wait_for per line) and msgspec's decoder cut its cost per
-        # token from ~310 to ~160 us here (the daemon's event loop spends ~140).
-        started = time.perf_counter()
-        self.writer.write(json.dumps(request).encode() + b"\n")
-        first = last = 0.0
-        parts: list[str] = []
-        readline, decode = self.reader.readline, decode_reply
-        async with asyncio.timeout(TIMEOUT_S):
-            while True:
-                line = await readline()
-                now = time.perf_counter()
-                reply = decode(line)
-                kind = reply["type"]
-                if kind == "token":
-                    first = first or now
-                    last = now
-                    parts.append(reply["text"])
-                elif kind == "done":
-                    # A lone token held back by the UTF-8/stop filter arrives with done.
-                    first = first or now
-                    last = last or now
-                    break
-                else:
-                    raise RuntimeError(f"daemon answered {reply}")
-        usage = reply["usage"]
-        figures = generation_figures(started, first, last, usage["completion_tokens"],
+    async def figures(self, request: dict[str, Any]) -> dict[str, Any]:
+        timed = await self.timed(request, TIMEOUT_S)
+        done = timed.final
+        if done["type"] != "done":
+            raise RuntimeError(f"daemon answered {done}")
+        usage = done["usage"]
+        figures = generation_figures(timed.started, timed.first, timed.last,
+                                     usage["completion_tokens"],
                                      prompt_tokens=usage["prompt_tokens"],
                                      cached_tokens=usage["cached_tokens"])
-        figures["done"] = reply
-        figures["text"] = "".join(parts) + reply.get("text", "")
+        figures["done"] = done
+        figures["text"] = timed.text
         return figures
 
     async def generate(self, text: str, tokens: int, sampled: bool = False,
                        cache: bool = True) -> dict[str, Any]:
         sampling = SAMPLED if sampled else {"temperature": 0.0}
-        return await self.request(
+        return await self.figures(
             {"prompt": text, "max_tokens": tokens, "cache_prompt": cache, **sampling})
-
-    async def close(self) -> None:
-        self.writer.close()
-        await self.writer.wait_closed()
 
 
 class Daemon:
@@ -168,8 +138,7 @@ async def fit_prompt(path: str, target: int, seed: int) -> str:
     stream = await Stream.open(path)
     try:
         async def count(text: str) -> int:
-            stream.writer.write(json.dumps({"op": "tokenize", "text": text}).encode() + b"\n")
-            reply = decode_reply(await stream.reader.readline())
+            reply = await stream.final({"op": "tokenize", "text": text}, TIMEOUT_S)
             return len(reply["tokens"])
 
         low, high = 1, target

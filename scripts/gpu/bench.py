@@ -7,17 +7,28 @@ socket) and llama-server (/completion over HTTP). Each subcommand writes one JSO
   bench.py daemon --socket S --out F [--dry]
   bench.py server --port P --out F [--dry]
   bench.py report --dir D --meta F
+
+The daemon is spoken to with the test kit's NDJSON client (tests/kit/ndjson.py, standard
+library only): found in the checkout this file lies in (scripts/gpu/..), or in the kit
+folder scripts/gpu/prepare.sh makes, which carries tests/kit beside this file.
 """
 import argparse
 import http.client
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+for _root in (_HERE.parent.parent, _HERE):
+    if (_root / "tests" / "kit" / "ndjson.py").is_file():
+        sys.path.insert(0, str(_root))
+        break
+from tests.kit.ndjson import exchange  # noqa: E402  (the path above first)
 
 SHORT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 PARA = ("In the quiet valley beyond the river, the old mill turned slowly while farmers "
@@ -104,35 +115,14 @@ class Daemon:
         self.path, self.timeout = path, timeout
 
     def call(self, req):
-        """One request on its own connection. Returns (done, t_send, t_first, t_end, lines)."""
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
-        s.connect(self.path)
-        f = s.makefile("rb")
-        t0 = time.perf_counter()
-        s.sendall((json.dumps(req) + "\n").encode())
-        first = None
-        n = 0
-        self.text = []
-        try:
-            for line in f:
-                if not line.strip():
-                    continue
-                msg = json.loads(line)
-                now = time.perf_counter()
-                typ = msg.get("type")
-                if typ == "token":
-                    if first is None:
-                        first = now
-                    n += 1
-                    self.text.append(msg.get("text", ""))
-                    continue
-                if typ == "error":
-                    raise RuntimeError(f"daemon error: {msg}")
-                return msg, t0, first, now, n
-            raise RuntimeError("daemon closed the connection")
-        finally:
-            s.close()
+        """One request on its own connection. Returns (done, t_send, t_first, t_end, lines);
+        `self.text` holds the reply's text."""
+        timed = exchange(self.path, req, self.timeout)
+        if timed.final.get("type") == "error":
+            raise RuntimeError(f"daemon error: {timed.final}")
+        self.text = [timed.text]
+        first = timed.arrivals[0] if timed.arrivals else None
+        return timed.final, timed.started, first, timed.ended, timed.tokens
 
     def gen(self, prompt, max_tokens, spec, tag=None):
         req = {"op": "generate", "prompt": prompt, "max_tokens": max_tokens,

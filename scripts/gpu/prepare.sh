@@ -3,14 +3,15 @@
 # network can run from:
 #   scripts/gpu/prepare.sh KIT-DIR
 # KIT-DIR gets: this folder's scripts (run.sh, bench.py, spec_stress.py, make_model.py,
-# daemon_toml.py), llama-src.tar.gz (llama-cpp-python's sdist of the pinned version, pruned
-# to the CPU and CUDA backends, ~7 MB), model_meta.json.gz (the default model's metadata,
-# tokenizer and tensor list, for a random-weight copy of the same shapes), sfcore.tar (a
-# snapshot of this checkout's daemon, working tree included; run.sh prefers the checkout it
-# is started in) and whl/ (msgspec, tomli-w, typing_extensions for CPython 3.12, which the
-# GPU machine lacks). About 10 MB. Then, on the GPU machine: OUT=<dir> bash KIT-DIR/run.sh
-# (see run.sh). Needs ./.venv (scripts/bootstrap.sh) and, unless SDIST names the sdist
-# (a .tar.gz or an unpacked folder), pip's access to PyPI for it and the wheels.
+# daemon_toml.py), tests/kit (the NDJSON client bench.py uses), llama-src.tar.gz
+# (llama-cpp-python's sdist of the pinned version, pruned to the CPU and CUDA backends, ~7
+# MB), model_meta.json.gz (the default model's metadata, tokenizer and tensor list, for a
+# random-weight copy of the same shapes), sfcore.tar (a snapshot of this checkout's daemon,
+# working tree included; run.sh prefers the checkout it is started in) and whl/ (msgspec,
+# tomli-w, typing_extensions for CPython 3.12, which the GPU machine lacks). About 10 MB.
+# Then, on the GPU machine: OUT=<dir> bash KIT-DIR/run.sh (see run.sh). Needs ./.venv
+# (scripts/bootstrap.sh) and, unless SDIST names the sdist (a .tar.gz or an unpacked folder),
+# pip's access to PyPI for it and the wheels.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -20,6 +21,10 @@ kit=$(cd "$kit" && pwd)
 py=$repo/.venv/bin/python
 [ -x "$py" ] || { echo "prepare: $repo/.venv is missing: run scripts/bootstrap.sh first" >&2; exit 1; }
 cp "$here"/{run.sh,bench.py,spec_stress.py,make_model.py,daemon_toml.py} "$kit/"
+# bench.py's NDJSON client: the test kit's (standard library only), found beside it.
+mkdir -p "$kit/tests/kit"
+cp "$repo/tests/__init__.py" "$kit/tests/"
+cp "$repo"/tests/kit/{__init__,daemon,ndjson}.py "$kit/tests/kit/"
 version=$(grep -o 'llama-cpp-python==[^"]*' "$repo/pyproject.toml" | cut -d= -f3)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

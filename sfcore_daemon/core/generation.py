@@ -7,6 +7,10 @@ the outcome in `stats` once. The sink is the front end's: an NDJSON connection's
 reply slot encodes protocol lines, the OpenAI listener server-sent events or one
 JSON body. Which slot it runs in and when it starts is the scheduler's business,
 which it tells through `on_released`.
+
+Event loop only. What it hands the decode thread is frozen (`job`, a JobSpec, and the
+scheduler's `placement`); what comes back comes through its `channel` only: pieces as
+they are drawn, then the `JobEnd` (engine/crossing.py).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from sfcore_daemon.core.result import FinishReason, Result, Timings, TokenLogpro
 from sfcore_daemon.core.stats import Stats
 from sfcore_daemon.core.textstream import TextStream
 from sfcore_daemon.core.tools import CALL_MARKER, MarkerSplit, read_calls
-from sfcore_daemon.engine.job import Job
+from sfcore_daemon.engine.crossing import NOT_RUN, Channel, JobEnd, JobSpec, Placement
 from sfcore_daemon.llama.sampling import Sampling
 from sfcore_daemon.structured.grammar import GrammarDeadEnd, GrammarSampler
 
@@ -83,24 +87,32 @@ class Generation:
         self.stream = stream
         self.sink = sink
         self.arrived_ns = arrived_ns
-        self.job = Job(
-            prompt, sampling, max_tokens, cache_prompt,
-            loop=loop, on_pieces=self._drain, on_finished=self._finished, grammar=grammar,
-            speculative=speculative, logprobs=logprobs, grammar_trigger=grammar_trigger,
-        )
-        self.job.exclusive = exclusive
         # A reply written whole at the end needs no drain per step, unless a stop
         # sequence may end it early (the drain watches for it).
-        self.job.wake_each_step = stream or bool(stops)
+        wake_each_step = stream or bool(stops)
+        self.job = JobSpec(prompt, sampling, max_tokens, cache_prompt, grammar, speculative,
+                           logprobs, grammar_trigger, wake_each_step, exclusive)
+        self.channel = Channel(loop, self._drain, self._finished,
+                               wake_each_step=wake_each_step)
+        # Set by the scheduler as it submits the job; None while it waits.
+        self.placement: Placement | None = None
+        # How the job ended, once the decode thread has said (its last word).
+        self.end: JobEnd | None = None
+        # Counted before the end came (the client left): the decode thread's figures
+        # are counted when it comes.
+        self._unaccounted = False
+        # Read now: the grammar is the decode thread's once submitted.
+        self._grammar_field = grammar.field if grammar is not None else "grammar"
         self._text = TextStream(stops)
         # A chat with tools: the text after the call marker is the call (tools.py).
         self._calls = calls
         self._parts: list[str] = []
         # Asked for logprobs: each token's entry on its way to a line (logprobs.py), and
         # those a `done` line carries (stream false: all of them).
-        self._trail = LogprobTrail(self.job.numbers) if logprobs is not None else None
+        self._trail = LogprobTrail(self.channel.numbers) if logprobs is not None else None
         self._entries: list[TokenLogprob] = []
         self.completion_tokens = 0
+        self._first_token_ns = 0
         self._last_token_ns = 0
         # True once nothing more may be written: done/error sent, or the client is gone.
         self.replied = False
@@ -115,11 +127,11 @@ class Generation:
 
     def cancel(self) -> None:
         """End the generation early; its `done` says `cancelled` (cancel op, shutdown)."""
-        self.job.stop_requested = True
+        self.channel.stop()
 
     def abandon(self) -> None:
         """The client is gone: stop at the next token and write nothing more."""
-        self.job.stop_requested = True
+        self.channel.stop()
         if not self.replied:
             self.replied = True
             self._record("cancelled")
@@ -141,13 +153,11 @@ class Generation:
     # --- called on the event loop by the decode thread's wake-ups -----------------------
 
     def _drain(self) -> None:
-        job = self.job
-        # Cleared before reading, so a piece appended meanwhile schedules another drain.
-        job.wake_pending = False
-        pieces = job.pieces
-        if self.replied:
+        channel = self.channel
+        pieces = channel.pieces
+        if self.replied or self._text.stop_hit is not None:
             pieces.clear()
-            job.numbers.clear()
+            channel.numbers.clear()
             return
         text_stream, stream, trail, sink = self._text, self.stream, self._trail, self.sink
         gaps = self._stats.token_gap
@@ -156,6 +166,8 @@ class Generation:
             piece, sampled_ns = pieces.popleft()
             if self.completion_tokens:
                 gaps.observe_ns(sampled_ns - self._last_token_ns)
+            else:
+                self._first_token_ns = sampled_ns
             self.completion_tokens += 1
             self._last_token_ns = sampled_ns
             if trail is None:
@@ -174,23 +186,30 @@ class Generation:
                     if entries:
                         self._entries += entries
             if text_stream.stop_hit is not None:
-                # Reply now; the decode thread notices within one token and frees the slot.
-                job.stop_requested = True
+                # The decode thread ends the job within a step; `done` (its usage and
+                # timings are the end record's) goes when it has.
+                channel.stop()
                 pieces.clear()
                 sink.flush()
-                self._reply_done("stop_sequence")
                 return
         sink.flush()
 
-    def _finished(self) -> None:
+    def _finished(self, end: JobEnd) -> None:
+        """The decode thread's last word on this job: every piece is in."""
+        self.end = end
         # The slot is released whatever happens here: a bug in writing the last
         # lines must never leave the slot busy for ever.
         try:
             self._drain()
-            job = self.job
+            if self._unaccounted:
+                self._unaccounted = False
+                self._stats.cached_tokens += end.n_cached
+                _account(self._stats, end, self)
             if not self.replied:
-                if job.end_reason == "error":
-                    self._fail_with(job.error)
+                if self._text.stop_hit is not None:
+                    self._reply_done("stop_sequence")
+                elif end.end_reason == "error":
+                    self._fail_with(end.error)
                 else:
                     tail = self._text.finish()
                     if self._calls is not None:
@@ -199,7 +218,7 @@ class Generation:
                         self._emit_tail(tail)
                     # end_reason is "stop", "length" or "cancelled" here ("error" is above).
                     self._reply_done("stop_sequence" if self._text.stop_hit is not None
-                                     else cast(FinishReason, job.end_reason))
+                                     else cast(FinishReason, end.end_reason))
         except Exception:
             log.exception("finishing generation %r failed", self.request_id)
             self.fail(errors.INTERNAL, "unexpected error in the daemon; see its log")
@@ -224,8 +243,7 @@ class Generation:
             # The request's own grammar, not a fault of the daemon: no traceback.
             log.info("generation %r: %s", self.request_id, error)
             if error.at_start:
-                field = self.job.grammar.field if self.job.grammar is not None else "grammar"
-                self.fail(errors.INVALID_REQUEST, f"{error} - at `$.{field}`")
+                self.fail(errors.INVALID_REQUEST, f"{error} - at `$.{self._grammar_field}`")
             else:
                 self.fail(errors.GRAMMAR_DEAD_END,
                           f"{error} after {self.completion_tokens} tokens; the text so far "
@@ -235,45 +253,31 @@ class Generation:
         self.fail(errors.INTERNAL, "the model failed while generating; see the daemon log")
 
     def _record(self, outcome: str) -> None:
-        job = self.job
-        self._stats.generation_ended(outcome, len(job.prompt), job.n_cached,
+        """Count the outcome, decided now, with the decode thread's figures: those of
+        its end record, or none for a job that never ran, or, while it runs (the
+        client left), from its end record when that comes."""
+        end = self.end
+        if end is None and self.placement is None:
+            end = NOT_RUN
+        self._stats.generation_ended(outcome, len(self.job.prompt),
+                                     end.n_cached if end is not None else 0,
                                      self.completion_tokens, self._decode_ns())
-        # Only what happened: a request answered before it ran has no queue wait.
-        if job.t_start:
-            self._stats.queue_wait.observe_ns(max(job.t_start - self.arrived_ns, 0))
-        if job.t_first:
-            self._stats.first_token.observe_ns(max(job.t_first - self.arrived_ns, 0))
-        if job.grammar is not None:
-            self._stats.grammar_requests += 1
-            self._stats.grammar_tokens += job.grammar.tokens
-            self._stats.grammar_resampled += job.grammar.resampled
-            self._stats.grammar_closed_early += self._truncated
-        self._stats.cache_hit(job.cache_source, job.n_cached)
-        if job.restore_failed:
-            log.warning("generation %r: llama.cpp refused a stored prompt state; "
-                        "its prompt was evaluated instead", self.request_id)
-        for what, error in job.contained:
-            log.warning("generation %r: %s failed (%s); the request went on without it",
-                        self.request_id, what, error, exc_info=error)
-        if job.drafted:
-            self._stats.speculative_requests += 1
-            self._stats.drafted_tokens += job.drafted
-            self._stats.accepted_tokens += job.accepted
-            self._stats.forced_drafted += job.forced_drafted
-            self._stats.forced_accepted += job.forced_accepted
-            self._stats.draft_steps += job.draft_steps
-            self._stats.aligned_steps += job.aligned_steps
-            self._stats.logit_rows += job.logit_rows
+        if end is None:
+            self._unaccounted = True
+        else:
+            _account(self._stats, end, self)
 
     @property
-    def _truncated(self) -> bool:
+    def truncated(self) -> bool:
         """Closed early to fit max_tokens, and the reply is that whole document."""
-        grammar = self.job.grammar
-        return (grammar is not None and grammar.closed_early and self.job.end_reason == "stop"
+        end = self.end
+        return (end is not None and end.closed_early and end.end_reason == "stop"
                 and self._text.stop_hit is None)
 
     def _decode_ns(self) -> int:
-        return self._last_token_ns - self.job.t_first if self.completion_tokens > 1 else 0
+        """From the first token to the last (the first's time is the decode thread's
+        t_first: its piece carries it)."""
+        return self._last_token_ns - self._first_token_ns if self.completion_tokens > 1 else 0
 
     def _tool_calls(self, reason: FinishReason) -> tuple[FinishReason, list[ToolCall] | None]:
         """The answer's calls, if it made any: read from the text after the marker.
@@ -301,22 +305,23 @@ class Generation:
             return
         self.replied = True
         self._record(reason)
+        end = self.end or NOT_RUN
         self.sink.done(Result(
             id=self.request_id,
             text="" if self.stream else "".join(self._parts),
             finish_reason=reason,
             stop_sequence=self._text.stop_hit,
-            truncated=self._truncated,
+            truncated=self.truncated,
             usage=Usage(
                 prompt_tokens=len(self.job.prompt),
-                cached_tokens=self.job.n_cached,
+                cached_tokens=end.n_cached,
                 completion_tokens=self.completion_tokens,
-                drafted_tokens=self.job.drafted,
-                accepted_tokens=self.job.accepted,
-                forced_drafted_tokens=self.job.forced_drafted,
-                forced_accepted_tokens=self.job.forced_accepted,
+                drafted_tokens=end.drafted,
+                accepted_tokens=end.accepted,
+                forced_drafted_tokens=end.forced_drafted,
+                forced_accepted_tokens=end.forced_accepted,
             ),
-            timings=self._timings(),
+            timings=self._timings(end),
             logprobs=self._done_entries(),
             tool_calls=tool_calls,
         ))
@@ -331,22 +336,56 @@ class Generation:
             self._entries += trail.rest()
         return self._entries
 
-    def _timings(self) -> Timings:
-        job, now = self.job, time.perf_counter_ns()
-        started = job.t_start or now
-        prompt_ns = job.t_prompt_done - job.t_start if job.t_prompt_done else 0
-        evaluated = len(job.prompt) - job.n_cached
+    def _timings(self, end: JobEnd) -> Timings:
+        now = time.perf_counter_ns()
+        started = end.t_start or now
+        prompt_ns = end.t_prompt_done - end.t_start if end.t_prompt_done else 0
+        evaluated = len(self.job.prompt) - end.n_cached
         decode_ns = self._decode_ns()
         return Timings(
             queued_ms=_ms(started - self.arrived_ns),
             prompt_ms=_ms(prompt_ns),
             prompt_tok_s=_rate(evaluated, prompt_ns),
-            first_token_ms=_ms(job.t_first - self.arrived_ns) if job.t_first else 0.0,
+            first_token_ms=_ms(end.t_first - self.arrived_ns) if end.t_first else 0.0,
             decode_ms=_ms(decode_ns),
             decode_tok_s=_rate(self.completion_tokens - 1, decode_ns),
             total_ms=_ms(now - self.arrived_ns),
-            cache_source=job.cache_source,
+            cache_source=end.cache_source,
         )
+
+
+def _account(stats: Stats, end: JobEnd, generation: Generation) -> None:
+    """The decode thread's figures of `generation`'s job, counted once; its failures
+    logged."""
+    request_id = generation.request_id
+    # Only what happened: a request answered before it ran has no queue wait.
+    if end.t_start:
+        stats.queue_wait.observe_ns(max(end.t_start - generation.arrived_ns, 0))
+    if end.t_first:
+        stats.first_token.observe_ns(max(end.t_first - generation.arrived_ns, 0))
+    if generation.job.grammar is not None:
+        stats.grammar_requests += 1
+        stats.grammar_tokens += end.grammar_tokens
+        stats.grammar_resampled += end.grammar_resampled
+        stats.grammar_closed_early += generation.truncated
+    stats.cache_hit(end.cache_source, end.n_cached)
+    if end.restore_failed:
+        log.warning("generation %r: llama.cpp refused a stored prompt state; "
+                    "its prompt was evaluated instead", request_id)
+    for notice in end.notices:
+        log.warning("generation %r: %s", request_id, notice)
+    for what, error in end.contained:
+        log.warning("generation %r: %s failed (%s); the request went on without it",
+                    request_id, what, error, exc_info=error)
+    if end.drafted:
+        stats.speculative_requests += 1
+        stats.drafted_tokens += end.drafted
+        stats.accepted_tokens += end.accepted
+        stats.forced_drafted += end.forced_drafted
+        stats.forced_accepted += end.forced_accepted
+        stats.draft_steps += end.draft_steps
+        stats.aligned_steps += end.aligned_steps
+        stats.logit_rows += end.logit_rows
 
 
 def _ms(ns: int) -> float:

@@ -11,9 +11,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import Final
 
-# Upper bounds in seconds: a CPU decode step takes ~10 ms, a GPU one ~1-2 ms, a
-# speculative step hands over several tokens at once (gaps of 0), and a long prompt or
-# a full queue can take tens of seconds.
+# Upper bounds in seconds, from a GPU step's gap up to a long prompt's or a full queue's
+# wait; a speculative step hands over several tokens at once (gaps of 0).
 SECONDS_BUCKETS: Final = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
                           1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 

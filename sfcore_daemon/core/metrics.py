@@ -187,6 +187,6 @@ def _rss() -> int:
 
 @functools.cache
 def _this_process() -> psutil.Process:
-    import psutil  # imported at the first scrape: ~15 ms that start-up need not pay
+    import psutil  # at the first scrape: start-up need not pay its import
 
     return psutil.Process()

@@ -14,6 +14,7 @@ from collections import deque
 
 from sfcore_daemon.core.counts import SlotUse
 from sfcore_daemon.core.generation import Generation
+from sfcore_daemon.engine.crossing import Placement
 from sfcore_daemon.engine.thread import Engine
 from sfcore_daemon.llama.kvcache import shared_prefix
 
@@ -134,7 +135,8 @@ class Scheduler:
                 for slot in range(self.slots)]
 
     def _is_running(self, generation: Generation) -> bool:
-        return self.running.get(generation.job.slot) is generation
+        placement = generation.placement
+        return placement is not None and self.running.get(placement.slot) is generation
 
     def _try_start(self, generation: Generation) -> bool:
         job = generation.job
@@ -169,15 +171,15 @@ class Scheduler:
             return False
         for other in evict:
             self._slot_tokens[other] = []
-        job.slot = slot
-        job.evict = tuple(evict)
+        # Fixed before the decode thread sees the job, never changed after.
+        placement = generation.placement = Placement(slot, tuple(evict))
         self.running[slot] = generation
         self._exclusive = job.exclusive
         self.slot_requests[slot] += 1
         self._idle.clear()
         self._working.set()
         generation.on_released = self.release
-        self._engine.submit(job)
+        self._engine.submit(job, placement, generation.channel)
         return True
 
     def _pick_slot(self, free: list[int], prompt: list[int]) -> int:
@@ -201,12 +203,13 @@ class Scheduler:
 
     def release(self, generation: Generation) -> None:
         """`generation`'s job has ended: its slot keeps what the job left in the cache."""
-        slot = generation.job.slot
-        if self.running.get(slot) is not generation:
+        placement, end = generation.placement, generation.end
+        if placement is None or self.running.get(placement.slot) is not generation:
             return
+        slot = placement.slot
         del self.running[slot]
         self._exclusive = False
-        self._slot_tokens[slot] = generation.job.kept
+        self._slot_tokens[slot] = end.kept if end is not None else []
         self._uses += 1
         self._slot_used[slot] = self._uses
         self._pump()

@@ -32,9 +32,8 @@ from sfcore_daemon.system.socketfile import StartupError
 log = logging.getLogger(__name__)
 
 _CLOSE_GRACE_S = 5.0
-# The exit status after the decode thread died (sysexits' EX_SOFTWARE): not 0, so that
-# systemd's Restart=on-failure starts the daemon again, and not 2 (a configuration
-# error, which the unit does not restart).
+# Exit status after the decode thread died (EX_SOFTWARE): not 0, so Restart=on-failure
+# restarts the daemon, and not 2, the configuration error the unit does not restart.
 EXIT_DECODE_FAILED = 70
 
 

@@ -27,11 +27,8 @@ from sfcore_daemon.core.result import FINISH_REASONS
 from sfcore_daemon.store.promptstore import PromptStore
 
 OUTCOMES = (*FINISH_REASONS, "error")
-# Why the OpenAI listener closed a connection: no request within [server]
-# idle_timeout_s; headers or body not in within their [openai] limits; a reply left
-# unread for write_timeout_s; closed to make room for a new connection (idle or still
-# sending, at server.max_connections); refused after its request (429 for one busy
-# connection too many, 403 for a uid allowed_uids does not list).
+# Why the OpenAI listener closed a connection: one of its time limits, evicted to make room
+# at max_connections, or refused after its request (429, 403); see docs/openai.md.
 HTTP_CLOSED = ("idle_timeout", "header_timeout", "body_timeout", "write_timeout", "evicted",
                "refused")
 # Always present (so that each has its series from the start); others as they occur.
@@ -82,9 +79,8 @@ class Stats:
         # The prompt store: generations by where their cached rows came from.
         self.cache_hits = {"slot": 0, "ram": 0, "disk": 0}
         self.restored_tokens = 0
-        # Latency distributions for /metrics (metrics.py), observed by `Generation`:
-        # arrival to first token and to the decode thread's start, per generation, and
-        # each token's gap after the one before it.
+        # Latencies for /metrics, observed by `Generation`: arrival to first token and to
+        # the decode thread's start, and each token's gap after the one before it.
         self.first_token = Histogram()
         self.queue_wait = Histogram()
         self.token_gap = Histogram()

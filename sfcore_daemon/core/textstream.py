@@ -19,11 +19,8 @@ class TextStream:
     __slots__ = ("_decoder", "_held", "_stops", "decoded", "stop_hit")
 
     def __init__(self, stops: Sequence[str] = ()) -> None:
-        # A model can emit byte tokens that never form valid UTF-8, and a generation
-        # can end (length, stop, cancel) inside a character split over tokens. The
-        # incremental decoder holds an incomplete sequence back until it completes;
-        # errors="ignore" drops what never can, so no U+FFFD the model did not write
-        # ever reaches a client, streamed or not.
+        # Holds back a character split over tokens until it completes, and drops bytes that
+        # never form UTF-8, so no U+FFFD the model did not write reaches a client.
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
         self._stops = tuple(stops)
         self._held = ""

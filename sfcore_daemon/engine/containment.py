@@ -1,11 +1,12 @@
 """What the step loop does about a failure while it serves one sequence: it stays with
-that sequence. On the decode thread; nothing here logs (the failures ride on the job,
-and the event loop logs them as the request ends).
+that sequence. On the decode thread; nothing here logs (the failures ride on the job's
+end record, and the event loop logs them as the request ends).
 
 - The prompt store (`ContainedStates`): a state that could not be taken is not
   stored; a restore that failed leaves the prompt to be evaluated. The request goes on.
-- Ending a job (`Ender`): the slot is let go and the event loop told, whatever fails
-  on the way; a failure while freeing what the job held drops the slot's cells.
+- Ending a job (`drop_after`, around steploop.Ending): the slot is let go and the event
+  loop told, whatever fails on the way; a failure while freeing what the job held drops
+  the slot's cells.
 
 The drafter contains its own failures (speculative.NgramDrafter), and a failure in a
 draw (a sampler, a grammar, its JSON closer) ends that request alone (rows.Rows.fail).
@@ -16,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from sfcore_daemon.engine import faults
-from sfcore_daemon.engine.job import EndReason, Job
-from sfcore_daemon.engine.sequence import NO_PARTS, Seq
+from sfcore_daemon.engine.job import Job
+from sfcore_daemon.engine.sequence import Seq
 from sfcore_daemon.engine.storepolicy import PromptStates
 from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.kvcache import KVCache
@@ -78,73 +79,21 @@ class ContainedStates(PromptStates):
             job.contained.append((what, exc))
 
 
-class Ender:
-    """Ends the job of a sequence: frees what it held, keeps its prompt's states and
-    its text for later drafts, lets the slot go and tells the event loop."""
-
-    def __init__(self, cells: KVCache, states: PromptStates, active: list[Seq]) -> None:
-        self._cells = cells
-        self._states = states
-        self._active = active  # the step loop's own list
-
-    def end(self, seq: Seq, reason: EndReason) -> None:
-        """End `seq`'s job with `reason`. A failure on the way drops the slot's cells
-        (nothing in them is trusted then) and rides on the job to the log; the job
-        still ends with `reason`, since what it emitted is whole."""
-        job = seq.job
-        assert job is not None
-        job.end_reason = reason
+def drop_after(exc: Exception, seq: Seq, job: Job, cells: KVCache,
+               states: PromptStates) -> None:
+    """A failure while ending `seq`'s job (steploop.Ending): it rides on the job's end
+    record; what the job still holds is freed, each part tried, and the slot's cells
+    are forgotten (nothing in them is trusted then)."""
+    job.contained.append(("ending the request", exc))
+    sampler, seq.sampler = seq.sampler, None
+    steps: list[Callable[[Seq], None]] = [cells.forget, states.unprotect]
+    if sampler is not None:
+        steps.append(lambda _seq: C.llama_sampler_free(sampler))
+    if job.grammar is not None:
+        grammar = job.grammar
+        steps.append(lambda _seq: grammar.free())
+    for step in steps:
         try:
-            self._release(seq, job, reason)
-        except Exception as exc:  # see the docstring
-            job.contained.append(("ending the request", exc))
-            self._drop(seq, job)
-        finally:
-            seq.loading = None
-            seq.drafter = None
-            seq.forced = None
-            seq.draft = []
-            seq.draft_parts = NO_PARTS
-            seq.job = None
-            self._active.remove(seq)
-            job.loop.call_soon_threadsafe(job._finished)
-
-    def _release(self, seq: Seq, job: Job, reason: EndReason) -> None:
-        if reason == "error":
-            self._cells.forget(seq)
-        sampler, seq.sampler = seq.sampler, None
-        if sampler is not None:
-            C.llama_sampler_free(sampler)
-        if job.grammar is not None:
-            job.grammar.free()
-        seq.loading = None
-        faults.hit("end", job)
-        if reason != "error" and not seq.prompt_kept and job.t_prompt_done:
-            self._states.keep_prompt(seq, job)  # it ended in the step that read its prompt
-        self._states.unprotect(seq)
-        self._cells.unplace(seq)
-        job.kept = list(seq.cached)
-        drafter = seq.drafter
-        if drafter is not None:
-            if reason != "error":
-                drafter.learn()
-            if drafter.failure is not None:
-                job.contained.append(("the drafter", drafter.failure))
-        if seq.forced is not None and seq.forced.failure is not None:
-            job.contained.append(("the forced drafts", seq.forced.failure))
-
-    def _drop(self, seq: Seq, job: Job) -> None:
-        """After a failure in _release: free what is left, forget the cells."""
-        job.kept = []
-        sampler, seq.sampler = seq.sampler, None
-        steps: list[Callable[[Seq], None]] = [self._cells.forget, self._states.unprotect]
-        if sampler is not None:
-            steps.append(lambda _seq: C.llama_sampler_free(sampler))
-        if job.grammar is not None:
-            grammar = job.grammar
-            steps.append(lambda _seq: grammar.free())
-        for step in steps:
-            try:
-                step(seq)
-            except Exception as exc:  # each is tried
-                job.contained.append(("ending the request", exc))
+            step(seq)
+        except Exception as also:  # each is tried
+            job.contained.append(("ending the request", also))

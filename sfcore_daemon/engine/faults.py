@@ -48,7 +48,7 @@ DECODE_HANG, _ARMED = _parse(os.environ.get("SFCORE_FAILPOINT", ""))
 
 def armed(point: str, job: Job | None) -> bool:
     """Whether `point` is to fail for `job`."""
-    return bool(_ARMED) and job is not None and _ARMED.get(point) == job.max_tokens
+    return bool(_ARMED) and job is not None and _ARMED.get(point) == job.spec.max_tokens
 
 
 def hit(point: str, job: Job | None) -> None:

@@ -6,20 +6,22 @@ greedy request, the request's own sampler chain (sampling.py), or, with a gramma
 grammar sampler around that chain (grammar.py; near the end of a JSON request's
 budget, its closer, closer.py). A grammar draw that needs a wide pass parks the sequence
 until a thread beside the steps has made it. A drafted run of rows is verified token by
-token; each token taken is handed to the event loop through `Job.pieces`, the loop woken
-at most once per step. A request that asks for logprobs gets each token's numbers from
-the row it was chosen from (a draft token: the row that verified it; logprobs.py).
+token; each token taken is handed to the event loop through its job's channel
+(crossing.py), the loop woken at most once per step for all jobs. A request that asks
+for logprobs gets each token's numbers from the row it was chosen from (a draft token:
+the row that verified it; logprobs.py).
 """
 
 from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
-from sfcore_daemon.engine import faults
-from sfcore_daemon.engine.containment import Ender
+from sfcore_daemon.engine import crossing, faults
+from sfcore_daemon.engine.crossing import Channel, EndReason
 from sfcore_daemon.engine.drafting import verified
 from sfcore_daemon.engine.job import Job
 from sfcore_daemon.engine.sequence import Seq
@@ -32,21 +34,16 @@ if TYPE_CHECKING:
     from sfcore_daemon.structured.grammar import GrammarSampler
 
 
-def _drain_each(jobs: list[Job]) -> None:
-    for job in jobs:
-        job._wake()
-
-
 class Rows:
     """Each job's way of choosing its tokens, and the draw from each row of a step."""
 
-    def __init__(self, model: Model, ender: Ender) -> None:
+    def __init__(self, model: Model, end: Callable[[Seq, EndReason], None]) -> None:
         self.model = model
         self._ctx = model.ctx
         self._vocab = model.vocab
         self._n_vocab = model.info.n_vocab
         self._memory = model.memory
-        self._ender = ender
+        self._end = end  # steploop.Ending.end
         # Wide grammar passes (grammar.py) take 3 ms to over a second: they run here,
         # beside the steps, instead of inside the step every sequence shares.
         self._wide_passes = ThreadPoolExecutor(1, thread_name_prefix="sfcore-grammar")
@@ -61,14 +58,15 @@ class Rows:
     def prepare(self, seq: Seq, job: Job) -> None:
         """How `job` on `seq` (its limit set) chooses its tokens: its sampler chain,
         numpy's argmax in place of a chain that is one, its grammar around the chain."""
-        seq.sampler, penalties = make_chain(self._vocab, job.sampling, job.prompt)
-        seq.argmax = is_plain_greedy(job.sampling)
+        spec = job.spec
+        seq.sampler, penalties = make_chain(self._vocab, spec.sampling, spec.prompt)
+        seq.argmax = is_plain_greedy(spec.sampling)
         seq.penalties = penalties
         if job.grammar_live:  # it counts its tokens against the same limit
             assert job.grammar is not None
             job.grammar.begin(seq.limit, penalties, PENALTY_LAST_N)
 
-    def read(self, outputs: list[tuple[Seq, int]], woken: list[Job]) -> None:
+    def read(self, outputs: list[tuple[Seq, int]], woken: list[Channel]) -> None:
         """The tokens of a decoded step's logit rows (StepBatch.outputs)."""
         for seq, row in outputs:
             try:
@@ -104,9 +102,10 @@ class Rows:
                     self._park(seq, job, grammar, row)
                     return None
                 token = drawn
-            if job.logprobs is not None:  # all a job that asks for none pays
-                job.numbers.append(self._numbers(
-                    token, self._row_logprobs().of_row(self._ctx, row, token, job.logprobs)))
+            asked = job.spec.logprobs
+            if asked is not None:  # all a job that asks for none pays
+                job.out.put_numbers(self._numbers(
+                    token, self._row_logprobs().of_row(self._ctx, row, token, asked)))
             return token
         except Exception as exc:  # one request's failure ends that request alone
             self.fail(seq, exc)
@@ -116,7 +115,7 @@ class Rows:
         """Leave the draw to a wide grammar pass beside the steps (the sequence sits out
         until it is made). Its logprobs come from a copy of the row: by the time the
         pass has chosen, later steps have overwritten the logits."""
-        if job.logprobs is None:
+        if job.spec.logprobs is None:
             seq.parked = self._wide_passes.submit(grammar.sample_wide, seq.sampler)
             return
         logits = self._row_logprobs().copy_row(self._ctx, row)
@@ -128,13 +127,14 @@ class Rows:
         token = grammar.sample_wide(chain)
         if self._wide_logprobs is None:
             self._wide_logprobs = RowLogprobs(self._n_vocab)
-        assert job.logprobs is not None
-        chosen, ids, logprobs = self._wide_logprobs.of(logits, token, job.logprobs)
+        asked = job.spec.logprobs
+        assert asked is not None
+        chosen, ids, logprobs = self._wide_logprobs.of(logits, token, asked)
         # The model's piece cache is the decode thread's to fill: read it, else a
         # buffer of this pass's own.
         model, buf = self.model, ctypes.create_string_buffer(256)
         pieces = [model.pieces.get(alt) or model.piece_into(alt, buf) for alt in ids]
-        job.numbers.append(TokenLogprobs(token, chosen, ids, logprobs, pieces))
+        job.out.put_numbers(TokenLogprobs(token, chosen, ids, logprobs, pieces))
         return token
 
     def _numbers(self, token: int, numbers: RowNumbers) -> TokenLogprobs:
@@ -150,7 +150,7 @@ class Rows:
             self._logprobs = RowLogprobs(self._n_vocab)
         return self._logprobs
 
-    def _verify(self, seq: Seq, row: int, woken: list[Job]) -> None:
+    def _verify(self, seq: Seq, row: int, woken: list[Channel]) -> None:
         """Sample the rows of the pending token and its draft in order, exactly as one
         token a step would: each draft token is kept while it equals what the chain
         drew from the row before it; the first that differs ends the run, and the
@@ -180,7 +180,7 @@ class Rows:
             if seq.job is None:
                 break
 
-    def take(self, seq: Seq, token: int, woken: list[Job]) -> None:
+    def take(self, seq: Seq, token: int, woken: list[Channel]) -> None:
         """A sampled token: the end of the job, or a piece of its output and the
         sequence's next input. A failure here ends that request alone."""
         try:
@@ -188,33 +188,30 @@ class Rows:
         except Exception as exc:
             self.fail(seq, exc)
 
-    def _take_token(self, seq: Seq, token: int, woken: list[Job]) -> None:
+    def _take_token(self, seq: Seq, token: int, woken: list[Channel]) -> None:
         job = seq.job
         assert job is not None
         now = time.perf_counter_ns()
         if seq.n_out == 0:
             job.t_first = now
         if C.llama_vocab_is_eog(self._vocab, token):
-            self._ender.end(seq, "stop")
+            self._end(seq, "stop")
             return
         model = self.model
         piece = model.pieces.get(token)
         if piece is None:
             piece = model.piece(token)
-        job.pieces.append((piece, now))
-        if job.wake_each_step and not job.wake_pending:
-            job.wake_pending = True
-            woken.append(job)
+        job.out.put(piece, now, woken)
         seq.n_out += 1
         if seq.drafter is not None:
             seq.drafter.append(token)
-        if not job.grammar_live and job.grammar_trigger is not None:
+        if not job.grammar_live and job.spec.grammar_trigger is not None:
             self._watch_trigger(seq, job, piece)
         if seq.n_out >= seq.limit:
             # A document its grammar would end here is whole: "stop", not "length".
             grammar = job.grammar
-            self._ender.end(seq, "stop" if grammar is not None and job.grammar_live
-                            and grammar.complete() else "length")
+            self._end(seq, "stop" if grammar is not None and job.grammar_live
+                      and grammar.complete() else "length")
             return
         seq.last_token = token
         seq.generating = True
@@ -224,7 +221,7 @@ class Rows:
         """Start the job's grammar once its output ends with the trigger (or the trigger
         and whitespace, already written, which JSON allows before the call); it then
         holds the rest, within what is left of the limit."""
-        trigger, grammar = job.grammar_trigger, job.grammar
+        trigger, grammar = job.spec.grammar_trigger, job.grammar
         assert trigger is not None and grammar is not None
         tail = job.trigger_tail + piece
         if tail.rstrip().endswith(trigger):
@@ -234,11 +231,8 @@ class Rows:
             return
         job.trigger_tail = tail[-(len(trigger) + 8):]
 
-    @staticmethod
-    def wake(woken: list[Job]) -> None:
-        if woken:
-            # One wake-up of the event loop per step, whatever the number of streams.
-            woken[0].loop.call_soon_threadsafe(_drain_each, woken)
+    # One wake-up of the event loop per step, whatever the number of streams.
+    wake = staticmethod(crossing.wake)
 
     @staticmethod
     def unpark(seq: Seq) -> None:
@@ -253,4 +247,4 @@ class Rows:
         if job is not None:
             job.error = exc
             self.unpark(seq)
-            self._ender.end(seq, "error")
+            self._end(seq, "error")

@@ -30,7 +30,7 @@ NO_PARTS = DraftParts()
 
 
 class Seq(SeqCells):
-    """One slot's sequence and the step loop's state for its job."""
+    """One slot's sequence and the step loop's state for its job (decode thread only)."""
 
     __slots__ = ("job", "sampler", "argmax", "next_prompt", "chunk_end", "n_out", "limit",
                  "generating", "last_token", "parked", "drafter", "draft", "loading",

@@ -31,7 +31,7 @@ _SHORT_STEP_ROWS = 32
 def _rest(seq: Seq) -> int:
     job = seq.job
     assert job is not None
-    return len(job.prompt) - seq.next_prompt
+    return len(job.spec.prompt) - seq.next_prompt
 
 
 def _reading_order(seq: Seq) -> tuple[bool, int]:
@@ -116,7 +116,7 @@ class StepBatch:
                 break
             job = seq.job
             assert job is not None
-            prompt, pos = job.prompt, seq.next_prompt
+            prompt, pos = job.spec.prompt, seq.next_prompt
             if prefilling and budget < len(prompt) - pos <= _SHORT_REST:
                 continue  # a short rest is read whole
             end = min(pos - pos % chunk + chunk, len(prompt), pos + budget)
@@ -150,7 +150,7 @@ class StepBatch:
         for seq in prefilling:
             job = seq.job
             assert job is not None
-            prompt, sid = job.prompt, seq.id
+            prompt, sid = job.spec.prompt, seq.id
             for index in range(seq.next_prompt, seq.chunk_end):
                 tokens[n] = prompt[index]
                 positions[n] = index
@@ -176,9 +176,9 @@ class StepBatch:
         for seq in self.prefilling:
             job = seq.job
             assert job is not None
-            seq.cached.extend(job.prompt[seq.next_prompt:seq.chunk_end])
+            seq.cached.extend(job.spec.prompt[seq.next_prompt:seq.chunk_end])
             seq.next_prompt = seq.prompt_rows = seq.chunk_end
-            if seq.chunk_end == len(job.prompt):
+            if seq.chunk_end == len(job.spec.prompt):
                 job.t_prompt_done = now
             elif seq.protect_from >= 0:
                 cells.protect(seq, seq.protect_from)

@@ -3,13 +3,15 @@ sequence, then each output row sampled by its sequence's own chain.
 
 No logits reach Python: per-token Python work is a few C calls, independent of the
 vocabulary size. The loop only evaluates prompts, decodes and samples. It hands each
-token's bytes to the event loop through `Job.pieces` and wakes the loop at most once
-per step; it never logs, encodes JSON or touches a socket.
+token's bytes to the event loop through its job's `Channel` (crossing.py) and wakes the
+loop at most once per step; it never logs, encodes JSON or touches a socket.
 
 A step: the sequences whose wide grammar pass or state read came back rejoin, cancelled
 jobs end; `StepBatch.fill` (stepbatch.py) writes the step's rows; one `llama_decode`;
 `StepBatch.decoded` moves the rows into each sequence's cache; `Rows.read` (rows.py)
 draws each logit row's token, verifies drafts, hands tokens over and wakes the loop.
+A job's end, whatever ends it, is `Ending.end`: what it held freed, the slot let go,
+its `JobEnd` sent (a failure on the way: containment.py).
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from sfcore_daemon.engine import faults
-from sfcore_daemon.engine.containment import ContainedStates, Ender
+from sfcore_daemon.engine.containment import ContainedStates, drop_after
+from sfcore_daemon.engine.crossing import Channel, EndReason, JobSpec, Placement
 from sfcore_daemon.engine.draftgate import AcceptanceBook, StepCosts
-from sfcore_daemon.engine.job import EndReason, Job
+from sfcore_daemon.engine.job import Job
 from sfcore_daemon.engine.rows import Rows
-from sfcore_daemon.engine.sequence import Seq
+from sfcore_daemon.engine.sequence import NO_PARTS, Seq
 from sfcore_daemon.engine.speculative import DraftSettings, NgramStore
 from sfcore_daemon.engine.stepbatch import StepBatch
-from sfcore_daemon.engine.storepolicy import PromptStore
+from sfcore_daemon.engine.storepolicy import PromptStates, PromptStore
 from sfcore_daemon.engine.threadpolicy import ThreadPolicy
 from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.kvcache import KVCache, shared_prefix
@@ -41,6 +44,9 @@ _ABORTABLE_PREFILL = 128
 # When every active sequence waits for a wide grammar pass: how long to wait for one
 # before looking at the inbox again.
 _PARKED_WAIT_S = 0.005
+
+# What the engine's inbox carries: a job as submitted, or None (stop).
+Submitted = tuple[JobSpec, Placement, Channel]
 
 
 class StepLoop:
@@ -79,11 +85,11 @@ class StepLoop:
         # A failure in the store or in ending a job stays with its sequence.
         self._states = ContainedStates(store, self._cells, model, n_swa, self._seqs)
         self._active: list[Seq] = []  # sequences with a job, in the order they began
-        self._ender = Ender(self._cells, self._states, self._active)
+        self._ending = Ending(self._cells, self._states, self._active)
         self._steps = StepBatch(model, slots, prefill_per_step, reproducible, self._drafts)
-        self._rows = Rows(model, self._ender)
-        # The jobs of the prompt batch being decoded, for the abort callback.
-        self._abort_jobs: list[Job] = []
+        self._rows = Rows(model, self._ending.end)
+        # The channels of the prompt batch being decoded, for the abort callback.
+        self._abort_jobs: list[Channel] = []
         self._abort_callback = C.ggml_abort_callback(self._should_abort)
         self._no_abort_callback = C.ggml_abort_callback()
 
@@ -100,29 +106,29 @@ class StepLoop:
         self._rows.shutdown()
         self._steps.free()
 
-    def run(self, inbox: queue.SimpleQueue[Job | None]) -> None:
+    def run(self, inbox: queue.SimpleQueue[Submitted | None]) -> None:
         """Serve jobs from `inbox` until it yields None."""
         active = self._active
         while True:
             if not active:
-                job = inbox.get()  # idle: sleep until work comes
-                if job is None:
+                submitted = inbox.get()  # idle: sleep until work comes
+                if submitted is None:
                     self._states.keep_all()
                     return
-                self._begin(job)
+                self._begin(*submitted)
             # Whatever arrived meanwhile joins this very step.
             while True:
                 try:
-                    job = inbox.get_nowait()
+                    submitted = inbox.get_nowait()
                 except queue.Empty:
                     break
-                if job is None:
+                if submitted is None:
                     for seq in list(active):
                         self._rows.unpark(seq)
                         self._end(seq, "cancelled")
                     self._states.keep_all()
                     return
-                self._begin(job)
+                self._begin(*submitted)
             if not active:
                 continue
             try:
@@ -133,22 +139,23 @@ class StepLoop:
                 for seq in list(active):
                     self._rows.fail(seq, exc)
 
-    def _begin(self, job: Job) -> None:
+    def _begin(self, spec: JobSpec, placement: Placement, out: Channel) -> None:
         """Put a new job on its slot: drop what the scheduler evicted, reuse the slot's
         cached prefix, build its sampler. Any failure ends the job, never the thread."""
+        job = Job(spec, out)
         if faults.DECODE_HANG:
             while True:  # a stuck decode thread, for the watchdog's tests
                 time.sleep(3600)
         faults.hit("decode_thread", job)  # the thread dies, for the tests of that
         job.t_start = time.perf_counter_ns()
-        seq = self._seqs[job.slot]
+        seq = self._seqs[placement.slot]
         try:
-            for slot in job.evict:
+            for slot in placement.evict:
                 self._states.keep(self._seqs[slot], len(self._seqs[slot].cached))
                 self._cells.forget(self._seqs[slot])
-            if shared_prefix(seq.cached, job.prompt) < len(seq.cached):
+            if shared_prefix(seq.cached, spec.prompt) < len(seq.cached):
                 self._states.keep(seq, len(seq.cached))  # its cells are about to be overwritten
-            n_reused = self._cells.reuse_prefix(seq, job.prompt) if job.cache_prompt else 0
+            n_reused = self._cells.reuse_prefix(seq, spec.prompt) if spec.cache_prompt else 0
             if n_reused == 0:
                 self._cells.forget(seq)
                 if not self._active:
@@ -157,34 +164,34 @@ class StepLoop:
                     self._cells.clear_if_empty()
             job.n_cached = n_reused
             job.cache_source = "slot" if n_reused else "none"
-            seq.keep_state = job.cache_prompt
+            seq.keep_state = spec.cache_prompt
             seq.keep_prefix = 0
             seq.prompt_kept = False
             seq.loading = None
-            seq.cuts = self._states.cuts(job.prompt)
-            if job.cache_prompt and self._states.enabled:
+            seq.cuts = self._states.cuts(spec.prompt)
+            if spec.cache_prompt and self._states.enabled:
                 self._states.restore(seq, job)
             seq.next_prompt = job.n_cached
             if seq.loading is None:
                 self._states.protect(seq, job)
             seq.n_out = 0
             seq.generating = False
-            seq.limit = min(job.max_tokens, self.n_ctx - len(job.prompt))
+            seq.limit = min(spec.max_tokens, self.n_ctx - len(spec.prompt))
             self._rows.prepare(seq, job)
             # A request that names its seed drafts from its own text only, judged by
             # the fixed prior: the store holds what other requests generated, the book
             # how their drafts fared, and either would make the request's bytes depend
             # on them (a step's rows round otherwise).
-            unseeded = job.sampling.seed is None
+            unseeded = spec.sampling.seed is None
             learned = self._learned if unseeded else None
-            seq.drafter = (faults.drafter(job)(self._drafts, job.prompt, learned,
+            seq.drafter = (faults.drafter(job)(self._drafts, spec.prompt, learned,
                                                self._book if unseeded else None)
-                           if job.speculative and self._drafts is not None else None)
+                           if spec.speculative and self._drafts is not None else None)
             if seq.drafter is not None:
-                seq.drafter.sampled = job.sampling.temperature > 0
+                seq.drafter.sampled = spec.sampling.temperature > 0
             seq.draft = []
-            shape = job.grammar.shape if job.grammar is not None else None
-            seq.forced = (ForcedDrafts(shape, self.model, job.prompt) if seq.drafter is not None
+            shape = spec.grammar.shape if spec.grammar is not None else None
+            seq.forced = (ForcedDrafts(shape, self.model, spec.prompt) if seq.drafter is not None
                           and shape is not None and self._drafts is not None
                           and self._drafts.forced else None)
         except BaseException as exc:
@@ -198,7 +205,7 @@ class StepLoop:
 
     def _step(self) -> None:
         active, rows = self._active, self._rows
-        woken: list[Job] = []
+        woken: list[Channel] = []
         for seq in list(active):
             parked = seq.parked
             if parked is not None and parked.done():
@@ -214,7 +221,7 @@ class StepLoop:
         for seq in list(active):
             assert seq.job is not None
             # A parked sequence ends once its pass returns: the pass uses its samplers.
-            if seq.job.stop_requested and seq.parked is None:
+            if seq.job.out.stopped and seq.parked is None:
                 self._end(seq, "cancelled")
         rows.wake(woken)
         woken = []
@@ -236,7 +243,7 @@ class StepLoop:
             # every sequence in it is cancelled. Installed for those batches only:
             # llama.cpp polls it once per graph node (a Python call holding the GIL),
             # hundreds of times a step, and a small batch ends soon anyway.
-            self._abort_jobs = [seq.job for seq in active if seq.job is not None]
+            self._abort_jobs = [seq.job.out for seq in active if seq.job is not None]
             started = time.perf_counter_ns()
             C.llama_set_abort_callback(ctx, self._abort_callback, None)
             try:
@@ -284,9 +291,67 @@ class StepLoop:
                     self._states.keep_prompt(seq, seq.job)
 
     def _end(self, seq: Seq, reason: EndReason) -> None:
-        self._ender.end(seq, reason)
+        self._ending.end(seq, reason)
 
     def _should_abort(self, _data: Any) -> bool:
         self.progress += 1
         jobs = self._abort_jobs
-        return bool(jobs) and all(job.stop_requested for job in jobs)
+        return bool(jobs) and all(out.stopped for out in jobs)
+
+
+class Ending:
+    """The end of a job, whatever ends it: frees what it held, keeps its prompt's
+    states and its text for later drafts, lets the slot go and sends its `JobEnd` (the
+    job's last word on the crossing). A failure on the way is containment.py's."""
+
+    def __init__(self, cells: KVCache, states: PromptStates, active: list[Seq]) -> None:
+        self._cells = cells
+        self._states = states
+        self._active = active  # the step loop's own list
+
+    def end(self, seq: Seq, reason: EndReason) -> None:
+        """End `seq`'s job with `reason`. A failure on the way drops the slot's cells
+        (drop_after) and rides on the end record to the log; the job still ends with
+        `reason`, since what it emitted is whole."""
+        job = seq.job
+        assert job is not None
+        kept: list[int] = []
+        try:
+            kept = self._release(seq, job, reason)
+        except Exception as exc:  # see the docstring
+            drop_after(exc, seq, job, self._cells, self._states)
+        finally:
+            seq.loading = None
+            seq.drafter = None
+            seq.forced = None
+            seq.draft = []
+            seq.draft_parts = NO_PARTS
+            seq.job = None
+            self._active.remove(seq)
+            job.out.end(job.ended(reason, kept))
+
+    def _release(self, seq: Seq, job: Job, reason: EndReason) -> list[int]:
+        """Free what the job held; the tokens its slot keeps."""
+        if reason == "error":
+            self._cells.forget(seq)
+        sampler, seq.sampler = seq.sampler, None
+        if sampler is not None:
+            C.llama_sampler_free(sampler)
+        if job.grammar is not None:
+            job.grammar.free()
+        seq.loading = None
+        faults.hit("end", job)
+        if reason != "error" and not seq.prompt_kept and job.t_prompt_done:
+            self._states.keep_prompt(seq, job)  # it ended in the step that read its prompt
+        self._states.unprotect(seq)
+        self._cells.unplace(seq)
+        kept = list(seq.cached)
+        drafter = seq.drafter
+        if drafter is not None:
+            if reason != "error":
+                drafter.learn()
+            if drafter.failure is not None:
+                job.contained.append(("the drafter", drafter.failure))
+        if seq.forced is not None and seq.forced.failure is not None:
+            job.contained.append(("the forced drafts", seq.forced.failure))
+        return kept

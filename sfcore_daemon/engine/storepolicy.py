@@ -12,7 +12,6 @@ tail, a prefix two prompts share, a slot's cells before they are overwritten.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 
@@ -28,7 +27,6 @@ from sfcore_daemon.store.promptstore import Entry, PromptStore
 
 __all__ = ["Entry", "PromptStates", "PromptStore", "store_fingerprint"]
 
-log = logging.getLogger(__name__)
 
 # Prompt tokens a stored state must save beyond what the slots give, to be restored:
 # restoring costs about what evaluating a few tokens does.
@@ -72,7 +70,7 @@ class PromptStates:
         # empty pool, continues with the cold run's bytes (KVCache.restore): worth a
         # few more tokens. Beside other slots' cells there are no such bytes to get.
         cuts = seq.cuts if self._cells.can_place(seq) else ()
-        entry, n, shared = store.find(job.prompt, cuts, _EXACT_SLACK)
+        entry, n, shared = store.find(job.spec.prompt, cuts, _EXACT_SLACK)
         common = max(shared, job.n_cached)
         if common >= store.min_tokens and common > (n if entry is not None else 0):
             seq.keep_prefix = common
@@ -103,11 +101,12 @@ class PromptStates:
             read.cancel()  # if it is still queued behind another
             seq.loading = None
             self._store.read_abandoned()
-            # Logged on the event loop: the decode thread does no logging.
-            job.loop.call_soon_threadsafe(
-                log.warning, "prompt cache: gave up reading %s after %.0f ms; the prompt "
-                "is evaluated (restores skip the disk tier while the read is stuck)",
-                entry.path, self._store.read_timeout_s * 1000)
+            # Logged on the event loop, from the job's end record: the decode thread
+            # does no logging.
+            job.notices.append(
+                f"prompt cache: gave up reading {entry.path} after "
+                f"{self._store.read_timeout_s * 1000:.0f} ms; the prompt is evaluated "
+                "(restores skip the disk tier while the read is stuck)")
             seq.next_prompt = job.n_cached
             self.protect(seq, job)
 
@@ -139,8 +138,8 @@ class PromptStates:
         seq.prompt_kept = True
         if store is None:
             return
-        if len(job.prompt) - job.n_cached >= store.min_tokens:
-            self.keep(seq, len(job.prompt))
+        if len(job.spec.prompt) - job.n_cached >= store.min_tokens:
+            self.keep(seq, len(job.spec.prompt))
             for boundary in seq.boundaries:
                 self.keep(seq, boundary)
         if seq.keep_prefix:
@@ -157,7 +156,7 @@ class PromptStates:
         seq.boundaries = []
         if store is None or not seq.keep_state:
             return
-        if len(job.prompt) - job.n_cached >= store.min_tokens:
+        if len(job.spec.prompt) - job.n_cached >= store.min_tokens:
             seq.boundaries = seq.cuts[::-1]
         marks = [b for b in (*seq.boundaries, seq.keep_prefix) if b > 0]
         if marks and self._n_swa:

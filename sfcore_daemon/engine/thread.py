@@ -19,10 +19,10 @@ import msgspec
 
 from sfcore_daemon.config import ModelConfig
 from sfcore_daemon.engine import costsfile
+from sfcore_daemon.engine.crossing import Channel, JobSpec, Placement
 from sfcore_daemon.engine.draftgate import StepCosts
-from sfcore_daemon.engine.job import Job
 from sfcore_daemon.engine.speculative import DraftSettings
-from sfcore_daemon.engine.steploop import StepLoop
+from sfcore_daemon.engine.steploop import StepLoop, Submitted
 from sfcore_daemon.engine.storepolicy import PromptStore, store_fingerprint
 from sfcore_daemon.engine.threadpolicy import ThreadLimits, ThreadPolicy
 from sfcore_daemon.llama.model import EngineClosed, LoadAborted, Model, ModelLoadError
@@ -91,7 +91,7 @@ class Engine:
         self.stopped: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.model: Model | None = None
         self._loop: StepLoop | None = None
-        self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Submitted | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._load_ticks = 0
         self.warm_up_ms = 0.0
@@ -214,8 +214,10 @@ class Engine:
         self._load_ticks += 1
         return not self._abort_load
 
-    def submit(self, job: Job) -> None:
-        self._inbox.put(job)
+    def submit(self, spec: JobSpec, placement: Placement, out: Channel) -> None:
+        """Run `spec` where `placement` says; what it makes comes back through `out`
+        (crossing.py). The loop's one way to hand the decode thread a job."""
+        self._inbox.put((spec, placement, out))
 
     def close(self, timeout: float = 10.0) -> bool:
         """Stop the decode thread and free the model; False if something would not stop

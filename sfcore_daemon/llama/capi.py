@@ -1,8 +1,8 @@
 """llama-cpp-python's ctypes bindings, without the rest of the package.
 
 `import llama_cpp` runs the package's `__init__`, which imports the high-level
-`Llama` class and with it numpy, jinja2 and the chat formats: about 120 ms of
-start-up and 15 MB of resident memory that the daemon never uses. The bindings
+`Llama` class and with it numpy, jinja2 and the chat formats: start-up time and
+resident memory the daemon never uses (docs/performance/design.md). The bindings
 module itself only needs the package to exist, so this registers the package
 without executing its `__init__`; the first attribute read from `llama_cpp`
 (someone else's `from llama_cpp import Llama` in the same process) runs it then.

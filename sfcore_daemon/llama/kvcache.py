@@ -54,9 +54,8 @@ class KVCache:
                  reproducible: bool, ctx: Any = None, n_swa: int = 0,
                  scratch: int | None = None) -> None:
         self._ctx = ctx
-        # A sliding-window model's window: a prefix of n rows is usable when the rows
-        # its next token attends to are there (the window layers keep no others after
-        # a restore). 0: every row must be there.
+        # A sliding-window model's window: a prefix is usable when the rows its next token
+        # attends to are there, as a restore keeps no others; 0: every row must be there.
         self._n_swa = n_swa
         # A sequence id no slot uses: a prefix of a slot's cells is copied there (a
         # reference, not a copy of rows) so that its state can be taken alone.
@@ -90,9 +89,8 @@ class KVCache:
         if best is not seq:
             self.forget(seq)
             C.llama_memory_seq_cp(memory, best.id, seq.id, 0, best_n)
-            # As for the own slot below: the rows the next token attends to must still
-            # be there (a restored state of a sliding-window model holds only the last
-            # window of its window layers); else the prompt is evaluated.
+            # As for the own slot below: the rows the next token attends to must still be
+            # there (a restored window holds only its last rows); else evaluate the prompt.
             if not self._rows_present(seq.id, best_n):
                 self.forget(seq)
                 return 0

@@ -2,10 +2,9 @@
 greedy request (sampling.py) and a row's logprobs (logprobs.py) read it.
 
 The view is made once per row address and kept: llama.cpp writes every step's rows into
-the same output buffer, so the same few addresses come back step after step. numpy's
-`ctypeslib.as_array` of the bindings' float pointer built a ctypes array type and a cast
-each time, ~30 us a token on the decode thread against ~8 us for SmolLM2's argmax itself
-(docs/performance.md, "Idle slots' cells"). A view is only read at an address llama.cpp
+the same output buffer, so the same few addresses come back step after step, and
+`ctypeslib.as_array` would build a ctypes array type and a cast every token
+(docs/performance/idle-slots.md). A view is only read at an address llama.cpp
 has just returned for a whole row of that vocabulary: after the buffer moves, an old
 address is never asked for again unless it is such a row again.
 """

@@ -79,8 +79,8 @@ class RowLogprobs:
         # log-sum-exp shifted by the peak: exp never overflows, the largest term is 1.
         np.subtract(logits, peak, out=exps)
         np.exp(exps, out=exps)
-        # Summed as _GROUPS rows added column-wise, then the columns: twice as fast as
-        # numpy's sum of the whole row (16 us against 34 for 262,144 floats).
+        # Summed as _GROUPS rows added column-wise, then the columns: about twice as fast as
+        # numpy's sum of the whole row (docs/performance/logprobs.md).
         whole = _GROUPS * self._width
         np.sum(exps[:whole].reshape(_GROUPS, self._width), axis=0, out=self._sums)
         norm = peak + math.log(float(self._sums.sum()) + float(exps[whole:].sum()))
@@ -100,8 +100,8 @@ class RowLogprobs:
         tokens. The `top` best maxima are `top` distinct tokens, so the top-th best token
         is at least as good as the top-th best maximum, and every token that good lies
         in a column whose maximum reaches it: only those columns (usually `top` of them,
-        64 tokens each) are ranked. One vectorised pass over the row (15 us for 262,144
-        logits here) instead of a partial sort of all of it (145 us)."""
+        64 tokens each) are ranked. One vectorised pass over the row instead of a partial
+        sort of all of it (docs/performance/logprobs.md)."""
         np, width = self._np, self._width
         if width < 4 * top:  # a small vocabulary: all of it
             ids = np.arange(self._n_vocab)

@@ -77,9 +77,8 @@ class Model:
         self._add_bos = bool(C.llama_vocab_get_add_bos(self.vocab))
         self.pieces: dict[int, bytes] = {}
         self._piece_buf = ctypes.create_string_buffer(256)
-        # Tokenizing off the decode thread (on the loop, or in a worker thread for a
-        # long prompt) reads the vocabulary: close() waits for those readers and
-        # refuses new ones before it frees the model.
+        # Tokenizing off the decode thread reads the vocabulary: close() waits for those
+        # readers and refuses new ones before it frees the model.
         self._vocab_users = 0
         self._vocab_closed = False
         self._vocab_idle = threading.Condition()
@@ -272,14 +271,11 @@ def context_params(model_config: ModelConfig, n_threads: int, n_threads_batch: i
     params.n_batch = model_config.n_batch
     params.n_ubatch = model_config.n_ubatch
     params.n_seq_max = slots + spare_seqs
-    # One KV pool shared by every slot: a request may use as much of n_ctx as the
-    # others leave, and no slot's share sits idle (docs/performance.md, "Parallel slots").
+    # One KV pool shared by every slot: a request may use as much of n_ctx as the others
+    # leave, and no slot's share sits idle (docs/performance/slots.md).
     params.kv_unified = True
-    # Only logits of a prompt's last token, of each generating sequence and of its
-    # draft tokens are ever read: at most one row per slot a step plus the step's
-    # draft rows. Without this llama.cpp reserves logits for n_ubatch outputs: 512 x
-    # 262k floats, a 514 MiB buffer. (Pages are touched only as rows are written.)
-    # llama.cpp reserves a row per sequence id when it makes the context.
+    # Only a row per slot plus the step's draft rows are ever read, else llama.cpp reserves
+    # n_ubatch rows (docs/performance/design.md, "Memory"); it needs one per sequence id.
     params.n_outputs_max = max(slots + draft_rows, params.n_seq_max)
     params.n_threads = n_threads
     params.n_threads_batch = n_threads_batch

@@ -49,8 +49,8 @@ def default_model_path() -> Path:
 
     Later starts compare a stamp (the model file's size and mtime, and those of the
     package's __init__.py, which holds the expected sha256) without importing the
-    package: its import pulls in importlib.resources and hashlib, 12-25 ms of a
-    start that the model load is waiting for.
+    package: its import pulls in importlib.resources and hashlib, which the model load
+    would wait for (docs/performance/design.md).
     """
     stamp = cache_dir() / "models" / _STAMP
     package_file = _package_file()

@@ -62,8 +62,8 @@ def make_chain(vocab: Any, sampling: Sampling, prompt: list[int]) -> tuple[Any, 
             C.llama_sampler_accept(chain, token)
     if sampling.temperature <= 0:
         if penalties is None:
-            # The same argmax, faster: llama.cpp's greedy loop over 262k candidates
-            # took 299 us per token here, top_k(1) then greedy 209 us.
+            # The same argmax, faster than the greedy sampler alone over the whole vocabulary
+            # (docs/performance/design.md, "Decode loop").
             add(chain, C.llama_sampler_init_top_k(1))
         add(chain, C.llama_sampler_init_greedy())
         return chain, penalties
@@ -77,11 +77,8 @@ def make_chain(vocab: Any, sampling: Sampling, prompt: list[int]) -> tuple[Any, 
     return chain, penalties
 
 
-# numpy once `import_numpy_beside` has imported it: llama.cpp's chain builds a 262,144-
-# entry candidate array for every token (209 us per token here, top_k(1) then greedy);
-# numpy's argmax reads the row in about 30 us. Imported on a thread beside the model
-# load (llama.cpp's C code, which releases the GIL), so it costs start-up nothing; the
-# daemon does not import it otherwise (capi.py).
+# numpy once `import_numpy_beside` has imported it, on a thread beside the model load so
+# start-up does not wait; greedy argmax beats the C chain (docs/performance/design.md).
 _imported: dict[str, Any] = {}
 
 

@@ -7,8 +7,8 @@ Why: a restored state puts its window rows at the first free cells of the window
 where a cold run of the same prompt has them a whole prompt further on. Attention sums
 the cells in tiles and thread chunks by cell index, so the restored sequence then
 computes other floats than the cold run, and its greedy text can drift from the cold
-one (measured: at the third token). With the pad restored first, the window rows land at
-the cells the cold run uses, and the two compute the same bytes (docs/performance.md).
+one. With the pad restored first, the window rows land at the cells the cold run uses,
+and the two compute the same bytes (docs/performance/prompt-store.md).
 
 The layout (llama-context.cpp, llama-kv-cache.cpp of the vendored llama.cpp): a magic
 and the sequence id, then per cache part: the stream count and per stream its cell
@@ -99,9 +99,8 @@ def window_pad(state: bytes | bytearray, n_cells: int) -> tuple[Any, int] | None
     window = found[1]
     cell = struct.pack("<iI", 0, 1) + bytes(window.ext) + struct.pack("<i", 0)
     rows = sum(_LAYER.size + row * n_cells for _, row in window.layers)
-    # numpy's zeros come from calloc: untouched pages cost nothing until llama.cpp
-    # reads them (a bytearray of the 23 MB of a 2000-token pad took 16 ms to zero).
-    # Imported here: the daemon loads numpy beside the model, not at import.
+    # numpy's zeros come from calloc: untouched pages cost nothing until llama.cpp reads
+    # them. Imported here: the daemon loads numpy beside the model, not at import.
     import numpy as np
     out = np.zeros(_HEAD + 8 + len(cell) * n_cells + 8 + rows, np.uint8).data.cast("B")
     out[:_HEAD] = state[:_HEAD]

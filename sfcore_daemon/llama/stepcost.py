@@ -4,12 +4,9 @@ the cache folder so that later starts read it instead.
 
 One sequence after a short prompt, every row asking for logits (the shape of a step
 that verifies a draft), on the daemon's own threads; each size the fastest of a few
-rounds, in a shuffled order each round. The threads matter: on one thread a 2-row step
-of the default model costs 3.6 one-row steps, on two 2.1 (a lone row parallelises
-worse). So does the machine's load: measured while a test suite ran on the same cores,
-a 2-row step of SmolLM2 cost 4.4 one-row steps instead of about 2. So costs measured
-while other processes kept the CPUs busy serve this run only, and the next start
-measures again (`busy_share`).
+rounds, in a shuffled order each round. The threads and the machine's load both change
+the figures (docs/performance/speculative.md), so costs measured while other processes
+kept the CPUs busy serve this run only, and the next start measures again (`busy_share`).
 """
 
 from __future__ import annotations
@@ -25,12 +22,8 @@ from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.model import Model
 from sfcore_daemon.llama.modelfile import cache_dir
 
-# Both sides of the multiples of 4 that llama.cpp's output kernel groups rows by (the
-# default model's), up to 17 rows, then 32, 33 and 64 (a draft's longest, 64, is a
-# regenerated answer's): other sizes are drawn between these. Drawn on from 17 alone, a
-# 64-row step of the default model came to 21.8 one-row steps against 15.2 measured,
-# and 32 rows to 11.2 against 8.4 (SmolLM2: 28.2 and 14.4 against 25.7 and 13.4), so
-# no long draft ever paid there.
+# Both sides of the multiples of 4 the output kernel groups rows by, and wide steps measured
+# too: drawn on from 17 they came out too dear (docs/performance/speculative.md).
 SIZES = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64)
 ROUNDS = 2
 # Other processes' share of the CPUs during the measurement above which it is not kept.

@@ -227,9 +227,8 @@ class ChatChunkChoice(Struct, kw_only=True):
     finish_reason: str | None
 
 
-# omit_defaults: `usage` is written only when the client asked for it
-# (stream_options.include_usage), as OpenAI does; `object` has no default, so that
-# it is always written.
+# omit_defaults: `usage` only when the client asked (stream_options.include_usage), as
+# OpenAI does; `object` has no default, so it is always written.
 class ChatCompletionChunk(Struct, kw_only=True, omit_defaults=True):
     id: str
     object: Literal["chat.completion.chunk"]

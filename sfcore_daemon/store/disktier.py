@@ -131,13 +131,8 @@ class DiskTier(PromptIndex):
         head = statefile.encode(self.fingerprint, entry.tokens, data)
         size = len(head) + len(data)
         final = folder / entry.name
-        # Another daemon sharing the folder only ever sees whole files: a temporary
-        # name of its own, then an atomic rename. No fsync: a file is a cache entry
-        # whose CRC is checked before it is used, so a power cut costs at most the
-        # files it tears (removed when read). An fsync's synchronous writeback made the
-        # request decoding beside it 7% slower (SmolLM2, 16 MB states, 8 paired
-        # rounds: 0.931 of a daemon not writing, 0.995 without the fsync); the kernel's
-        # own writeback, later and in bulk, cost nothing measurable.
+        # Temporary name, then atomic rename: a daemon sharing the folder sees whole files.
+        # No fsync: the CRC catches torn files; fsync slowed decoding (performance/prompt-store.md).
         partial = folder / f".{entry.name}.{os.getpid()}.{threading.get_ident()}.partial"
         try:
             folder.mkdir(parents=True, exist_ok=True)  # removed while running: made again

@@ -25,9 +25,8 @@ def state_fingerprint(*, model_sha256: str, llama_cpp: str, flash_attn: bool | s
         "format": STATE_FORMAT,
         "model_sha256": model_sha256,
         "llama_cpp": llama_cpp,
-        # K/V types are llama.cpp's defaults (f16); flash attention decides whether
-        # V is stored transposed; the sliding-window cache is full-size; the
-        # ubatch size and CPU features decide how the rows were computed.
+        # K/V types are the defaults (f16); flash attention decides whether V is transposed;
+        # the ubatch size and CPU features decide how the rows were computed.
         "flash_attn": flash_attn,
         "swa_full": True,
         "kv_unified": True,

@@ -37,8 +37,8 @@ class Entry:
         self.path: Path | None = None
         self.file_bytes = 0
         self.used = 0  # the store's use counter when last saved or restored
-        # Queued for the disk tier, not yet written: the write holds the bytes (and
-        # they count against the RAM budget) even once the RAM tier dropped them.
+        # Queued for the disk tier: the write holds the bytes, counted against the RAM
+        # budget, even once the RAM tier dropped them.
         self.writing = False
 
 

@@ -31,9 +31,8 @@ MAGIC = b"SFCORE-KV-STATE\n"
 _LENGTH = 4  # the header's length, little-endian, after the magic
 PREFIX = len(MAGIC) + _LENGTH
 SUFFIX = ".kv"
-# A header holds a 64-character fingerprint and 4 bytes a token: this is 16 M tokens,
-# far past any context a state could come from. A sparse file can claim any size, so
-# the file's size alone bounds nothing.
+# 16 M tokens of 4 bytes, far past any context a state could come from; a sparse file
+# can claim any size, so the file's size alone bounds nothing.
 MAX_HEADER = 64 << 20
 _READ_CHUNK = 8 << 20
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC

@@ -2,10 +2,9 @@
 candidate, cut to the likeliest by top-k tiers, masked by the grammar, then drawn by the
 request's own chain.
 
-A grammar pass costs about 0.2 us per candidate token where the grammar expects
-structure, and up to 6 us inside a JSON string (each token's text is walked through the
-grammar): 50 ms to 1.5 s over this model's 262,144 tokens, against 15 ms for a decode
-step. So the pass covers the most likely tokens first, in growing tiers
+A grammar pass over the whole vocabulary costs several decode steps, and far more inside
+a JSON string (docs/performance/design.md, "Structured output"). So the pass covers the
+most likely tokens first, in growing tiers
 (RESAMPLE_TIERS), and the whole vocabulary only when the grammar allows none of those;
 the draw is then among the allowed tokens of that tier.
 """
@@ -20,9 +19,8 @@ from typing import Any, Final
 
 from sfcore_daemon.llama.capi import C
 
-# How many of the most likely tokens the slow path runs the grammar over, tier by tier,
-# before it tries the whole vocabulary. Measured on 262,144 logits: top_k(128) takes
-# 0.2 ms, top_k(32768) 2.7 ms, refilling the candidates 1.6 ms.
+# How many of the likeliest tokens the slow path runs the grammar over, tier by tier,
+# before the whole vocabulary; costs in docs/performance/design.md, "Structured output".
 RESAMPLE_TIERS: Final = (128, 2048, 32768)
 
 _token_data_p = ctypes.POINTER(C.llama_token_data)
@@ -109,8 +107,8 @@ class Candidates:
 
     def _fill(self, logits: bytes) -> tuple[Any, memoryview]:
         """Every token with its logit, as llama_sampler_sample builds them, at C speed:
-        one copy of the ids, then the logits' bytes into their strided slots (measured
-        1.5-3 ms for 262,144 tokens; a Python loop would take 100 ms)."""
+        one copy of the ids, then the logits' bytes into their strided slots (a Python
+        loop would cost many times more: docs/performance/design.md)."""
         n = self._n_vocab
         if self._raw is None:
             self._raw = bytearray(id_template(n))

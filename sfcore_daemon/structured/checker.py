@@ -45,9 +45,8 @@ MAX_INTEGER_BOUND: Final = 10**16 - 1
 # (above it llama.cpp would make a bound unbounded).
 MAX_REPEAT: Final = MAX_GRAMMAR_REPEAT
 MAX_SCHEMA_DEPTH: Final = 32
-# Nesting counted through references: every schema a chain of $refs passes through
-# adds its own nesting (the schemas of a recursive cycle once each). The shape builder
-# and the grammar's writer recurse along such chains.
+# Nesting counted through $refs (a recursive cycle's schemas once each), since the shape
+# builder and the grammar's writer recurse along such chains.
 MAX_REF_DEPTH: Final = 128
 # How deep a const or enum value may nest (its literal is written with json.dumps).
 MAX_VALUE_DEPTH: Final = 64

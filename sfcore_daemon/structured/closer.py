@@ -31,9 +31,8 @@ from sfcore_daemon.structured.tracker import JsonTracker
 if TYPE_CHECKING:
     from sfcore_daemon.llama.model import Model
 
-# The closer starts following the document this many tokens before the end, plus
-# twice the bytes of the schema's shortest document: enough for any completion the
-# text can come to need in most documents (one that needs more is still tried).
+# The closer follows the document from this many tokens before the end, plus twice the
+# schema's shortest document: room for most completions (a longer one is still tried).
 BASE_WINDOW: Final = 32
 # Completions tried, shortest first, when the tracker holds several readings.
 _MAX_CANDIDATES: Final = 4

@@ -67,10 +67,8 @@ class PromptCopy:
         text = self._text
         first = text.find(value, text.rfind(b"\n\n", 0, found) + 1)
         if first != found:
-            # "Priya" before "Raman (product manager)" and before "will draft": a text
-            # names a thing in full where it first mentions it, so the first occurrence
-            # in the paragraph of the last one (an earlier paragraph may be an example's)
-            # is the likelier copy, when it ends at a token's end too.
+            # A text names a thing in full where it first mentions it, so the first occurrence
+            # in the last one's paragraph is the likelier copy, if it ends at a token's end.
             other = self._next.get(first + len(value))
             if other is not None and other < len(self._tokens):
                 start = other

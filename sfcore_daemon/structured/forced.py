@@ -8,7 +8,7 @@ one step at a time all the same. `ForcedDrafts` proposes them as a draft instead
 the step loop verifies like any other (engine/rows.py): a draft token is emitted only
 where the model's own draw from its row, through the grammar, equals it. So these drafts
 change how many tokens a step takes, never which tokens are emitted (beyond the
-rounding of several rows in one step, see docs/performance.md "Numerics").
+rounding of several rows in one step, see docs/performance/speculative.md "Numerics").
 
 `ForcedText` follows the document with a `JsonTracker` and asks each reading which bytes
 may come next (`JsonTracker.nexts`); while exactly one can, that byte is forced. The
@@ -35,9 +35,8 @@ if TYPE_CHECKING:
     from sfcore_daemon.llama.model import Model
     from sfcore_daemon.structured.shape import Shape
 
-# Forced bytes looked at per draft token of room: tokens of punctuation and key names
-# are 1-8 bytes here; a text cut at this bound loses its last token (it may be cut
-# inside it).
+# Forced bytes looked at per draft token of room, as punctuation and key tokens are at most
+# this long; a text cut here drops its last token, which may be cut inside.
 _BYTES_PER_TOKEN: Final = 8
 _QUOTE: Final = ord('"')
 _VALUES: Final = 2  # ForcedDrafts.values, at first and after a draft refused
@@ -80,9 +79,8 @@ class ForcedText:
         self._last = -1  # the document's last byte other than whitespace
         self._spaced = False  # whitespace followed it
         self._string: bytearray | None = None  # the string value being written
-        # Whether the last forced text ended where the model chooses punctuation (`,`
-        # or `}`): a model mostly writes the forced text's last bytes and its choice as
-        # one token (`"},`), so that token of the draft would be refused.
+        # Whether the forced text ended where the model picks punctuation: it mostly writes
+        # the last forced bytes and its choice as one token (`"},`), refusing the draft's.
         self.before_choice = False
 
     @property
@@ -197,9 +195,8 @@ class ForcedText:
             # model's habit may put a space before.
             following = next(iter(choices)) if len(choices) == 1 else ANY_BYTE
             if following == ANY_BYTE and ANY_BYTE not in choices:
-                # Punctuation of the model's choosing; not the first letter or digit of
-                # a string value (an enum's, a date's), which it writes apart from the
-                # quote before it (` "` + `engineer`).
+                # Punctuation of the model's choosing; not a string value's first letter,
+                # which it writes apart from the quote before it (` "` + `engineer`).
                 self.before_choice = not (out[-1:] == b'"' and all(
                     _is_word(choice) for choice in choices))
                 break
@@ -245,20 +242,15 @@ class ForcedDrafts:
         self._model = model
         self._prompt = prompt
         self._copy: PromptCopy | None = None  # made for the first string value
-        # A model that writes the forced text otherwise than drafted (its own spacing,
-        # a word cut its own way, as sampling does more often) gets short forced drafts,
-        # or none for a while; copies that keep failing likewise.
+        # A model that writes the forced text its own way (spacing, word cuts) gets short
+        # forced drafts, or none for a while; copies that keep failing likewise.
         self._forcing = Backoff(MAX_FORCED, MAX_FORCED, slack=2, first_pause=2)
         self._copying = Backoff(4, MAX_COPY, slack=1, first_pause=4)
         # The n-gram drafter's guesses of what follows a forced text (a value from an
         # earlier document) fare otherwise than its drafts of free text: apart.
         self._guessing = Backoff(4, MAX_FORCED, slack=1, first_pause=4)
-        # A guess inside the document stops where it would guess the `values`-th value
-        # of the model's choosing (a string, a number, an enum's value): the text
-        # between two values is mostly forced, the values mostly not, and a row past a
-        # refused token is paid for nothing. A document that copies an earlier one
-        # (every draft accepted whole) earns longer guesses, twice as many values each
-        # time; until a draft is refused, one value more than after.
+        # A guess stops before the `values`-th value the model chooses, as rows past a refused
+        # token are wasted; drafts accepted whole double it (docs/performance/forced-drafts.md).
         self.values = _VALUES + 1
         self._fed = 0  # emitted tokens the text has read
         self._tokenized: dict[bytes, list[int]] = {}
@@ -427,10 +419,8 @@ class ForcedDrafts:
         limit = _BYTES_PER_TOKEN * room
         forced = text.text(limit)
         if not forced or (_is_word(text.last) and _is_word(forced[0])):
-            # Inside a word the model cut differently from the tokenizer (it wrote
-            # `sent`, the text forces `iment`), it mostly cuts the rest its own way too:
-            # measured, 4 in 10 such drafts kept their first token, against 8 in 10 at a
-            # word's start. The model takes the rest of the word, then drafts resume.
+            # Inside a word the model cut its own way (`sent`, forced `iment`) it cuts the
+            # rest its own way too (docs/performance/forced-drafts.md): no draft till it ends.
             return []
         return self._drafted(forced, len(forced) >= limit)[:min(room, self._forcing.limit)]
 

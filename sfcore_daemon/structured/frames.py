@@ -19,18 +19,15 @@ if TYPE_CHECKING:
 WS: Final = frozenset(b" \t\n\r")
 DIGITS: Final = frozenset(b"0123456789")
 
-# What a frame's feed returns: the byte kept it going; finished it (consumed);
-# finished it without being consumed (the parent reads it next); is not allowed here;
-# opened a child (consumed); opened a child that reads this byte itself.
+# A frame's feed: kept going; finished (byte consumed); finished, the parent reads the
+# byte; not allowed; opened a child (consumed); opened a child that reads the byte.
 KEEP, DONE, PASS, FAIL, PUSH, PUSHBACK = range(6)
 
 SPACE: Final = 0x20
 # In a set of next bytes: any of many others (a number's first digit, say).
 ANY_BYTE: Final = 256
-# What a frame allows next (`Frame.nexts`): the bytes (SPACE among them where the
-# grammar's optional space may come), or None when there are too many to force anything
-# (a string's characters, a number's digits); and whether the frame may end here without
-# reading a byte (then its parent's next bytes are allowed too).
+# What a frame allows next: the bytes (SPACE for optional space), or None when too many to
+# force anything; and whether it may end here, allowing its parent's next bytes too.
 Nexts = tuple[frozenset[int] | None, bool]
 UNFORCED: Final[Nexts] = (None, False)
 QUOTE: Final[Nexts] = (frozenset(b'"'), False)
@@ -40,7 +37,7 @@ class Frame:
     __slots__ = ()
 
     def clone(self) -> Self:
-        """A copy (4x quicker than copy.copy, which goes through __reduce_ex__); the
+        """A copy, quicker than copy.copy, which goes through __reduce_ex__; the
         fields are never mutated in place, so a shallow copy is a full one."""
         twin = object.__new__(type(self))
         name: str

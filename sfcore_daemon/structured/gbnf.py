@@ -30,16 +30,13 @@ from sfcore_daemon.structured.gbnfcheck import MAX_GRAMMAR_NESTING
 from sfcore_daemon.structured.pattern import pattern_gbnf
 from sfcore_daemon.structured.shape import Shape
 
-# Up to this count a bounded repetition (minItems/maxItems, minLength/maxLength) is
-# written as nested groups, one per allowed count (llama.cpp's parser recurses into
-# each); past it the grammar says `{m,n}`, which llama.cpp expands into a chain of
-# small rules.
+# Up to this count a bounded repetition is nested groups, one per count (llama.cpp's parser
+# recurses into each); past it `{m,n}`, which llama.cpp expands into small rules.
 CONVERTER_REPEAT: Final = 256
 # The nesting a schema's grammar may reach: the repetitions' groups, and a pattern's.
 SCHEMA_GRAMMAR_NESTING: Final = CONVERTER_REPEAT + MAX_GRAMMAR_NESTING
-# Rule names derived from property and definition names are cut to this many
-# characters (a collision gets a numeric suffix), so that long names nested deep do
-# not multiply into a huge grammar.
+# Rule names from property and definition names are cut to this length (collisions get
+# a suffix), so long names nested deep do not multiply into a huge grammar.
 _RULE_NAME_CHARS: Final = 64
 
 # JSON string characters: control characters must be escaped, and a \u escape may not

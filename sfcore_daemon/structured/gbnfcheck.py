@@ -97,9 +97,8 @@ def check_gbnf(text: str, field: str = "grammar", *,
                 _passed.popitem(last=False)
 
 
-# Grammars that passed, most recent last: a client tends to send the same schema or
-# grammar again, and checking one takes about a millisecond per 2 KB. Requests are
-# checked on worker threads too.
+# Grammars that passed, most recent last: clients send the same one again, and a check
+# is not free (docs/performance/design.md, "Grammar checks").
 _REMEMBERED: Final = 128
 _REMEMBERED_CHARS: Final = 1 << 16
 _passed: OrderedDict[tuple[str, str, int], None] = OrderedDict()

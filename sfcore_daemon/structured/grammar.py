@@ -59,10 +59,8 @@ class GrammarDeadEnd(Exception):
         self.at_start = at_start
 
 
-# The tiers (candidates.RESAMPLE_TIERS) from this one on, and the whole-vocabulary pass,
-# take 3 ms to 1.5 s each: too long for the step every request shares, so they run on a
-# thread of their own, and `server.grammar_budget_s` bounds the CPU time one request
-# spends on them and on its checks in the steps.
+# Tiers from this one on, and the whole-vocabulary pass, are too slow for the shared step:
+# they run on a thread of their own, bounded by server.grammar_budget_s.
 _WIDE_TIER: Final = 2
 
 
@@ -136,9 +134,8 @@ class GrammarSampler:
         self._one = C.llama_token_data(0, 0.0, 0.0)
         self._one_array = C.llama_token_data_array(
             ctypes.pointer(self._one), 1, -1, False)
-        # The repeat penalty's view of the past (prompt tail, then accepted tokens): the
-        # chain has already recorded a token the grammar rejects, and a masked draw
-        # rebuilds it. Its length and the penalty's sampler come with `begin`.
+        # The repeat penalty's past (prompt tail, accepted tokens), rebuilt by a masked draw
+        # as the chain already recorded the rejected token; sized by `begin`.
         self._prompt = prompt
         self._history: deque[int] = deque(maxlen=0)
         self._penalties: Any = None
@@ -149,17 +146,14 @@ class GrammarSampler:
         self.full_passes = 0
         # The request field the grammar came from, for error messages.
         self.field = "grammar"
-        # CPU time spent following the grammar, in the decode steps and in wide passes
-        # (CPU time, not wall time, which a loaded machine stretches), and how much it
-        # may be (0: no limit). A grammar's stacks can multiply with the text it has
-        # accepted, so even the one-token check of the fast path is counted.
+        # CPU time (not wall time, which load stretches) spent on the grammar and its limit
+        # (0: none); even fast-path checks count, as a grammar's stacks can multiply.
         self.used_ns = 0
         self.budget_ns = 0
         # The logits of a draw that only a wide pass can finish (see sample_wide).
         self._kept_logits = b""
-        # Budget-aware completion (closer.py), for JSON documents: the most tokens the
-        # sequence may emit (set when the job starts), every token accepted so far,
-        # and whether the document was closed early to fit.
+        # Budget-aware completion of JSON documents (closer.py): the sequence's token limit (set
+        # at the job's start), whether it closed early to fit, and the tokens accepted so far.
         self.limit = 0
         self.closer: Closer | None = None
         self.closed_early = False

@@ -24,9 +24,8 @@ from typing import Any, Final
 # (sre_parse, its old name, warns when imported).
 sre: Any = importlib.import_module("re._parser")
 
-# More NFA states than this, over all the patterns of a schema (big repetition counts),
-# and the patterns past it are not tracked: a document that is inside such a string
-# when the budget runs out is left to finish as before ("length").
+# NFA states over a schema's patterns; patterns past it are not tracked, so a document
+# inside such a string when the budget runs out just ends ("length").
 MAX_NFA_STATES: Final = 20000
 # A shortest text this long stands for "too long to complete": a $ref cycle with no way
 # out, an untracked pattern, or counts that multiply (an array of minItems arrays).

@@ -2,11 +2,9 @@
 
 On a 2-core machine the decode's threads use both cores for the whole of a request, so
 any other CPU work in the process lands inside its steps. Writing a prompt state to
-disk is such work: a 16 MB state is a CRC and a copy into the page cache. (It was an
-fsync's writeback too, the larger part: the request decoded right after a four-client
-edit burst ran at 0.92-0.95 of the same request on a daemon not writing, 0.995 once the
-fsync was gone; store/disktier.py.) Those writes can wait for an idle moment: the state
-is in RAM (or dropped) until then.
+disk is such work: a 16 MB state is a CRC and a copy into the page cache (its cost, and
+the fsync's that is gone: docs/performance/prompt-store.md). Those writes can wait for an
+idle moment: the state is in RAM (or dropped) until then.
 """
 
 from __future__ import annotations

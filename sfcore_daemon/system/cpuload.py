@@ -30,7 +30,7 @@ class OtherLoad:
     """The others' load on `cpus` between two calls of `sample`."""
 
     def __init__(self, cpus: Sequence[int]) -> None:
-        import psutil  # ~15 ms, paid on the first busy moment, not at start-up
+        import psutil  # paid on the first busy moment, not at start-up
 
         self._psutil = psutil
         self._process = psutil.Process()

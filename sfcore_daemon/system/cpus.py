@@ -17,8 +17,8 @@ def pin(cpus: Sequence[int]) -> list[int]:
     Returns the CPU set the process now runs on.
     """
     if not cpus:
-        # Nothing to pin: the standard library reads the mask, and psutil (~15 ms
-        # of import) stays out of the way of a fast start.
+        # Nothing to pin: the standard library reads the mask, and psutil's import stays
+        # out of the way of a fast start (docs/performance/design.md).
         return sorted(os.sched_getaffinity(0))
     import psutil
 

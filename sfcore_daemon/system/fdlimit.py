@@ -17,9 +17,8 @@ from sfcore_daemon.system.socketfile import StartupError
 
 log = logging.getLogger(__name__)
 
-# Beyond the connections: the listeners, the loop's own (epoll, its wake-up pipe), the
-# notify and log streams, the model file, the prompt store's reader, writer and scans,
-# llama.cpp and the Python runtime; measured well under half of this.
+# Descriptors beyond the connections (listeners, the loop's, logs, the model file, the
+# prompt store, llama.cpp, Python): a use well under half of this was measured.
 MARGIN = 64
 
 

@@ -3,7 +3,7 @@
 A decode step reads every weight once: 92 MB for SmolLM2-135M Q4_1, 250 MB for the
 default model. In 4 KiB pages that is 23,000-60,000 pages a step, far more than the
 CPU's TLB holds, so each step walks page tables for most of them. In 2 MiB pages
-llama.cpp's own one-row step took 8-9% less time here (docs/performance.md, "Huge pages").
+llama.cpp's own one-row step takes less time (docs/performance/huge-pages.md).
 
 llama.cpp asks for none. A mapped model file (`use_mmap = true`) lies in the page
 cache in 4 KiB pages; read into memory (`use_mmap = false`, the daemon's default) it
@@ -177,9 +177,8 @@ class HugePageLoad:
                              f"transparent huge pages are {mode or 'not in this kernel'}")
         marked = sum(high - low for low, high in self._spans)
         for low, high in self._spans if self._collapse else ():
-            # Page by page: one page the kernel cannot collapse (a buffer's unused
-            # tail) would stop a whole-span call there. A page already huge costs
-            # one call.
+            # Page by page: one page the kernel cannot collapse (a buffer's unused tail)
+            # would stop a whole-span call there; a page already huge costs one call.
             for page in range(low, high, HUGE_PAGE):
                 if libc.madvise(page, HUGE_PAGE, MADV_COLLAPSE) == 0:
                     continue

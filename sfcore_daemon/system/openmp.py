@@ -20,10 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, MutableMapping
 from pathlib import Path
 
-# libgomp's spin count at a barrier before it sleeps. Measured beside one busy process
-# on 2 cores (docs/performance.md, "Sharing the machine"): 300,000 (libgomp's default)
-# keeps a preempted partner's thread spinning for milliseconds; 1,000 (about 10 us)
-# still covers the wait at a barrier on an idle machine.
+# libgomp's spin count at a barrier before it sleeps: short enough for a busy neighbour, long
+# enough for an idle machine's barriers (docs/performance/sharing-the-machine.md).
 SPIN_DEFAULT = "1000"
 # libgomp's own values when GOMP_SPINCOUNT is unset (OMP_WAIT_POLICY decides).
 _LIBGOMP_SPIN = {"": 300_000, "active": 30_000_000_000, "passive": 0}

@@ -46,8 +46,8 @@ class Bench:
     """One loaded model; contexts are created per n_ubatch on demand.
 
     Every llama_decode runs on the thread that created the Bench: libgomp keeps a
-    worker team per calling thread, and decoding from a second thread cost 25%
-    decode speed on the 2-CPU machine this was written on.
+    worker team per calling thread, and a second thread decodes slower
+    (docs/performance/tune.md).
     """
 
     def __init__(self, model_path: str, config: Config, pinned: Sequence[int]) -> None:

@@ -6,15 +6,11 @@ from __future__ import annotations
 import math
 import statistics
 
-# Row multiples tried for [speculative] row_multiple, largest first. A kernel that takes
-# logit rows m at a time and makes another pass over the whole output matrix for the
-# rows left over (llamafile's tinyBLAS does with a Q8_0 output on x86: m = 4) costs about
-# as much for k*m + 1 rows as for k*m + m: the first row past a multiple costs at least
-# SAWTOOTH of the whole next multiple's rows. Where each row costs the same, that share
-# is 1/m.
+# Row multiples tried for [speculative] row_multiple, largest first: with a kernel taking
+# rows m at a time, k*m + 1 rows cost about k*m + m (docs/performance/tune.md).
 ROW_MULTIPLES = (8, 4, 2)
 ROW_GROUPS = (1, 2, 3)  # k in k*m: the multiples compared
-SAWTOOTH = 0.75
+SAWTOOTH = 0.75  # least share of the next m rows' cost the row past k*m adds, for m
 # Step sizes are measured this many times per --runs run (each a few tens of ms), in a
 # shuffled order each round so that drift spreads over all of them.
 ROW_ROUNDS_PER_RUN = 3

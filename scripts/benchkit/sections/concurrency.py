@@ -72,7 +72,7 @@ async def daemon_aggregate(path: str, clients: int, tokens: int) -> float:
     streams = [await Stream.open(path) for _ in range(clients)]
 
     async def one(stream: Stream, prompt: str) -> tuple[int, float]:
-        run = await stream.request({"prompt": prompt, "max_tokens": tokens, "temperature": 0.0,
+        run = await stream.figures({"prompt": prompt, "max_tokens": tokens, "temperature": 0.0,
                                     "stream": False})
         return run["tokens"], time.perf_counter()
 

@@ -146,7 +146,7 @@ class DaemonSide:
     async def decode(self, tokens: int) -> float:
         stream = await Stream.open(self.daemon.socket_path)
         try:
-            figures = await stream.request({"prompt": PROMPT, "max_tokens": tokens,
+            figures = await stream.figures({"prompt": PROMPT, "max_tokens": tokens,
                                             "temperature": 0.0})
         finally:
             await stream.close()

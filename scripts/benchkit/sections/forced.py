@@ -288,19 +288,19 @@ async def one_run(params: dict[str, Any], schemas: list[str],
     rows: list[dict[str, Any]] = []
     try:
         for stream in (streams["forced"], streams["no_forced"]):
-            await stream.request(_request("flat", "greedy", "forced", 8))  # warm-up
+            await stream.figures(_request("flat", "greedy", "forced", 8))  # warm-up
         for name in schemas:
             # Every request finds its prompt in the slot's cache: the first-token and
             # whole-request columns compare the documents, not a cold prompt on one side.
             for stream in (streams["forced"], streams["no_forced"]):
-                await stream.request(_request(name, "greedy", "free", 1))
+                await stream.figures(_request(name, "greedy", "free", 1))
             for sampling, seed, order in (
                     (kind, seed, order) for kind in SAMPLINGS for seed in SEEDS[kind]
                     for order in (SIDES, ("no_forced", "forced", "free_plain", "free"))):
                 # The free request takes as many tokens as the document before it.
                 tokens = MAX_TOKENS
                 for side in order:
-                    run = await streams[side].request(_request(
+                    run = await streams[side].figures(_request(
                         name, sampling, side,
                         tokens if side.startswith("free") else MAX_TOKENS, seed))
                     done = run["done"]

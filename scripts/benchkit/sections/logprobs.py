@@ -52,11 +52,11 @@ async def decode_rates(params: dict[str, Any], runs: int,
         stream = await Stream.open(daemon.socket_path)
         request: dict[str, Any] = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0,
                                    "speculative": False, "stream": True}
-        await stream.request({**request, "max_tokens": 8})  # warm
+        await stream.figures({**request, "max_tokens": 8})  # warm
         for round_ in range(runs):
             for mode in MODES:
                 asked = {} if mode is None else {"logprobs": mode}
-                done = (await stream.request({**request, **asked}))["done"]
+                done = (await stream.figures({**request, **asked}))["done"]
                 assert done["usage"]["completion_tokens"] == tokens, done
                 rates[mode].append(done["timings"]["decode_tok_s"])
             log(f"round {round_ + 1}: " + ", ".join(

@@ -224,7 +224,7 @@ def chat_body(number: int, tokens: int) -> dict[str, Any]:
 
 
 async def ndjson_chat(stream: Stream, number: int, tokens: int) -> dict[str, Any]:
-    figures = await stream.request({"op": "chat", "messages": messages(number),
+    figures = await stream.figures({"op": "chat", "messages": messages(number),
                                     "max_tokens": tokens, "temperature": 0.0, "top_k": 1,
                                     "stream": True})
     timings = figures.pop("done")["timings"]

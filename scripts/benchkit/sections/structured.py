@@ -107,18 +107,18 @@ async def structured_run(params: dict[str, Any]) -> dict[str, Any]:
                    "max_tokens": STRUCTURED_MAX_TOKENS, **sampling}
     rates: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
     try:
-        await stream.request({**constrained, "max_tokens": 8})  # warm-up (and the cache)
+        await stream.figures({**constrained, "max_tokens": 8})  # warm-up (and the cache)
         before = (await _stats(stream))["grammar"]
         tokens = STRUCTURED_MAX_TOKENS
         for kind in ("constrained", "unconstrained", "unconstrained", "constrained") * 3:
             if kind == "constrained":
-                run = await stream.request(constrained)
+                run = await stream.figures(constrained)
                 if run["done"]["finish_reason"] != "stop":
                     raise RuntimeError(f"the constrained document did not end: {run['done']}")
                 tokens = run["tokens"]
             else:
                 # The same prompt and sampling, as many tokens as the document took.
-                run = await stream.request({**constrained, "json_schema": None,
+                run = await stream.figures({**constrained, "json_schema": None,
                                             "max_tokens": tokens})
             rates[kind].append(run["decode_tok_s"])
         after = (await _stats(stream))["grammar"]

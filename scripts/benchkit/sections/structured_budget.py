@@ -35,7 +35,7 @@ TREE_PROMPT = ('A family tree as JSON.\nExample: {"name": "Ann", "children": [{"
 
 
 def cases() -> dict[str, tuple[dict[str, Any] | None, str]]:
-    from tests.test_structured import (
+    from tests.kit.structured import (
         BOUNDED,
         BUDGET_CASES,
         PERSON,

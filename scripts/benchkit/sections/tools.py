@@ -1,6 +1,6 @@
 """Tool calls (issue 36): how many answers are calls that validate, daemon and llama-server.
 
-The same tools as tests/test_tools.py (get_weather, add) and one with a nested object
+The same tools as tests/e2e/ndjson/test_tools.py (get_weather, add) and one with a nested object
 (add_event), PROMPTS user messages, `tool_choice` "required" and the named function
 "add", temperatures 0 (greedy) and 1.0 (top_k 40, top_p 0.95, min_p 0.05 on both sides),
 seeds 0..--seeds-1 and max_tokens 16 and 24 (tight: the shortest call of these tools
@@ -76,7 +76,7 @@ VALID_NOTE = ("valid: finish_reason \"tool_calls\" and every call names an allow
 def tools() -> list[dict[str, Any]]:
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from tests.tool_round_trip import ADD, WEATHER
+    from tests.kit.tools import ADD, WEATHER
     return [WEATHER, ADD, EVENT]
 
 

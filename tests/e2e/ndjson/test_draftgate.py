@@ -1,0 +1,97 @@
+"""The draft gate (engine/draftgate.py): step costs by rows, the expected tokens of a
+draft, the length that pays most; the costs file (engine/costsfile.py); and, live, a
+daemon whose drafts are judged by the step costs it measured.
+
+This file holds the tests against the real daemon; those that need no daemon and no
+model in tests/unit/engine/test_draftgate.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sfcore_daemon.engine import costsfile
+from sfcore_daemon.llama.stepcost import BusyMeter
+from tests.kit import done_of, merge, running_daemon
+
+pytest_asyncio_mark = pytest.mark.asyncio(loop_scope="function")
+
+
+COPY = {"prompt": "Copy this list exactly, one item a line:\nalpha\nbravo\ncharlie\ndelta\n"
+                  "echo\nfoxtrot\ngolf\nhotel\nindia\njuliet\n\nCopy:\nalpha\nbravo\n",
+        "max_tokens": 48}
+
+
+async def info(daemon: Any) -> dict[str, Any]:
+    async with daemon.client() as client:
+        return await client.final({"op": "info"})
+
+
+@pytest_asyncio_mark
+async def test_a_daemon_measures_its_step_costs_once_and_judges_drafts_by_them(
+        tmp_path: Path) -> None:
+    measured = merge({}, {"speculative": {"policy": "measured"},
+                          "cache": {"dir": str(tmp_path / "prompts")},
+                          "server": {"slots": 1}})
+    async with running_daemon(measured) as daemon:
+        costs = (await info(daemon))["config"]["speculative"]
+        assert costs["policy"] == "measured"
+        ratios = {int(rows): ratio for rows, ratio in costs["step_costs"].items()}
+        assert ratios[1] == 1.0 and set(range(1, 18)) | {32, 64} <= set(ratios)
+        assert all(ratio > 0 for ratio in ratios.values())
+        async with daemon.client() as client:
+            plain = done_of(await client.request(
+                {**COPY, "temperature": 0, "speculative": False, "cache_prompt": False}))
+            fast = done_of(await client.request(
+                {**COPY, "temperature": 0, "cache_prompt": False}))
+        # Whatever the gate decided, the text is the model's: drafts of at most 3 rows
+        # are bit-exact, and a longer one only where its costs say it pays.
+        assert fast["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+        assert fast["usage"]["accepted_tokens"] <= fast["usage"]["drafted_tokens"]
+        log = daemon.log
+        assert "drafts judged by step costs" in log
+    kept = list((tmp_path / "step-costs").glob("*.json"))
+    if "kept for later starts" in log:
+        assert len(kept) == 1, kept
+        assert costsfile.load(kept[0]) is not None
+    else:  # measured while the machine was busy: for that run only
+        assert "for this run only" in log and kept == []
+    async with running_daemon(measured) as again:
+        again_costs = (await info(again))["config"]["speculative"]["step_costs"]
+        if kept:  # the next start reads them instead of measuring
+            assert again_costs == costs["step_costs"]
+            assert "as measured before" in again.log
+        else:
+            assert "measured in" in again.log
+
+
+@pytest_asyncio_mark
+async def test_no_step_wider_than_the_daemon_makes_is_measured(tmp_path: Path) -> None:
+    # llama.cpp aborts on a batch with more outputs than the context was made for
+    # (slots + draft_max here): this config once killed the daemon at start-up.
+    short = merge({}, {"speculative": {"policy": "measured", "draft_max": 8},
+                       "cache": {"dir": str(tmp_path / "prompts")}, "server": {"slots": 2}})
+    async with running_daemon(short) as daemon, daemon.client() as client:
+        ratios = (await client.final({"op": "info"}))["config"]["speculative"]["step_costs"]
+        assert done_of(await client.request({**COPY, "temperature": 0}))["usage"][
+            "completion_tokens"] > 0
+    assert 10 <= max(map(int, ratios)) < 32, ratios
+
+
+def test_the_busy_meter_sees_another_process_on_the_cpus() -> None:
+    busy = BusyMeter()
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import time\nend = time.monotonic() + 0.6\n"
+                              "while time.monotonic() < end: pass"])
+    try:
+        child.wait(timeout=30)
+    finally:
+        child.kill()
+    # One of this machine's CPUs (at most 2 here, more elsewhere) for most of the time.
+    assert busy.share() >= 0.5 / (os.cpu_count() or 1) * 0.5
