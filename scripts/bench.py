@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # the daemon's package, for the sections that drive llama.cpp
+sys.path.insert(0, str(REPO))  # the test kit (tests/kit: the launcher, the client) and the
+# daemon's package, for the sections that drive llama.cpp
 
 from benchkit.cli import main  # noqa: E402  (the path above first)
 

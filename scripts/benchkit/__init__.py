@@ -1,7 +1,8 @@
 """The benches of scripts/bench.py as one package.
 
     common.py    the repository, the hang bound, filler text, one generation's figures
-    daemon.py    the one daemon launcher (a daemon on a temp socket) and its NDJSON client
+    daemon.py    the daemon of the kit's one launcher (tests/kit/daemon.py) with the
+                 benches' configuration, and the kit's NDJSON client
     peers.py     the one peer launcher: llama-server, llama-batched-bench, llama-bench,
                  llama-cpp-python's Llama, all on the daemon's model file
     ceiling.py   llama.cpp's C API in a process of its own, the figures section's ceiling

@@ -1,23 +1,18 @@
-"""The benches' daemon launcher: a daemon subprocess on a temp socket, waited for by its
-READY=1 and timed to it; and their NDJSON connection, the kit's client (tests/kit/ndjson.py,
-importable because scripts/bench.py puts the repository root on sys.path)."""
+"""The benches' daemon: the kit's launcher (tests/kit/daemon.py, `start_daemon`) with the
+benches' configuration, and their NDJSON connection, the kit's client (tests/kit/ndjson.py);
+both importable because scripts/bench.py puts the repository root on sys.path."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import shutil
-import socket
-import subprocess
-import sys
-import tempfile
-import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
 from benchkit import common
 from benchkit.common import SAMPLED, TIMEOUT_S, filler_text, generation_figures
+from tests.kit import daemon as kit
 from tests.kit.ndjson import Client
 
 
@@ -47,85 +42,77 @@ class Stream(Client):
 
 
 class Daemon:
-    """A daemon subprocess on a temp socket; `ready_ms` from spawn to READY=1."""
+    """A daemon of the kit's launcher (`kit`) on a temp socket; `ready_ms` from its spawn
+    to READY=1. Its configuration is the daemon's defaults and the bench's parameters,
+    not the tests' BASE_CONFIG."""
 
-    def __init__(self, process: asyncio.subprocess.Process, workdir: Path,
-                 ready_ms: float) -> None:
-        self.process, self.workdir, self.ready_ms = process, workdir, ready_ms
-        self.socket_path = str(workdir / "s")
-        self.log_path: Path | None = None
-        # The READY=1 notification (its STATUS= names the OpenAI endpoint's address).
-        self.ready_status = ""
+    def __init__(self, daemon: kit.Daemon) -> None:
+        self.kit = daemon
+
+    @property
+    def socket_path(self) -> str:
+        return self.kit.socket_path
+
+    @property
+    def process(self) -> asyncio.subprocess.Process:
+        return self.kit.process
+
+    @property
+    def workdir(self) -> Path:
+        return self.kit.directory
+
+    @property
+    def log_path(self) -> Path:
+        return self.kit.log_path
+
+    @property
+    def ready_ms(self) -> float:
+        return self.kit.ready_ms
+
+    @property
+    def ready_status(self) -> str:
+        """The READY=1 notification (its STATUS= names the OpenAI endpoint's address)."""
+        return self.kit.ready_message
 
     @classmethod
     async def start(cls, params: dict[str, Any], log_path: Path | None = None, *,
-                    config: str = "", log_level: str = "warning",
-                    append: bool = False) -> Daemon:
+                    config: str = "", log_level: str = "warning", append: bool = False,
+                    tree: Path | str | None = None) -> Daemon:
         """Spawn the daemon and wait for READY=1; RuntimeError (with its log's tail) as
         soon as it exits instead. `config`: TOML sections of its own, `[cache]` included
         (by default a prompt store in the workdir, so that no run restores states an
-        earlier run left in the user's cache), after params' daemon_config (the command
-        line's --daemon-config). `append`: add to `log_path`'s lines."""
-        workdir = Path(tempfile.mkdtemp(prefix="sfbench-", dir="/tmp"))
-        config_path = workdir / "config.toml"
-        server = f'[server]\nslots = {params["slots"]}\n' if params.get("slots") else ""
-        config = (params.get("daemon_config") or "") + "\n" + config
-        if "[cache]" not in config:
-            config += f"[cache]\ndir = {json.dumps(str(workdir / 'prompts'))}\n"
-        config_path.write_text(f'{server}[model]\npath = {json.dumps(params["model"])}\n'
-                               f'n_ctx = {params["n_ctx"]}\n{config}'
-                               f'[log]\nlevel = "{log_level}"\n')
-        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        notify.bind(str(workdir / "n"))
-        notify.setblocking(False)
-        loop = asyncio.get_running_loop()
-        # A log file, not a pipe, when the daemon may log much before stop() reads it.
-        stderr = (log_path.open("ab" if append else "wb") if log_path is not None
-                  else subprocess.PIPE)
-        started = time.perf_counter()
-        process: asyncio.subprocess.Process | None = None
+        earlier run left in the user's cache), over params' daemon_config (the command
+        line's --daemon-config). Its log goes to `log_path` (`append`: after the file's
+        lines), by default a file in its workdir. `tree`: the checkout whose daemon runs
+        (by default this one)."""
+        settings: dict[str, Any] = {"model": {"path": params["model"],
+                                              "n_ctx": params["n_ctx"]}}
+        if params.get("slots"):
+            settings["server"] = {"slots": params["slots"]}
+        for text in (params.get("daemon_config") or "", config):
+            settings = kit.merge(settings, tomllib.loads(text))
+        settings = kit.merge(settings, {"log": {"level": log_level}})
         try:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "sfcore_daemon", "--config", str(config_path),
-                "--socket", str(workdir / "s"), cwd=common.REPO,
-                env={**os.environ, "NOTIFY_SOCKET": str(workdir / "n")},
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
-            deadline = started + TIMEOUT_S
-            while True:
-                if process.returncode is not None or time.perf_counter() > deadline:
-                    tail = log_tail(log_path) if log_path is not None else ""
-                    raise RuntimeError(f"the daemon did not start (exit "
-                                       f"{process.returncode}): {tail}")
-                try:
-                    notification = await asyncio.wait_for(loop.sock_recv(notify, 4096), 1.0)
-                    if b"READY=1" in notification:
-                        break
-                except TimeoutError:
-                    pass
-        except BaseException:
-            if process is not None and process.returncode is None:
-                process.kill()
-                await process.wait()
-            shutil.rmtree(workdir, ignore_errors=True)
-            raise
-        finally:
-            notify.close()
-            if log_path is not None:
-                stderr.close()  # type: ignore[union-attr]  # the child has its own copy
-        daemon = cls(process, workdir, (time.perf_counter() - started) * 1e3)
-        daemon.log_path = log_path
-        daemon.ready_status = notification.decode(errors="replace")
-        return daemon
+            daemon = await kit.start_daemon(
+                settings, base=None, log_path=log_path, append_log=append,
+                tree=tree or common.REPO, ready_timeout=TIMEOUT_S,
+                # The daemon as a user runs it: no thread checks unless asked for.
+                env={"SFCORE_CHECK_THREADS": os.environ.get("SFCORE_CHECK_THREADS", "")})
+        except kit.NoNotification as error:
+            raise RuntimeError(f"the daemon did not start (exit {error.code}): "
+                               f"{error.log[-2000:]}") from None
+        return cls(daemon)
 
     async def stop(self) -> str:
-        """Stop the daemon; its log."""
-        self.process.terminate()
-        _, piped = await asyncio.wait_for(self.process.communicate(), TIMEOUT_S)
-        shutil.rmtree(self.workdir, ignore_errors=True)
-        log = (self.log_path.read_bytes() if self.log_path is not None else piped).decode(
-            errors="replace")
-        if self.process.returncode != 0:
-            raise RuntimeError(f"the daemon exited with {self.process.returncode}: {log}")
+        """Stop the daemon (killed if that fails) and remove its workdir; its log
+        (RuntimeError with it if it exits other than 0)."""
+        try:
+            code = await self.kit.stop(TIMEOUT_S)
+            log = self.kit.log
+        finally:
+            await self.kit.close()
+        if code != 0:
+            raise RuntimeError(f"the daemon exited with {code}: {log}")
         return log
 
 

@@ -1,9 +1,9 @@
 """The wait queue and the decode slots.
 
-`Scheduler` keeps one FIFO for every connection and hands the engine a generation's
+`Scheduler` keeps one wait queue for all connections and hands the engine a generation's
 job whenever a slot and room in the KV pool are free; a generation tells it when its
 slot is free again (`Generation.on_released`). What a generation writes is
-`output.Generation`'s business.
+`Generation`'s business (generation.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from sfcore_daemon.llama.kvcache import shared_prefix
 _WORTHWHILE_PREFIX = 64
 
 
-# How often later requests may start ahead of a waiting one that does not fit yet.
+# How often later requests may start ahead of the queue's head while it cannot start.
 _MAX_OVERTAKES = 8
 
 
@@ -32,13 +32,20 @@ class QueueFull(Exception):
 
 
 class Scheduler:
-    """One FIFO in front of `slots` decode slots sharing one KV pool. Event loop only.
+    """One wait queue in front of `slots` decode slots sharing one KV pool. Event loop only.
 
-    The head of the queue starts as soon as a slot is free and the KV pool can hold
-    everything it may come to need (its prompt plus max_tokens) beside what running
-    requests may need; idle slots' cached prefixes are dropped, least recently used
-    first, to make that room. So a running request never fails for lack of cells,
-    and a waiting one only waits. Strict FIFO: nothing overtakes the head.
+    A request starts as soon as a slot is free and the KV pool can hold everything it
+    may come to need (its prompt plus max_tokens) beside what running requests may
+    need; idle slots' cached prefixes are dropped, least recently used first, to make
+    that room. So a running request never fails for lack of cells, and a waiting one
+    only waits.
+
+    Requests start in arrival order, with one bounded exception (`_overtake`): while a
+    slot is free but the head cannot start (its reservation does not fit beside the
+    running requests', or it must have the batch to itself and others run), later
+    requests that fit start ahead of it, at most _MAX_OVERTAKES times while it waits.
+    So one large request neither holds up the small ones behind it nor waits forever.
+    A request that must have the batch to itself never overtakes.
     """
 
     def __init__(self, engine: Engine, max_queue: int, slots: int = 1) -> None:
@@ -153,18 +160,14 @@ class Scheduler:
                       key=self._slot_used.__getitem__)
         held += sum(len(self._slot_tokens[s]) for s in idle)
         evict = []
-        # A request that reuses nothing (`cache_prompt: false`) and starts alone gets an
-        # empty cache too, so that its bytes are a fresh daemon's, whatever was served
-        # before: the other slots' cells decide where llama.cpp puts its cells and how
-        # many cells attention spans, which pick and partition the attention kernels
-        # (docs/protocol.md, "Reproducibility and the prompt cache").
+        # Alone and reusing nothing (cache_prompt: false), a request gets an empty cache too,
+        # for a fresh daemon's bytes (docs/protocol.md, "Reproducibility and the prompt cache").
         empty = job.exclusive or (not job.cache_prompt and not self.running)
         for other in idle:
             if held <= pool and not empty:
                 break
-            # Where llama.cpp places a sequence's cells, among other sequences' cells,
-            # changes the order its attention sums in, so only an otherwise empty cache
-            # gives cold-run bytes.
+            # Other sequences' cells change where llama.cpp places this one's and so the
+            # order its attention sums in: only an otherwise empty cache gives cold bytes.
             evict.append(other)
             held -= len(self._slot_tokens[other])
         if held > pool:

@@ -153,10 +153,8 @@ class Channel:
         # (token bytes, perf_counter_ns at sampling): appended by the decode thread,
         # popped by the loop (a deque's append and popleft are atomic).
         self.pieces: deque[tuple[bytes, int]] = deque()
-        # With logprobs asked for: each token's numbers (llama/logprobs.py), appended
-        # before its piece, so the n-th piece's are the n-th entry (a token drawn but
-        # never emitted, the end-of-generation one or draft rows past the end, leaves
-        # more at the end). A wide grammar pass appends from its own thread.
+        # With logprobs: each token's numbers (llama/logprobs.py), appended before its piece,
+        # so piece n's are entry n; tokens never emitted leave extra entries at the end.
         self.numbers: deque[TokenLogprobs] = deque()
         # The loop's only write: set once, never cleared; the decode thread ends the
         # job within a step (inside a long prompt batch, through the abort callback).

@@ -1,6 +1,7 @@
 """Whether a draft pays for itself, on the decode thread: what a step of r logit rows
 costs on this model and machine (measured before serving), and how likely a sequence's
-next draft token is to be accepted (from its own verifications).
+next draft token is to be accepted (from its match, how drafts fared lately and its own
+verifications).
 
 A draft of k tokens, each accepted with probability p while the ones before it were,
 adds p + p^2 + ... + p^k tokens to its step in expectation and makes the step's r rows
@@ -8,7 +9,7 @@ r + k. A step's drafts are given the lengths (none included) that give the step 
 most tokens per second, the likeliest sequence first. On the default model a row costs
 about a quarter of a step (a row of logits over 262,144 tokens), on SmolLM2-135M about
 0.4 of one: the same draft pays on one and loses on the other, which no fixed rule
-knows (docs/performance.md, "Speculative decoding").
+knows (docs/performance/speculative.md).
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ class StepCosts:
         at a step of `rows` logit rows and no other draft: `best_length` would keep
         none. Found once per `rows` and kept; a hair under the true bound, so that a
         draft turned away by it is one `best_length` turns away. In text with little to
-        copy the gate refuses most drafts proposed, each in about 30 us of the decode
-        thread's time on SmolLM2 (5 ms a token); this takes one comparison."""
+        copy the gate refuses most drafts proposed: this refuses each with one comparison
+        instead of a search of lengths (docs/performance/speculative.md)."""
         least = self._least.get(rows)
         if least is None:
             least = self._least[rows] = self._least_paying(rows)
@@ -107,21 +108,20 @@ class StepCosts:
                 if 0 < rows <= 17 or rows in (32, 64)}
 
 
-# Before a sequence's drafts are verified, the chance that a draft token is accepted
-# while the ones before it were, by how far the match runs back (the tokens before the
-# matched place that equal the text's end): (run + 1) / (run + 4), 0.62 for a bare
-# 4-gram, 0.85 for 16 tokens, 0.92 for 32. A long match is a copy or a regenerated
-# answer in progress (the bench's edit prompts accepted 0.55 of llama-server's ngram-mod
-# drafts, its regenerate prompts 0.87), a short one a phrase that may go either way; a
-# fixed prior either drafted the short ones where a row costs half a step (SmolLM2) or
-# never drafted the long ones. A sampled request's draft token is kept only when the
-# sampler draws it, less often than the argmax is: SAMPLED_TRUST of the greedy chance.
-# From the text and the request alone, never from the daemon's running figures: a
-# request's drafts must not depend on what the daemon served before.
+# A sampled request's draft token is kept only when the sampler draws it, less often than
+# the argmax is: its prior is this share of the greedy one.
 SAMPLED_TRUST = 0.9
 
 
 def prior_acceptance(run: int, sampled: bool = False) -> float:
+    """Before a sequence's drafts are verified, the chance that a draft token is accepted
+    while the ones before it were, by how far the match runs back (the tokens before the
+    matched place that equal the text's end): (run + 1) / (run + 4). A long match is a
+    copy or a regenerated answer in progress, a short one a phrase that may go either
+    way; a fixed prior either drafted the short ones where a row is dear (SmolLM2) or
+    never drafted the long ones (docs/performance/speculative.md, "Where p comes from").
+    From the text and the request alone, never from the daemon's running figures: a
+    seeded request's drafts must not depend on what the daemon served before."""
     chance = (run + 1) / (run + 4)
     return chance * SAMPLED_TRUST if sampled else chance
 
@@ -131,9 +131,9 @@ class AcceptanceBook:
     (greedy, sampled) and run (by powers of two: 2-3, 4-7, ..., 128 and more): the
     chance a draft token is accepted, for requests without a seed, in place of the
     fixed prior. The same run means another thing on another model and text: on the
-    default model a sampled story repeats itself and drafts pay from short runs
-    (0.73 accepted), on SmolLM2 free text a 4-gram match is worth nothing (0.13), and
-    no fixed curve served both (docs/performance.md). Decode thread only.
+    default model a sampled story repeats itself and drafts pay from short runs, on
+    SmolLM2 free text a 4-gram match is worth nothing, and no fixed curve served both
+    (docs/performance/speculative.md, "Where p comes from"). Decode thread only.
 
     A seeded request is judged by the fixed prior: its drafts, and so its bytes, must
     not depend on what the daemon served before. A request's first draft from a source

@@ -23,20 +23,14 @@ from sfcore_daemon.engine.draftgate import StepCosts, best_length, expected_toke
 from sfcore_daemon.engine.sequence import NO_PARTS, DraftParts, Seq
 from sfcore_daemon.engine.speculative import MIN_DRAFT, DraftSettings, aligned_lengths
 
-# With other requests in the step (generating or reading their prompts), its drafts may
-# make it at most this many times as long as without them (DraftPlan._judge).
-# Unbounded, three streams regenerating earlier answers made 66-row steps of 150 ms on
-# SmolLM2, and a short prompt sent beside them waited 115.6 ms for its first token
-# against 28.7 ms on an idle daemon.
+# With other requests in the step, drafts may make it at most this many times as long: the
+# step is each one's token time (docs/performance/speculative.md, "Sharing the step").
 _SHARED_STEP = 2.0
-# And none where a prompt is read to its end in the step: that request's first token
-# waits for the whole step. With the cap above alone, a short prompt sent beside three
-# streams regenerating earlier answers waited 130 ms for its first token on the default
-# model (22 ms idle): the step it arrived during, then its own step, both doubled.
+# And none where a prompt is read to its end in the step: that request's first token waits
+# for the whole step (docs/performance/speculative.md, "Sharing the step").
 _FIRST_TOKEN_STEP = 1.0
-# A draft of text a grammar forces, or a copy of the prompt inside a string value, is
-# taken as it is; beside the n-gram drafts it is judged with, each of its tokens counts
-# as this likely (measured on the forced bench: 0.9 of forced tokens accepted).
+# Forced text or a value's copy of the prompt is taken whole; beside judged n-gram drafts
+# each of its tokens counts as this likely (docs/performance/forced-drafts.md).
 _FORCED_ACCEPTANCE = 0.9
 
 
@@ -64,9 +58,8 @@ class DraftPlan:
             sharing -= 1
             if seq.drafter is None or share < MIN_DRAFT:
                 continue
-            # Never past max_tokens: the last token sampled is never decoded, so the
-            # draft cells stay within the job's KV reservation. The continuation may
-            # run past the share by what aligning could add.
+            # Never past max_tokens (the last token sampled is never decoded): drafts stay in
+            # the job's KV reservation. It may pass the share by what aligning could add.
             room = min(seq.limit - seq.n_out - 1, share + settings.row_multiple - 1)
             proposal = _propose(seq, room)
             length = min(proposal.length, share)
@@ -188,9 +181,8 @@ def _propose(seq: Seq, room: int) -> Proposal:
     forcing = len(forced)
     if forcing >= MIN_DRAFT:
         proposal = _then_guess(seq, forced, DraftParts(forced=forcing), room)
-        # Unless the drafter's own draft agrees with the forced text and the guess, and
-        # goes further (a copy in progress). Where it guesses otherwise, the guess read
-        # the forced text too, the drafter's draft only the text before it.
+        # Unless the drafter's draft agrees with the forced text and the guess and goes
+        # further (a copy): where they differ, only the guess read the forced text.
         guess = proposal.tokens[forcing:forcing + proposal.parts.after]
         if length > proposal.length and continuation[:forcing + len(guess)] == forced + guess:
             continuation = continuation[:forced_drafts.fitting(emitted, continuation,
@@ -200,9 +192,8 @@ def _propose(seq: Seq, room: int) -> Proposal:
                 return Proposal(continuation, length,
                                 DraftParts(forcing, len(continuation) - forcing))
         return proposal
-    # Inside a string value: the rest of the prompt text it copies (copying.py), when it
-    # copies one, and what closes it. It knows where a phrase ends, which the n-grams'
-    # copy of the same prose does not.
+    # Inside a string value: the rest of the prompt text it copies (copying.py) and what
+    # closes it; it knows where a phrase ends, which the n-grams' copy of the prose does not.
     copy, closing = forced_drafts.copy(emitted, room)
     if closing and len(copy) + len(closing) >= MIN_DRAFT:
         return _then_guess(seq, copy + closing,

@@ -3,7 +3,7 @@
 Made by the step loop from what the engine's inbox hands it (the frozen `JobSpec` and
 `Placement`, the `Channel` back; crossing.py); what it counts here reaches the event
 loop only in the `JobEnd` it sends as the job ends. No module outside engine/ imports
-it (tests/test_layout.py).
+it (tests/repo/test_layout.py).
 """
 
 from __future__ import annotations
@@ -49,17 +49,15 @@ class Job:
         self.t_start = 0
         self.t_prompt_done = 0
         self.t_first = 0
-        # Speculative decoding (speculative.py): tokens drafted, of those accepted; the
-        # steps that verified its drafts, of those the steps whose logit rows were a
-        # multiple of [speculative] row_multiple, and those steps' logit rows, all
-        # counted from the batch as submitted. forced_*: a schema's forced text's.
+        # Speculative decoding (speculative.py), counted from the batch as submitted;
+        # forced_*: the tokens of a schema's forced text among them.
         self.drafted = 0
-        self.accepted = 0
+        self.accepted = 0  # of the drafted tokens
         self.forced_drafted = 0
         self.forced_accepted = 0
-        self.draft_steps = 0
-        self.aligned_steps = 0
-        self.logit_rows = 0
+        self.draft_steps = 0  # steps that verified its drafts
+        self.aligned_steps = 0  # of those, the ones whose logit rows were whole multiples
+        self.logit_rows = 0  # those steps' logit rows
 
     def ended(self, reason: EndReason, kept: list[int]) -> JobEnd:
         """The end record to send: what this job came to, frozen."""

@@ -44,8 +44,8 @@ class Rows:
         self._n_vocab = model.info.n_vocab
         self._memory = model.memory
         self._end = end  # steploop.Ending.end
-        # Wide grammar passes (grammar.py) take 3 ms to over a second: they run here,
-        # beside the steps, instead of inside the step every sequence shares.
+        # Wide grammar passes (grammar.py) may take over a second: they run here, beside
+        # the steps, not inside the step every sequence shares (docs/configuration.md).
         self._wide_passes = ThreadPoolExecutor(1, thread_name_prefix="sfcore-grammar")
         # Scratch for the logprobs of requests that ask (logprobs.py): one for the
         # steps, one for the wide passes' thread; made when first needed.

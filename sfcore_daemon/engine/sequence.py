@@ -63,9 +63,8 @@ class Seq(SeqCells):
         self.forced: ForcedDrafts | None = None
         # Where `draft`'s tokens came from, for its verification.
         self.draft_parts = NO_PARTS
-        # A stored state being read from disk for its prompt (the entry, the rows to
-        # keep, the read, the time.monotonic() it is given up at); the sequence sits out
-        # of the steps until it is there (storepolicy.PromptStates.poll).
+        # A state being read from disk for its prompt (entry, rows to keep, the read, its
+        # monotonic deadline): it sits out of the steps until then (PromptStates.poll).
         self.loading: tuple[Entry, int, Future[bytearray | None], float] | None = None
         # Whether its cells may be kept in the prompt store (not after cache_prompt: false).
         self.keep_state = False
@@ -73,11 +72,10 @@ class Seq(SeqCells):
         # state is stored once the prompt is read, to be restored for the next one.
         self.keep_prefix = 0
         self.prompt_kept = False  # its prompt's states were taken (or were not worth it)
-        # The turn or line starts whose states are taken once the prompt is read, and
-        # the first row those states need kept meanwhile (-1: none; see
-        # storepolicy.PromptStates.protect).
+        # The turn or line starts whose states are taken once the prompt is read, and the
+        # first row those states need kept meanwhile (storepolicy.PromptStates.protect).
         self.boundaries: list[int] = []
-        self.protect_from = -1
+        self.protect_from = -1  # -1: none
         # Where its prompt's chunks end besides n_batch multiples, ascending: the turn
         # or line starts a stored state may end at (storepolicy.PromptStates.cuts).
         self.cuts: list[int] = []

@@ -7,7 +7,7 @@ sequence's own sampler chain samples the rows in order: a draft token is kept wh
 equals what the chain drew (see rows.Rows._verify). So every token is the chain's draw
 from its own row, one draw per token. The rows are not always one token a step's to the
 bit: a step of several rows goes through other matrix kernels, which round otherwise
-(docs/performance.md, "Numerics"), and a near-tie can go the other way. What holds: the
+(docs/performance/speculative.md, "Numerics"), and a near-tie can go the other way. What holds: the
 same request from the same state gives the same bytes; bytes equal to one token a step
 take `speculative: false` or reproducible mode.
 
@@ -26,26 +26,17 @@ from sfcore_daemon.engine.draftgate import AcceptanceBook, prior_acceptance
 # first, twice as many after each further failure, at most _MAX_PAUSE.
 _FIRST_PAUSE = 4
 _MAX_PAUSE = 256
-# A match drafts this many times as far as it runs back: a long match is a copy (or a
-# loop) in progress, and copies tend to go on. Replaying 24 greedy outputs of the bench's
-# edit and free prompts with the measured step costs: x2 gave edit 176 / free 132 tok/s,
-# against 166 / 115 for drafts that start at 8 and double (docs/performance.md).
+# A match drafts this many times as far as it runs back: a long match is a copy (or a loop)
+# in progress, and copies tend to go on (docs/performance/speculative.md, "Draft length").
 _REACH = 2
-# After a draft accepted in part, the next ones are at most this many times what was
-# accepted (plus the drawn token): the match rule alone would retry the same length
-# where sampled text keeps leaving copies.
+# After a draft accepted in part, the next ones are at most this many times what was accepted
+# (plus the drawn token): the match rule would retry lengths that sampled text keeps leaving.
 _PARTIAL_REACH = 4
-# The shortest draft worth a step: llama.cpp decodes one row through a faster path than
-# several, so one row plus one draft row took 2.1x one row here (13.3 -> 27.9 ms), one
-# plus two 2.05x, one plus four 3.5x: a one-token draft never pays, two pay when both
-# are accepted (docs/performance.md, "Speculative decoding").
+# The shortest draft worth a step: one row decodes through a faster path than several, so a
+# one-token draft never pays (docs/performance/speculative.md, the step costs' table).
 MIN_DRAFT = 2
-# A store match is followed as far back as this many times an own match: an answer
-# that has come out as an earlier one for 128 tokens is a regenerate (draftgate's
-# prior 0.98 there, 0.92 at the 32 tokens an own match looks back), which the bench's
-# regenerate prompts accepted 0.95 of, the drafts' length held to 16 by the lower
-# chance (250 tok/s against llama-server ngram-mod's 273, whose 48-64-token drafts
-# follow a 24-token match).
+# A store match runs back this many times as far as an own match: an answer that came out
+# as an earlier one that long is a regenerate (docs/performance/speculative.md, the store).
 _STORE_RUN = 4
 # A sequence's acceptance: the prior counts as this many drafts of its own, and its own
 # count decays by this each draft (text changes from copying to writing).
@@ -96,9 +87,9 @@ class NgramStore:
     compares the tokens stored before the position with the query, so a collision is a
     missed draft, never a wrong one. `nbytes` is the whole store: 12 to 20 bytes a token
     of capacity, 4 for the token and 8 to 16 for its slots (a dict of n-gram tuples
-    took 150 to 240 with 4 to 16 tokens an n-gram). A request sent again drafts from its
-    earlier answer, so its rows are verified in other batch shapes and its bytes may
-    differ: a request with a seed never drafts from it (StepLoop._begin).
+    takes about ten times that: docs/performance/speculative.md). A request sent again
+    drafts from its earlier answer, so its rows are verified in other batch shapes and
+    its bytes may differ: a request with a seed never drafts from it (StepLoop._begin).
     """
 
     __slots__ = ("n", "_capacity", "_tokens", "_used", "_table", "_shift", "generation")
@@ -292,14 +283,8 @@ class NgramDrafter:
         limit = min(room, self._limit)
         most_run = settings.draft_max // _REACH
         store = self._store
-        # The store's matches are ngram_max long: better than a shorter match in the
-        # sequence's own text, and than one as long that runs back less far, as far as
-        # either runs back, unless it drafts less (a regenerated answer follows its
-        # first form past the places it changed the prompt's text, where a copy of the
-        # prompt stops, and its run takes in the prompt's last tokens before the answer;
-        # an answer to another edit of the same text stops there too, so the prompt
-        # keeps the draft where both run back as far; a stored text that ends soon,
-        # or loops, drafts less than the own text's periodic continuation).
+        # A store match beats a shorter own match, and one as long that runs back less far,
+        # unless it drafts less (why: docs/performance/speculative.md, the store of answers).
         stored, store_n = None, 0
         if store is not None:
             stored, store_n = self._from_store(store, tokens, room, limit,
@@ -389,11 +374,7 @@ class NgramDrafter:
         hits, misses = self._hits[source], self._misses[source]
         if not hits and not misses:
             # Its first draft from this source: other requests' drafts may lower what its
-            # match promises, never raise it. The book's chance for a bare store match
-            # came from regenerated answers (accepted whole) and sent free text's first
-            # chance 4-gram into 7-token drafts at 0.86-0.98, every one refused: 4-8% of
-            # a SmolLM2 request, where 8 rows cost 4.4 one-row steps. A real copy's match
-            # grows with each token it copies; a chance one does not.
+            # match promises, never raise it; a real copy's match grows as it copies.
             return min(prior, fixed)
         return (hits + _PRIOR_WEIGHT * prior) / (hits + misses + _PRIOR_WEIGHT)
 
@@ -466,12 +447,12 @@ def aligned_lengths(rows: int, lengths: list[int], most: list[int], multiple: in
     `lengths`: the drafts as proposed; `most`: how long each may grow (its match's
     continuation within its room); `spare`: draft rows the step has left. llama.cpp's
     CPU kernel for the default model's output matrix (Q8_0, llamafile's tinyBLAS) takes
-    logit rows four at a time and sweeps the whole 178 MB matrix once more for any 1-3
-    left over, so 4k+1 rows cost about what 4k+4 do (measured: 5 rows 59.0 ms, 8 rows
-    62.8, 4 rows 38.9; docs/performance.md, "Rows come in fours"). A step 1 row past a
-    multiple drops that row (the longest draft's last token, its least likely); 2 or
-    more past, or below the first multiple, the longest drafts grow into the free rows.
-    Never below 0 or past `most`; unchanged when neither fits.
+    logit rows four at a time and sweeps the whole matrix once more for any 1-3 left
+    over, so 4k+1 rows cost about what 4k+4 do (docs/performance/speculative.md, "Rows
+    come in fours"). A step 1 row past a multiple drops that row (the longest draft's
+    last token, its least likely); 2 or more past, or below the first multiple, the
+    longest drafts grow into the free rows. Never below 0 or past `most`; unchanged
+    when neither fits.
     """
     total = rows + sum(lengths)
     over = total % multiple

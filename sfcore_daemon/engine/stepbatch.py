@@ -19,12 +19,8 @@ from sfcore_daemon.llama.model import Model
 # Prompt tokens left up to which a prompt is a short rest (a question after a restored or
 # reused prefix, a chat's new turn, a short prompt): read whole, before the long ones.
 _SHORT_REST = 64
-# Rows of short rests in one step, unless the shortest alone has more. A step's cost grows
-# with its rows (about 4.5 ms a row at 1000 cells of context, over ~15 ms a step), so a
-# burst's mean first token is lowest when its shortest prompts go first, one or a few a
-# step: 8 restored questions of ~18 tokens in one step all waited ~800 ms for it; one a
-# step, their first tokens came at ~100 ms intervals. (docs/performance.md, "Parallel
-# slots": the 12-client churn's mean first token 1254 -> 906 ms.)
+# Rows of short rests a step, unless the shortest has more: a step's cost grows with its rows,
+# so a few a step gives a burst its least mean first token (docs/performance/slots.md).
 _SHORT_STEP_ROWS = 32
 
 
@@ -85,20 +81,16 @@ class StepBatch:
         self.stepping, self.prefilling, self.outputs = stepping, prefilling, outputs
         reading = [seq for seq in active
                    if not seq.generating and seq.parked is None and seq.loading is None]
-        # Every generating sequence first: its pending token and its draft, if any, each
-        # row asking for logits. The drafts are proposed now and settled once the
-        # prompt chunks are planned: a prompt read to its end adds a logit row too.
+        # Generating sequences first (pending token and draft, each row asking for logits);
+        # drafts settle once the chunks are planned: a prompt read to its end adds a row.
         plan = (DraftPlan(self._drafts, self._draft_rows, stepping, self.costs,
                           shared=len(active) > 1,
                           first_token=any(_rest(seq) <= self._prefill_per_step
                                           for seq in reading))
                 if self._drafts is not None and stepping else None)
         n = len(stepping) + (plan.rows if plan is not None else 0)
-        # Then prompt tokens: first the short rests (their first token is near), the
-        # shortest first, each whole and at most _SHORT_STEP_ROWS rows of them a step;
-        # then the others, oldest request first. Alone, a prompt goes in whole n_batch
-        # chunks; beside streaming sequences, at most prefill_per_step tokens a step,
-        # so their next token is never held up by a whole long prompt.
+        # Then prompts, short rests first (their first token is near), then oldest first;
+        # beside streaming rows at most prefill_per_step, so a long prompt never holds them up.
         budget = self._n_batch - n if n == 0 else min(self._prefill_per_step, self._n_batch - n)
         chunk = self._prefill_chunk
         if len(reading) > 1:
@@ -106,9 +98,8 @@ class StepBatch:
             first_rest = _rest(reading[0])
             if first_rest <= _SHORT_REST:
                 budget = min(budget, max(_SHORT_STEP_ROWS, first_rest))
-        # A prompt read alone is cut at its cuts too (storepolicy.PromptStates.cuts):
-        # a cold run's bytes come only from a batch of its own. Beside other rows a cut
-        # would just delay the rest of the prompt by a step.
+        # Alone, a prompt is also cut at its cuts (storepolicy.PromptStates.cuts) for the
+        # cold run's bytes; beside other rows a cut would only delay its rest by a step.
         alone = n == 0 and len(reading) == 1
         ends = 0  # prompts read to their end in this step
         for seq in reading:

@@ -178,10 +178,8 @@ class StepLoop:
             seq.generating = False
             seq.limit = min(spec.max_tokens, self.n_ctx - len(spec.prompt))
             self._rows.prepare(seq, job)
-            # A request that names its seed drafts from its own text only, judged by
-            # the fixed prior: the store holds what other requests generated, the book
-            # how their drafts fared, and either would make the request's bytes depend
-            # on them (a step's rows round otherwise).
+            # A seeded request drafts from its own text, by the fixed prior: the store and
+            # the book are other requests' history, and its bytes must not depend on them.
             unseeded = spec.sampling.seed is None
             learned = self._learned if unseeded else None
             seq.drafter = (faults.drafter(job)(self._drafts, spec.prompt, learned,
@@ -239,10 +237,8 @@ class StepLoop:
 
         ctx, batch, outputs = self._ctx, steps.batch, steps.outputs
         if n - len(outputs) >= _ABORTABLE_PREFILL:
-            # A big prompt batch can take seconds: the abort callback stops it once
-            # every sequence in it is cancelled. Installed for those batches only:
-            # llama.cpp polls it once per graph node (a Python call holding the GIL),
-            # hundreds of times a step, and a small batch ends soon anyway.
+            # The abort callback stops a long prompt batch once all its jobs are cancelled;
+            # only here, as llama.cpp calls it (Python, under the GIL) at every graph node.
             self._abort_jobs = [seq.job.out for seq in active if seq.job is not None]
             started = time.perf_counter_ns()
             C.llama_set_abort_callback(ctx, self._abort_callback, None)
@@ -273,19 +269,16 @@ class StepLoop:
         rows.wake(woken)
         threads = self._threads
         if threads is not None and not steps.prefilling:
-            # Each step as a one-row step's time: a step of drafts (a 17-row one costs
-            # 7.6 one-row steps on SmolLM2) is not a stretched one. Fed raw, the bench's
-            # drafted edits made 4-6 thread changes on an idle machine (SmolLM2), and a
-            # free text after them decoded on one thread.
+            # Each step as a one-row step's time: a step of drafts is a wide one, not one
+            # stretched by load (docs/performance/sharing-the-machine.md).
             costs = steps.costs
             elapsed = now - started if costs is None else costs.as_one_row(now - started, n)
             if threads.step(elapsed, now):
                 # Between two steps: the next graph runs with the new team size.
                 C.llama_set_n_threads(ctx, threads.threads, threads.threads_batch)
         if self._states.enabled:
-            # Once the first tokens are on their way: the states of prompts read whole
-            # this step, while their cells are the prompt (a sliding-window cache lets
-            # later tokens overwrite rows a prefix's state needs).
+            # The states of prompts read whole this step, while their cells are the prompt:
+            # in a sliding-window cache later tokens overwrite rows such a state needs.
             for seq in steps.prefilling:
                 if seq.job is not None and seq.job.t_prompt_done == now:
                     self._states.keep_prompt(seq, seq.job)

@@ -31,10 +31,8 @@ __all__ = ["Entry", "PromptStates", "PromptStore", "store_fingerprint"]
 # Prompt tokens a stored state must save beyond what the slots give, to be restored:
 # restoring costs about what evaluating a few tokens does.
 _RESTORE_GAIN = 16
-# A long prompt's state is also kept at the last few turn or line starts of its tail
-# (a control token such as <start_of_turn>, or the token after a newline): where the
-# next prompt with the same system text and another question tends to leave it, as a
-# state can continue only where its text ends.
+# A long prompt's state is also kept at its tail's last turn or line starts (see _boundaries):
+# a state continues only where its text ends, and the next prompt tends to leave it there.
 _BOUNDARIES = 2
 _BOUNDARY_SCAN = 512  # tokens before the prompt's end searched for them
 _BOUNDARY_GAP = 8  # tokens at least between two kept boundaries
@@ -66,9 +64,8 @@ class PromptStates:
         A prefix shared with an earlier text but stored nowhere is marked for keeping."""
         store = self._store
         assert store is not None
-        # A state that ends where the prompt's own chunks are cut, restored into an
-        # empty pool, continues with the cold run's bytes (KVCache.restore): worth a
-        # few more tokens. Beside other slots' cells there are no such bytes to get.
+        # A state ending at one of the prompt's cuts, restored into an empty pool, gives the
+        # cold run's bytes (KVCache.restore); beside other slots' cells there are none to get.
         cuts = seq.cuts if self._cells.can_place(seq) else ()
         entry, n, shared = store.find(job.spec.prompt, cuts, _EXACT_SLACK)
         common = max(shared, job.n_cached)
@@ -175,9 +172,8 @@ class PromptStates:
         size of the whole prefix, for a few dozen tokens of gain). `exact`: a prefix
         other prompts share, worth its own state unless a stored one ends less than
         _RESTORE_GAIN tokens before it (restored there, the next prompt evaluates just
-        what differs). Under churn the 8 restored prompts of a round each shared a few
-        tokens of their question with a stored state: a copy and a disk write apiece
-        held the step loop for ~235 ms and slowed the next steps, to save 3 tokens."""
+        what differs): under churn, states that saved a few tokens each held the step
+        loop far longer than they saved (docs/performance/prompt-store.md)."""
         store = self._store
         if store is None or not seq.keep_state or n < store.min_tokens or n > len(seq.cached):
             return
@@ -194,9 +190,8 @@ class PromptStates:
         or line starts, whose states are kept once it is read. A state restored there
         continues with the rows a cold run reads next, row for row, so the restored
         prompt computes the cold run's bytes (the window rows placed,
-        kvcache.KVCache.restore). The two extra decode calls cost nothing measurable:
-        cold first token 0.92-0.97x of uncut in an alternated A/B at 301-1676 tokens.
-        Depends only on the prompt, not on the cache."""
+        kvcache.KVCache.restore). The extra decode calls cost nothing measurable
+        (docs/performance/prompt-store.md). Depends only on the prompt, not on the cache."""
         store = self._store
         if store is None or len(prompt) <= store.min_tokens:
             return []

@@ -44,7 +44,7 @@ class Engine:
     caller go on with its own start-up (imports, the socket) while llama.cpp reads
     the model, and keeps every llama_decode on one thread: libgomp keeps a worker
     team per calling thread, and a second team (say, from a warm-up elsewhere)
-    left decode at 50 tok/s instead of 65 on 2 CPUs.
+    slows decode (docs/performance/design.md).
     """
 
     def __init__(
@@ -69,10 +69,8 @@ class Engine:
         self.n_threads = n_threads
         self.n_threads_batch = n_threads_batch
         self.slots = slots
-        # The thread counts in force: fewer while other processes hold the cores
-        # ([runtime] adaptive_threads; engine/threadpolicy.py). Never in reproducible
-        # mode: the thread count partitions llama.cpp's sums (flash attention splits a
-        # row's cells among the threads), so bytes would follow the machine's load.
+        # Fewer threads while others hold the cores (threadpolicy.py); never in reproducible
+        # mode: the thread count partitions llama.cpp's sums, so bytes would follow the load.
         self.threads = ThreadPolicy(
             # (More threads than CPUs, as configured, is not the others' doing.)
             ThreadLimits(n_threads, n_threads_batch,
@@ -85,9 +83,8 @@ class Engine:
         self.store = None if model_config.reproducible else store
         # Resolved once the model is loaded and warmed up, or fails with ModelLoadError.
         self.ready: concurrent.futures.Future[None] = concurrent.futures.Future()
-        # Resolved when the decode thread ends after serving: with None once `close`
-        # stopped it, with the exception that ended it otherwise (the server then
-        # answers everything with an error and exits; see Server._decode_stopped).
+        # Resolved as the decode thread ends after serving: None after `close`, else the
+        # exception that ended it (the server then fails everything: Server._decode_stopped).
         self.stopped: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.model: Model | None = None
         self._loop: StepLoop | None = None
@@ -143,9 +140,8 @@ class Engine:
             importing.join()  # before the first request: no import then competes for the GIL
             self.warm_up()
             if self.store is not None and known_sha256(self.model_path) is not None:
-                # The first request after a restart finds the states on disk. (Not
-                # when the model file must be hashed first: its first start does not
-                # wait for that; the disk tier joins when it is done.)
+                # The first request after a restart finds the states on disk (unless the
+                # model must be hashed first: then the disk tier joins when that is done).
                 self.store.wait_open(_STORE_OPEN_TIMEOUT_S)
         except BaseException as exc:
             self.ready.set_exception(exc)

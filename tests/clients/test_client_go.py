@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import sfcore_client
 
-from tests.clients.client_logprobs import assert_generated_counted, python_logprobs
 from tests.kit import REPO, running_daemon
+from tests.kit.client_logprobs import assert_generated_counted, python_logprobs
 from tests.kit.person_document import (
     PERSON_PROMPT,
     PERSON_SCHEMA,

@@ -24,8 +24,8 @@ import jsonschema
 import pytest
 from sfcore_client import Client
 
-from tests.clients.client_logprobs import assert_generated_counted, python_logprobs
 from tests.kit import REPO, running_daemon
+from tests.kit.client_logprobs import assert_generated_counted, python_logprobs
 from tests.kit.person_document import (
     PERSON_PROMPT,
     PERSON_SCHEMA,

@@ -2,6 +2,10 @@
 
 `running_daemon` starts one, waits for its READY=1 and stops it afterwards (it must exit
 0 and remove its socket); `Daemon.client()` talks NDJSON to it (tests/kit/ndjson.py).
+`start_daemon` is the same start without the context (the benches, scripts/benchkit,
+stop and close it themselves): it can write the log to a file of the caller's, start
+from another checkout (`tree`, to compare two) and leave the tests' BASE_CONFIG out;
+every daemon records its spawn-to-ready time (`Daemon.ready_ms`).
 `run_cli` and `run_to_exit` run it to its own exit (start-up errors); `BackgroundDaemon`
 keeps one on a private event loop thread for synchronous (hypothesis) tests.
 
@@ -63,10 +67,23 @@ def _toml(config: dict[str, Any]) -> str:
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `extra`'s sections merged in, key by key (a new dict; neither changes)."""
     merged = {key: dict(value) if isinstance(value, dict) else value for key, value in base.items()}
     for section, values in extra.items():
-        merged.setdefault(section, {}).update(values)
+        if isinstance(values, dict) and isinstance(merged.get(section), dict):
+            merged[section].update(values)
+        else:
+            merged[section] = dict(values) if isinstance(values, dict) else values
     return merged
+
+
+class NoNotification(AssertionError):
+    """The daemon exited (`code`), or the wait timed out (`code` None), before the
+    notification waited for; `log` is its log."""
+
+    def __init__(self, message: str, code: int | None, log: str) -> None:
+        super().__init__(message)
+        self.code, self.log = code, log
 
 
 @dataclass
@@ -76,6 +93,11 @@ class Daemon:
     log_path: Path
     directory: Path
     notifications: list[str] = field(default_factory=list)
+    # Milliseconds from the spawn to the notification start_daemon waited for (READY=1),
+    # and that notification (its STATUS= names the HTTP listener's address, if any).
+    ready_ms: float = 0.0
+    ready_message: str = ""
+    tree: Path = REPO  # the checkout it runs from
     _notify_sock: socket.socket | None = None
 
     @property
@@ -119,7 +141,9 @@ class Daemon:
                 with contextlib.suppress(asyncio.CancelledError):
                     await waiter
                 state = "exited" if exited in done else "timed out"
-                raise AssertionError(f"daemon {state} before {prefix!r}; log:\n{self.log}")
+                log = self.log
+                raise NoNotification(f"daemon {state} before {prefix!r}; log:\n{log}",
+                                     self.process.returncode, log)
             exited.cancel()
             message = waiter.result().decode()
             self.notifications.append(message)
@@ -132,10 +156,96 @@ class Daemon:
     async def wait_exit(self, timeout: float = STOP_TIMEOUT_S) -> int:
         return await asyncio.wait_for(self.process.wait(), timeout)
 
-    async def stop(self) -> int:
+    async def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM (unless it has exited) and its exit code."""
         if self.process.returncode is None:
             self.signal(signal.SIGTERM)
-        return await self.wait_exit()
+        return await self.wait_exit(timeout)
+
+    async def close(self) -> None:
+        """Kill it if it still runs; remove its temp directory (a log file of the
+        caller's, start_daemon's `log_path`, stays)."""
+        try:
+            if self.process.returncode is None:
+                self.process.kill()
+                await self.process.wait()
+        finally:
+            if self._notify_sock is not None:
+                self._notify_sock.close()
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+async def start_daemon(
+    config: dict[str, Any] | None = None,
+    *,
+    base: dict[str, Any] | None = BASE_CONFIG,
+    args: Iterable[str] = (),
+    socket_path: str | None = None,
+    wait_ready: bool = True,
+    env: dict[str, str] | None = None,
+    log_path: Path | None = None,
+    append_log: bool = False,
+    tree: Path | str | None = None,
+    ready_timeout: float = READY_TIMEOUT_S,
+) -> Daemon:
+    """Start a daemon on a short temp socket path and wait for its READY=1.
+
+    `config` is merged over `base` (the tests' BASE_CONFIG; None for the daemon's own
+    defaults), and the prompt store is one of its own in the temp dir unless `config`
+    names one. With wait_ready=False it returns once the socket accepts (STATUS=loading,
+    the model still loading). `env` adds to (or, with a value of "", removes from) the
+    daemon's environment. Its stdout and stderr go to `log_path` (appended to with
+    `append_log`), by default daemon.log in the temp dir. `tree`: the checkout whose
+    sfcore_daemon runs (its working directory; this interpreter), by default this one.
+    NoNotification (an AssertionError, with the exit code and the log) if it exits or
+    `ready_timeout` passes first; nothing is left running then.
+
+    The caller stops it (`stop`, the exit code) and then `close`s it.
+    """
+    directory = Path(tempfile.mkdtemp(prefix="sf", dir="/tmp"))  # sun_path holds 108 bytes
+    notify_path = directory / "n"
+    notify_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify_sock.bind(str(notify_path))
+    notify_sock.setblocking(False)
+    config_path = directory / "c.toml"
+    merged = merge(base or {}, config or {})
+    # Each daemon its own prompt store, unless a test shares one (a restart): states
+    # another test left behind would turn its cold requests into restored ones.
+    merged.setdefault("cache", {}).setdefault("dir", str(directory / "prompts"))
+    config_path.write_text(_toml(merged))
+    socket_path = socket_path or str(directory / "d.sock")
+    log_path = log_path or directory / "daemon.log"
+    tree = Path(tree).resolve() if tree is not None else REPO
+    daemon_env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONUNBUFFERED="1",
+                      SFCORE_CHECK_THREADS=os.environ.get("SFCORE_CHECK_THREADS", "1"))
+    for name, value in (env or {}).items():
+        if value:
+            daemon_env[name] = value
+        else:
+            daemon_env.pop(name, None)
+    try:
+        with log_path.open("ab" if append_log else "wb") as log_file:
+            started = time.perf_counter()
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "sfcore_daemon", "--config", str(config_path),
+                "--socket", socket_path, *args,
+                stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                env=daemon_env, cwd=str(tree),
+            )
+    except BaseException:
+        notify_sock.close()
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    daemon = Daemon(process, socket_path, log_path, directory, tree=tree,
+                    _notify_sock=notify_sock)
+    try:
+        daemon.ready_message = await daemon.notification(
+            "READY=1" if wait_ready else "STATUS=loading", ready_timeout)
+        daemon.ready_ms = (time.perf_counter() - started) * 1e3
+    except BaseException:
+        await daemon.close()
+        raise
+    return daemon
 
 
 @contextlib.asynccontextmanager
@@ -147,55 +257,24 @@ async def running_daemon(
     wait_ready: bool = True,
     expect_clean_exit: bool = True,
     env: dict[str, str] | None = None,
+    base: dict[str, Any] | None = BASE_CONFIG,
+    log_path: Path | None = None,
+    append_log: bool = False,
+    tree: Path | str | None = None,
 ) -> AsyncIterator[Daemon]:
-    """Start a daemon on a short temp socket path, wait for READY=1, stop it afterwards.
-
-    With wait_ready=False it yields as soon as the socket accepts (model still loading).
-    `env` adds to (or, with a value of "", removes from) the daemon's environment.
-
-    On leaving, the daemon is sent SIGTERM and must exit 0 and remove its socket.
-    """
-    directory = Path(tempfile.mkdtemp(prefix="sf", dir="/tmp"))  # sun_path holds 108 bytes
-    notify_path = directory / "n"
-    notify_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify_sock.bind(str(notify_path))
-    notify_sock.setblocking(False)
-    config_path = directory / "c.toml"
-    merged = merge(BASE_CONFIG, config or {})
-    # Each daemon its own prompt store, unless a test shares one (a restart): states
-    # another test left behind would turn its cold requests into restored ones.
-    merged.setdefault("cache", {}).setdefault("dir", str(directory / "prompts"))
-    config_path.write_text(_toml(merged))
-    socket_path = socket_path or str(directory / "d.sock")
-    log_path = directory / "daemon.log"
-    daemon_env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONUNBUFFERED="1",
-                      SFCORE_CHECK_THREADS=os.environ.get("SFCORE_CHECK_THREADS", "1"))
-    for name, value in (env or {}).items():
-        if value:
-            daemon_env[name] = value
-        else:
-            daemon_env.pop(name, None)
-    with log_path.open("wb") as log_file:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "sfcore_daemon", "--config", str(config_path),
-            "--socket", socket_path, *args,
-            stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=daemon_env,
-            cwd=str(REPO),
-        )
-    daemon = Daemon(process, socket_path, log_path, directory, _notify_sock=notify_sock)
+    """`start_daemon` (its arguments), stopped on leaving: the daemon is sent SIGTERM and
+    must exit 0 and remove its socket (unless expect_clean_exit=False)."""
+    daemon = await start_daemon(config, base=base, args=args, socket_path=socket_path,
+                                wait_ready=wait_ready, env=env, log_path=log_path,
+                                append_log=append_log, tree=tree)
     try:
-        await daemon.notification("READY=1" if wait_ready else "STATUS=loading")
         yield daemon
         code = await daemon.stop()
         if expect_clean_exit:
             assert code == 0, f"daemon exited {code}; log:\n{daemon.log}"
-            assert not os.path.exists(socket_path), "socket file left behind"
+            assert not os.path.exists(daemon.socket_path), "socket file left behind"
     finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-        notify_sock.close()
-        shutil.rmtree(directory, ignore_errors=True)
+        await daemon.close()
 
 
 async def run_cli(*args: str, timeout: float = READY_TIMEOUT_S,

@@ -1,4 +1,5 @@
-"""The tool-call round trip the client examples do (clients/node/tools-example.js,
+"""The tools the tests offer, a question for them and its history after a call; the
+tool-call round trip the client examples do (clients/node/tools-example.js,
 clients/go/cmd/sfcore-tools-example), and the checks of what they print with --json:
 {tools, first: {finishReason, text}, calls: [{id, name, arguments, result}],
 answer: {finishReason, text, toolCalls}}."""
@@ -24,6 +25,13 @@ ADD: dict[str, Any] = {"type": "function", "function": {
         "required": ["a", "b"], "additionalProperties": False}}}
 TOOLS = [WEATHER, ADD]
 PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+# A question for both tools (tests/e2e/ndjson/test_tools.py, test_tools_native.py).
+QUESTION = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
+# The question, a call of add and its result, as a client sends them back.
+CALLED = [*QUESTION,
+          {"role": "assistant", "content": "", "tool_calls": [
+              {"id": "call_1", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+          {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
 
 # Temperature 1.0 over these seeds: the calls are held to the tools whatever is sampled.
 SEEDS = range(4)

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from tests.kit import run_cli
-from tests.unit.config.test_config import write
 
 
 @pytest.mark.asyncio
 async def test_bad_config_stops_startup_with_one_line(tmp_path: Path) -> None:
-    path = write(tmp_path, "[server]\nmax_queue = -1\nbogus = 1\n")
+    path = tmp_path / "c.toml"
+    path.write_text("[server]\nmax_queue = -1\nbogus = 1\n")
     code, output = await run_cli("--config", str(path))
     assert code == 2
     assert output.count("\n") == 1, output

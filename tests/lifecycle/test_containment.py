@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.ndjson.test_cache import PREFIX, QUESTION_1, QUESTION_2
-from tests.e2e.ndjson.test_speculative import COPY_CODE, RECORD_SCHEMA
 from tests.kit import REPO, Client, Daemon, done_of, running_daemon
+from tests.kit.prompts import COPY_CODE, PREFIX, QUESTION_1, QUESTION_2, RECORD_SCHEMA
 
 # max_tokens that arm each point (see faults.py).
 DRAFTER, KEEP, RESTORE, CLOSER, END, THREAD = 41, 42, 43, 44, 45, 46

@@ -13,7 +13,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from tests.e2e.ndjson.test_prompt_store import (
+from tests.kit import running_daemon
+from tests.kit.faults import poll_until
+from tests.kit.prompt_store import (
     LONG,
     OTHER,
     QUESTION_1,
@@ -27,8 +29,6 @@ from tests.e2e.ndjson.test_prompt_store import (
     store_config,
     warm_answer,
 )
-from tests.kit import running_daemon
-from tests.kit.faults import poll_until
 
 pytestmark = pytest.mark.asyncio
 __all__ = ["cache_dir"]  # the fixture

@@ -85,21 +85,15 @@ Runner = Callable[[Coroutine[Any, Any, Any]], Any]
 
 async def start_daemon(params: dict[str, Any], cache_dir: Path, log_path: Path,
                        slots: int | None) -> Daemon:
-    """benchlib's Daemon on `cache_dir`, logging at level info into `log_path`."""
+    """benchkit's Daemon on `cache_dir`, logging at level info into `log_path`."""
     return await Daemon.start(
         {**params, "slots": slots}, log_path, log_level="info", append=True,
         config=f"[cache]\ndir = {json.dumps(str(cache_dir))}\ndisk_mb = {DISK_MB}\n")
 
 
 async def stop_daemon(daemon: Daemon) -> None:
-    """SIGTERM and wait (Daemon.stop); killed if that fails, so nothing is left running."""
-    try:
-        await daemon.stop()
-    finally:
-        if daemon.process.returncode is None:
-            daemon.process.kill()
-            await daemon.process.wait()
-        shutil.rmtree(daemon.workdir, ignore_errors=True)
+    """SIGTERM and wait (Daemon.stop: killed if that fails, so nothing is left running)."""
+    await daemon.stop()
 
 
 @contextlib.asynccontextmanager

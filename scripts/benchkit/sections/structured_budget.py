@@ -65,9 +65,9 @@ async def shortest_tokens(reader: asyncio.StreamReader, writer: asyncio.StreamWr
     return len(decode_reply(await reader.readline())["tokens"])
 
 
-async def measure(args: argparse.Namespace,
-                  params: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    daemon = await Daemon.start(params)
+async def measure(args: argparse.Namespace, params: dict[str, Any],
+                  tree: Path) -> dict[str, list[dict[str, Any]]]:
+    daemon = await Daemon.start(params, tree=tree)
     results: dict[str, list[dict[str, Any]]] = {}
     try:
         reader, writer = await asyncio.open_unix_connection(daemon.socket_path,
@@ -118,10 +118,9 @@ def add_arguments(parser: argparse._ArgumentGroup) -> None:
 
 def run(bench: Bench) -> dict[str, Any]:
     args = bench.args
-    if args.repo:
-        common.REPO = Path(args.repo).resolve()
-    results: dict[str, Any] = bench.runner(measure(args, bench.params))
-    print(f"daemon: {common.REPO}; {args.seeds} seeds per schema, temperature 1.0, "
+    tree = Path(args.repo).resolve() if args.repo else common.REPO
+    results: dict[str, Any] = bench.runner(measure(args, bench.params, tree))
+    print(f"daemon: {tree}; {args.seeds} seeds per schema, temperature 1.0, "
           "max_tokens 1.5x-3x the shortest document")
     print("| schema | valid | closed early | length | mean tokens | mean decode tok/s |")
     print("|---|---|---|---|---|---|")

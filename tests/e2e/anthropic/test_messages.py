@@ -20,7 +20,7 @@ import jsonschema
 import pytest
 import pytest_asyncio
 
-from tests.e2e.openai.test_openai import Endpoint, endpoint
+from tests.kit.http import Endpoint, endpoint
 from tests.kit.tools import ADD, WEATHER, local_result
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -2,20 +2,20 @@
 values, bodies and their lengths, each usually what a client sends and now and then
 anything at all. Every one gets a 2xx or 4xx (or a clean close), the log holds no
 traceback, and the daemon answers afterwards. On the loopback daemon of
-test_openai_guard.py (its own instance for this module)."""
+test_openai_guard.py (tests/kit/http.py's guarded_tcp; its own instance for this module)."""
 
 from __future__ import annotations
 
 import asyncio
 import re
 import socket
+from collections.abc import AsyncIterator
 
+import pytest_asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.e2e.httpd.test_openai_guard import Listener, assert_clean_log, module_test, request, tcp
-
-__all__ = ["tcp"]  # the fixture, used by name
+from tests.kit.http import Listener, assert_clean_log, guarded_tcp, module_test, request
 
 _TOKEN = st.text(st.sampled_from("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCXYZ"),
                  min_size=1, max_size=12).map(str.encode)
@@ -91,6 +91,12 @@ def _one_exchange(target: str, data: bytes) -> bytes:
         return received.split(b"\r\n", 1)[0] if b"\r\n" in received else received
     finally:
         sock.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def tcp() -> AsyncIterator[Listener]:
+    async with guarded_tcp() as listener:
+        yield listener
 
 
 @module_test

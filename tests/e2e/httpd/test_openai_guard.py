@@ -18,107 +18,34 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import shutil
-import socket
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import pytest_asyncio
 
 from sfcore_daemon.system import fdlimit
-from tests.kit import Daemon, run_cli, running_daemon
+from tests.kit import run_cli, running_daemon
+from tests.kit.http import (
+    BODY_S,
+    HEADER_S,
+    IDLE_S,
+    MAX_CONNECTIONS,
+    Listener,
+    assert_clean_log,
+    guarded_tcp,
+    module_test,
+    read_reply,
+    request,
+    url_target,
+)
 
-module_test = pytest.mark.asyncio(loop_scope="module")
 KEY = "guard-key"
 WAIT_S = 30.0
 NOBODY = 65534
-IDLE_S = 2.0
-HEADER_S = 1.0
-BODY_S = 1.0
-LIMIT = 32  # server.max_connections
-TCP_CONFIG: dict[str, Any] = {
-    "openai": {"listen": "127.0.0.1:0", "header_timeout_s": HEADER_S,
-               "body_timeout_s": BODY_S, "allowed_origins": ["https://app.example"],
-               "allowed_hosts": ["proxy.example"]},
-    "server": {"idle_timeout_s": IDLE_S, "max_connections": LIMIT, "allowed_uids": [0],
-               "max_line_bytes": 65536},
-    "generation": {"max_tokens": 4},
-}
-
-
-@dataclass
-class Listener:
-    daemon: Daemon
-    target: str  # "127.0.0.1:PORT" or "unix:/path"
-
-    @property
-    def port(self) -> int:
-        return int(self.target.rsplit(":", 1)[1])
-
-    async def open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        if self.target.startswith("unix:"):
-            return await asyncio.wait_for(
-                asyncio.open_unix_connection(self.target.removeprefix("unix:")), WAIT_S)
-        return await asyncio.wait_for(asyncio.open_connection("127.0.0.1", self.port), WAIT_S)
-
-    def blocking(self) -> socket.socket:
-        if self.target.startswith("unix:"):
-            sock = socket.socket(socket.AF_UNIX)
-            sock.settimeout(WAIT_S)
-            sock.connect(self.target.removeprefix("unix:"))
-            return sock
-        return socket.create_connection(("127.0.0.1", self.port), timeout=WAIT_S)
-
-    @contextlib.asynccontextmanager
-    async def connection(self) -> AsyncIterator[tuple[asyncio.StreamReader,
-                                                      asyncio.StreamWriter]]:
-        reader, writer = await self.open()
-        try:
-            yield reader, writer
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await asyncio.wait_for(writer.wait_closed(), WAIT_S)
-
-    async def exchange(self, data: bytes) -> tuple[int, dict[str, str], bytes]:
-        async with self.connection() as (reader, writer):
-            writer.write(data)
-            return await read_reply(reader)
-
-    async def http_stats(self) -> dict[str, Any]:
-        async with self.daemon.client() as client:
-            stats: dict[str, Any] = (await client.final({"op": "stats"}))["http"]
-            return stats
-
-
-def request(method: str, path: str, *, host: str | None = "localhost",
-            headers: Iterable[tuple[str, str]] = (), body: bytes | None = None) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1"]
-    if host is not None:
-        lines.append(f"Host: {host}")
-    lines += [f"{name}: {value}" for name, value in headers]
-    if body is not None:
-        lines.append(f"Content-Length: {len(body)}")
-    return "\r\n".join(lines).encode() + b"\r\n\r\n" + (body or b"")
-
-
-async def read_reply(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT_S)
-    status_line, *header_lines = head.decode().split("\r\n")
-    headers = {}
-    for line in header_lines:
-        if line:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-    length = int(headers.get("content-length", "0"))
-    body = await asyncio.wait_for(reader.readexactly(length), WAIT_S)
-    return int(status_line.split()[1]), headers, body
 
 
 def openai_error(status: int, body: bytes, expected: int, code: str | None = None) -> str:
@@ -141,27 +68,10 @@ async def closed_within(reader: asyncio.StreamReader, timeout: float) -> float:
     return time.monotonic() - started
 
 
-def url_target(daemon: Daemon) -> str:
-    ready = next(note for note in daemon.notifications if note.startswith("READY=1"))
-    match = re.search(r"OpenAI API on (?:http://)?(\S+)", ready)
-    assert match, ready
-    return match[1]
-
-
-def assert_clean_log(daemon: Daemon) -> None:
-    log = daemon.log
-    assert "Traceback" not in log, log
-    assert " ERROR " not in log and " CRITICAL " not in log, log
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def tcp() -> AsyncIterator[Listener]:
-    async with running_daemon(TCP_CONFIG) as daemon:
-        listener = Listener(daemon, url_target(daemon))
-        assert listener.target.startswith("127.0.0.1:"), listener.target
+    async with guarded_tcp() as listener:
         yield listener
-        assert await daemon.stop() == 0  # its log is whole once it has exited
-        assert_clean_log(daemon)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -252,12 +162,12 @@ async def test_health_answers_at_once_beside_hundreds_of_idle_and_half_sent(
         # The daemon holds about max_connections of them, not all: its descriptors stay
         # within the budget it checked at start-up.
         descriptors = len(os.listdir(f"/proc/{tcp.daemon.process.pid}/fd"))
-        assert descriptors < LIMIT + 2 + fdlimit.MARGIN, descriptors
+        assert descriptors < MAX_CONNECTIONS + 2 + fdlimit.MARGIN, descriptors
     finally:
         for sock in sockets:
             sock.close()
     after = await tcp.http_stats()
-    assert after["closed"]["evicted"] >= before["closed"]["evicted"] + count - LIMIT
+    assert after["closed"]["evicted"] >= before["closed"]["evicted"] + count - MAX_CONNECTIONS
     print(f"GET /health beside {count} idle and half-sent connections: "
           f"{health_s * 1000:.1f} ms")
 

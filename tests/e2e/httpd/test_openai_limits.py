@@ -18,22 +18,9 @@ from typing import Any
 import pytest
 
 from tests.kit import REPLY_TIMEOUT_S, Daemon, running_daemon
+from tests.kit.http import LISTEN, port_of, request_bytes, wait_for_outcome
 
 pytestmark = pytest.mark.asyncio
-
-LISTEN = {"openai": {"listen": "127.0.0.1:0"}}
-
-
-def port_of(daemon: Daemon) -> int:
-    ready = next(message for message in daemon.notifications if message.startswith("READY=1"))
-    return int(ready.rsplit(":", 1)[1])
-
-
-def request_bytes(path: str, body: dict[str, Any] | None = None, method: str = "POST") -> bytes:
-    data = json.dumps(body).encode() if body is not None else b""
-    head = (f"{method} {path} HTTP/1.1\r\nHost: localhost\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
-    return head.encode() + data
 
 
 class RawHttp:
@@ -84,19 +71,6 @@ async def raw_http(daemon: Daemon) -> AsyncIterator[RawHttp]:
         writer.close()
         with contextlib.suppress(ConnectionError):
             await asyncio.wait_for(writer.wait_closed(), REPLY_TIMEOUT_S)
-
-
-async def wait_for_outcome(daemon: Daemon, outcome: str, count: int,
-                           timeout: float = REPLY_TIMEOUT_S) -> dict[str, Any]:
-    """Poll `stats` until `outcome` reaches `count` (the daemon has no event to wait on
-    from outside; each poll is one request, bounded overall)."""
-    async with daemon.client() as client:
-        async with asyncio.timeout(timeout):
-            while True:
-                stats = await client.final({"op": "stats"})
-                if stats["requests"]["by_outcome"][outcome] >= count:
-                    return stats
-                await asyncio.sleep(0.1)
 
 
 async def test_a_client_that_stops_reading_is_cancelled_and_the_daemon_serves_on() -> None:

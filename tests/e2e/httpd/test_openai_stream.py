@@ -14,9 +14,8 @@ import socket
 
 import pytest
 
-from tests.e2e.httpd.test_openai_limits import LISTEN, port_of, request_bytes, wait_for_outcome
 from tests.kit import REPLY_TIMEOUT_S, running_daemon
-from tests.unit.httpd.test_openai_stream import _chunks
+from tests.kit.http import LISTEN, port_of, request_bytes, sse_chunks, wait_for_outcome
 
 pytestmark = pytest.mark.asyncio
 
@@ -52,7 +51,7 @@ async def test_a_slow_reader_gets_the_whole_stream_equal_to_the_whole_reply() ->
             size_line, _, rest = chunked.partition(b"\r\n")
             size = int(size_line, 16)
             stream, chunked = stream + rest[:size], rest[size + 2:]
-        chunks = _chunks(stream)
+        chunks = sse_chunks(stream)
         streamed = "".join(chunk["choices"][0]["text"] for chunk in chunks if chunk["choices"])
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         async with daemon.client() as client:

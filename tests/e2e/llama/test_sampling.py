@@ -18,12 +18,16 @@ from sfcore_daemon.llama import modelfile
 from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.model import Model
 from sfcore_daemon.llama.sampling import (
+    Sampling,
     argmax,
     import_numpy_beside,
     is_plain_greedy,
     make_chain,
 )
-from tests.unit.llama.test_sampling import GREEDY
+
+# A plain greedy request's sampling (as in tests/unit/llama/test_sampling.py).
+GREEDY = Sampling(temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
+                  seed=None)
 
 TEXT = ("def mean(values):\n    return sum(values) / len(values)\n\n"
         "Die Katze schläft auf dem warmen Fensterbrett. 東京は日本の首都です。 "

@@ -30,15 +30,15 @@ from sfcore_daemon.structured.pattern import check_pattern, pattern_gbnf
 from sfcore_daemon.structured.shape import shape_of
 from sfcore_daemon.structured.tracker import JsonTracker
 from tests.kit.grammar_probe import GrammarProbe
-from tests.unit.structured.test_schema_property import (
+from tests.kit.schemas import (
     BASES,
     PATTERNS,
     PROPERTY_SETTINGS,
     SCHEMA_DOCUMENTS,
-    _exponential,
-    _names_a_place,
-    _places,
-    _ref_chain,
+    exponential,
+    names_a_place,
+    places_in,
+    ref_chain,
 )
 
 
@@ -102,12 +102,12 @@ def test_any_schema_is_refused_naming_the_place_or_converts_parses_and_closes(
     try:
         checked = check_schema(schema)
     except GrammarError as error:
-        _names_a_place(error, "json_schema")
+        names_a_place(error, "json_schema")
         return
     try:
         text = checked_to_gbnf(checked)
     except GrammarError as error:  # a bound of gbnfcheck.py
-        _names_a_place(error, "json_schema")
+        names_a_place(error, "json_schema")
         return
     assert probe.parses(text), text
     shape = shape_of(checked.root, checked.refs)
@@ -129,7 +129,7 @@ def test_any_text_as_gbnf_is_refused_naming_the_field_or_parses_in_bounded_time(
         check_gbnf(text)
     except GrammarError as error:
         message = str(error)
-        _names_a_place(error, "grammar")
+        names_a_place(error, "grammar")
         ours_only = "left recursion" in message or "does not parse" not in message
         if not ours_only and "\x00" not in text:  # a syntax error llama.cpp sees too
             assert not probe.parses(text), message
@@ -185,10 +185,10 @@ def test_every_value_of_every_keyword_replaced_by_any_json_is_named_or_converts(
     the schema, or a grammar llama.cpp parses."""
     converted = refused = 0
     for base in BASES:
-        for index in range(len(_places(base))):
+        for index in range(len(places_in(base))):
             for wrong in WRONG_VALUES:
                 schema = copy.deepcopy(base)
-                owner, key = _places(schema)[index]
+                owner, key = places_in(schema)[index]
                 owner[key] = wrong
                 try:
                     text = schema_to_gbnf(schema)
@@ -210,7 +210,7 @@ def test_every_value_of_every_keyword_replaced_by_any_json_is_named_or_converts(
     {"const": {"$ref": 5}},
     {"type": "object", "properties": {"*": {"type": "integer"}, "b": {"type": "null"}}},
     {"type": "string", "pattern": "^a|b$"},
-    _ref_chain(30),
+    ref_chain(30),
     {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(3000)}},
 ])
 def test_schemas_the_stock_converter_tripped_on_convert_and_close(
@@ -223,8 +223,8 @@ def test_schemas_the_stock_converter_tripped_on_convert_and_close(
 
 
 def test_a_grammar_just_within_the_branch_bound_parses_quickly(probe: GrammarProbe) -> None:
-    check_gbnf(_exponential(12))  # 4096 first stacks: the most the bound lets through
+    check_gbnf(exponential(12))  # 4096 first stacks: the most the bound lets through
     started = time.monotonic()
-    assert probe.parses(_exponential(12))
+    assert probe.parses(exponential(12))
     # Unhurried, this takes about 20 ms; 2**18 stacks took over two minutes.
     assert time.monotonic() - started < 10

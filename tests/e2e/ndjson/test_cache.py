@@ -7,17 +7,9 @@ from typing import Any
 import pytest
 
 from tests.kit import Client, done_of, running_daemon
+from tests.kit.prompts import PREFIX, QUESTION_1, QUESTION_2
 
 pytestmark = pytest.mark.asyncio
-
-# Over 1024 tokens: longer than Gemma 3's 512-token sliding window, so a cache that
-# pruned the window layers would silently change a reused prefix's output.
-PREFIX = " ".join(
-    f"Record {i}: the {('red', 'green', 'blue', 'amber')[i % 4]} box holds {i * 7 % 101} "
-    f"stones." for i in range(130)
-)
-QUESTION_1 = "\nQuestion: which box holds the most stones?\nAnswer:"
-QUESTION_2 = "\nQuestion: how many records are there?\nAnswer:"
 
 
 async def generate(client: Client, prompt: str, **options: Any) -> dict[str, Any]:

@@ -7,12 +7,15 @@ model in tests/unit/system/test_hugepages.py.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
+from sfcore_daemon.system import hugepages
 from tests.kit import running_daemon
-from tests.unit.system.test_hugepages import THP
+
+THP = hugepages.thp_mode() if sys.platform == "linux" else None
 
 
 def _anon_huge_bytes(pid: int) -> int:

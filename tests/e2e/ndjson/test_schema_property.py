@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests.kit import done_of, running_daemon
-from tests.unit.structured.test_schema_property import _exponential, _nested
+from tests.kit.schemas import exponential, nested
 
 
 @pytest.mark.asyncio
@@ -32,10 +32,10 @@ async def test_bad_values_in_schemas_and_grammars_are_invalid_requests_and_servi
          "at `$.json_schema.pattern`"),
         ({"json_schema": {"$ref": "#/default", "default": {"type": 5}}},
          "at `$.json_schema.default.type`"),
-        ({"json_schema": {"type": "array", "items": {"enum": [_nested(200)]}}},
+        ({"json_schema": {"type": "array", "items": {"enum": [nested(200)]}}},
          "at `$.json_schema.items.enum`"),
         # 2**18 first stacks: llama.cpp took minutes to build them, on the event loop.
-        ({"grammar": _exponential(18)}, "is too wide"),
+        ({"grammar": exponential(18)}, "is too wide"),
         ({"grammar": "root ::= [a-z]{0,3000}"}, "at most 2000"),
     ]
     async with running_daemon() as daemon, daemon.client() as client:

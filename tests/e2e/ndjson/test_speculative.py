@@ -16,39 +16,7 @@ import pytest
 
 from tests.kit import Daemon, done_of, merge, running_daemon, tokens_text
 from tests.kit.faults import health, poll_until
-
-MODULE = '''import json
-from dataclasses import dataclass
-
-
-@dataclass
-class Item:
-    name: str
-    price: float
-    quantity: int
-
-
-def total_price(items):
-    return sum(item.price * item.quantity for item in items)
-
-
-def cheapest(items):
-    return min(items, key=lambda item: item.price)
-'''
-RECORD = '{"name": "Ada Lovelace", "born": 1815, "fields": ["mathematics", "computing"]}'
-# Prompts whose answers copy from the prompt (drafts are accepted) and one that does not.
-COPY_CODE = {"op": "chat", "messages": [
-    {"role": "user", "content": f"Copy this code exactly:\n```python\n{MODULE}```"}]}
-COPY_JSON = {"op": "chat", "messages": [
-    {"role": "user", "content": f"Repeat this JSON exactly: {RECORD}"}]}
-FREE = {"prompt": "The history of the city of"}
-RECORD_SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string"}, "born": {"type": "integer"},
-                   "fields": {"type": "array", "items": {"type": "string"}}},
-    "required": ["name", "born", "fields"],
-}
-
+from tests.kit.prompts import COPY_CODE, COPY_JSON, FREE, RECORD_SCHEMA
 
 # Outputs compared across requests come from one slot: with several, a request's cells
 # land among the cells other slots keep, which changes the order attention sums in and

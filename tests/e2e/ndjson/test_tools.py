@@ -21,14 +21,8 @@ import openai
 import pytest
 
 from tests.kit import REPLY_TIMEOUT_S, running_daemon
-from tests.kit.tools import ADD, PARAMETERS, TOOLS
+from tests.kit.tools import ADD, CALLED, PARAMETERS, QUESTION, TOOLS
 
-QUESTION = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
-# The question, a call of add and its result, as a client sends them back.
-CALLED = [*QUESTION,
-          {"role": "assistant", "content": "", "tool_calls": [
-              {"id": "call_1", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
-          {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
 # The shortest call of these tools takes 15 tokens: 16 leaves one to spare.
 TIGHT = 16
 SEEDS = range(12)

@@ -16,9 +16,8 @@ import jsonschema
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from tests.e2e.ndjson.test_tools import CALLED, QUESTION
 from tests.kit import running_daemon
-from tests.kit.tools import PARAMETERS, TOOLS
+from tests.kit.tools import CALLED, PARAMETERS, QUESTION, TOOLS
 
 pytestmark = pytest.mark.asyncio
 

@@ -12,12 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import shutil
 import tempfile
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -27,73 +24,22 @@ import openai
 import pytest
 import pytest_asyncio
 
-from tests.kit import Daemon, done_of, run_cli, running_daemon, tokens_text
+from tests.kit import done_of, run_cli, tokens_text
+from tests.kit.http import (
+    KEY,
+    MODEL_ID,
+    PERSON,
+    WAIT_S,
+    Endpoint,
+    endpoint,
+    module_test,
+    raises,
+)
 
-MODEL_ID = "gemma-3-270m-q4_k_m"
-KEY = "sekret"
-WAIT_S = 60.0
 MESSAGES: list[Any] = [{"role": "user", "content": "Name three colors of the rainbow."}]
 PROMPT = "The three primary colors are"
 # A greedy reply that runs long: the model does not stop within 400 tokens (checked).
 COUNTING: list[Any] = [{"role": "user", "content": "Count from 1 to 1000, one number per line."}]
-PERSON = {
-    "type": "object",
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
-
-module_test = pytest.mark.asyncio(loop_scope="module")
-
-
-@dataclass
-class Endpoint:
-    daemon: Daemon
-    url: str  # http://127.0.0.1:PORT, or unix:/path
-
-    def sdk(self, api_key: str = KEY) -> openai.AsyncOpenAI:
-        if self.url.startswith("unix:"):
-            return openai.AsyncOpenAI(
-                base_url="http://localhost/v1", api_key=api_key, max_retries=0, timeout=WAIT_S,
-                http_client=httpx2.AsyncClient(
-                    transport=httpx2.AsyncHTTPTransport(uds=self.url.removeprefix("unix:"))))
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0,
-                                  timeout=WAIT_S)
-
-    def http(self) -> httpx2.AsyncClient:
-        if self.url.startswith("unix:"):
-            return httpx2.AsyncClient(
-                base_url="http://localhost", timeout=WAIT_S,
-                transport=httpx2.AsyncHTTPTransport(uds=self.url.removeprefix("unix:")))
-        return httpx2.AsyncClient(base_url=self.url, timeout=WAIT_S)
-
-    async def stats(self) -> dict[str, Any]:
-        async with self.daemon.client() as client:
-            return await client.final({"op": "stats"})
-
-    async def wait_stats(self, check: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-        """Stats once `check` holds. The daemon has no event for "a generation ended",
-        so this polls, bounded by WAIT_S."""
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            stats = await self.stats()
-            if check(stats):
-                return stats
-            assert time.monotonic() < deadline, f"stats never matched: {stats}"
-            await asyncio.sleep(0.05)
-
-
-def url_of(daemon: Daemon) -> str:
-    ready = next(note for note in daemon.notifications if note.startswith("READY=1"))
-    match = re.search(r"OpenAI API on (\S+)", ready)
-    assert match, ready
-    return match[1]
-
-
-@contextlib.asynccontextmanager
-async def endpoint(config: dict[str, Any]) -> AsyncIterator[Endpoint]:
-    async with running_daemon(config) as daemon:
-        yield Endpoint(daemon, url_of(daemon))
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -118,12 +64,6 @@ async def guarded() -> AsyncIterator[Endpoint]:
         assert not Path(path).exists(), "the HTTP socket file was left behind"
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-
-
-async def raises(call: Awaitable[Any], kind: type[openai.APIStatusError]) -> Any:
-    with pytest.raises(kind) as caught:
-        await call
-    return caught.value
 
 
 # --- the API's shapes (TCP, no key) ----------------------------------------------------

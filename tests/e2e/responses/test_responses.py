@@ -18,7 +18,7 @@ import openai
 import pytest
 import pytest_asyncio
 
-from tests.e2e.openai.test_openai import (
+from tests.kit.http import (
     MODEL_ID,
     PERSON,
     WAIT_S,

@@ -10,8 +10,6 @@ daemon in tests/e2e/httpd/test_openai_stream.py.
 from __future__ import annotations
 
 import asyncio
-import json
-from typing import Any
 
 import pytest
 
@@ -20,6 +18,7 @@ from sfcore_daemon.httpd.api import pump
 from sfcore_daemon.httpd.reply import HttpReply
 from sfcore_daemon.openai.shapes import DONE_EVENT, ChatShape
 from tests.kit import REPLY_TIMEOUT_S
+from tests.kit.http import sse_chunks
 
 pytestmark = pytest.mark.asyncio
 
@@ -56,17 +55,10 @@ async def test_a_reply_that_ends_while_a_write_waits_still_sends_its_closing(
     await asyncio.wait_for(pump(reply, slow_write), REPLY_TIMEOUT_S)
     stream = b"".join(written)
     assert stream.endswith(DONE_EVENT)
-    chunks = _chunks(stream)
+    chunks = sse_chunks(stream)
     text = "".join(chunk["choices"][0]["delta"].get("content") or ""
                    for chunk in chunks if chunk["choices"])
     assert text == whole
     assert [chunk["choices"][0]["finish_reason"] for chunk in chunks if chunk["choices"]][-1] \
         == "length"
     assert chunks[-1]["usage"]["completion_tokens"] == 2
-
-
-def _chunks(stream: bytes) -> list[dict[str, Any]]:
-    events = [event.removeprefix(b"data: ") for event in stream.split(b"\n\n") if event]
-    assert events[-1] == b"[DONE]"
-    return [json.loads(event) for event in events[:-1]]
-

@@ -8,17 +8,15 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from sfcore_daemon.core import errors
 from sfcore_daemon.core.request import ChatRequest, GenerateRequest
 from sfcore_daemon.core.result import Result, Timings, TokenLogprob, TopLogprob, Usage
-from sfcore_daemon.ndjson import protocol
 from sfcore_daemon.openai import schema, translate
 from sfcore_daemon.openai.translate import ApiError
-
-FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+from tests.kit.mapping import FAST, as_ndjson, check_refusal, json_values
 
 CHAT_FIELDS = ["model", "messages", "stream", "stream_options", "max_tokens",
                "max_completion_tokens", "temperature", "top_p", "stop", "seed", "n",
@@ -28,12 +26,6 @@ CHAT_FIELDS = ["model", "messages", "stream", "stream_options", "max_tokens",
 COMPLETION_FIELDS = [*[f for f in CHAT_FIELDS if f not in ("messages", "top_logprobs")],
                      "prompt", "echo", "suffix", "best_of"]
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70)
-    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
-    lambda inner: st.lists(inner, max_size=4)
-    | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=12)
 # Likely-looking values for the fields, so decoding gets past the top level often.
 near_values = json_values | st.sampled_from([
     [], [{"role": "user", "content": "hi"}], [{"role": "developer", "content": None}],
@@ -56,28 +48,6 @@ def bodies(fields: list[str], base: st.SearchStrategy[dict[str, Any]] | None = N
     if base is None:
         return changes
     return st.tuples(base, changes).map(lambda pair: {**pair[0], **pair[1]})
-
-
-def check_refusal(error: ApiError) -> None:
-    assert error.status == 400
-    assert isinstance(error.message, str) and error.message
-    assert error.param is None or isinstance(error.param, str)
-    body = error.body()
-    assert body.error.message == error.message and body.error.type == "invalid_request_error"
-
-
-def as_ndjson(request: ChatRequest | GenerateRequest) -> protocol.Request:
-    """The mapped request through the daemon's own decoder: what the HTTP side builds
-    must be a request the NDJSON side would have accepted."""
-    if request.top_p == 0:
-        # The one known difference: OpenAI's range for top_p takes 0, the NDJSON one
-        # does not; the sampler keeps at least one token, so 0 means greedy (the
-        # end-to-end test sends it).
-        request = msgspec.structs.replace(request, top_p=None)
-    op = "chat" if isinstance(request, ChatRequest) else "generate"
-    line = msgspec.json.encode({"op": op, **msgspec.structs.asdict(request)})
-    decoded: protocol.Request = msgspec.json.decode(line, type=protocol.Request)
-    return decoded
 
 
 def map_chat(data: bytes) -> ChatRequest | None:

@@ -20,7 +20,7 @@ from sfcore_daemon.responses.reply import ResponsesShape
 from sfcore_daemon.responses.schema import ResponsesRequest, responses_decoder
 from sfcore_daemon.responses.store import ResponseStore
 from sfcore_daemon.responses.translate import responses_request
-from tests.unit.openai.test_openai_mapping import FAST, as_ndjson, check_refusal, json_values
+from tests.kit.mapping import FAST, as_ndjson, check_refusal, json_values
 
 FIELDS = ["model", "input", "instructions", "previous_response_id", "store", "stream",
           "tools", "tool_choice", "parallel_tool_calls", "text", "max_output_tokens",
