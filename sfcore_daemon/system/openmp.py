@@ -2,7 +2,7 @@
 
 llama-cpp-python builds ggml with OpenMP, so the barrier ggml puts after every graph
 node (hundreds a token) is `#pragma omp barrier`: with GNU libgomp a waiting thread
-spins `GOMP_SPINCOUNT` times (300,000 by default, about 3 ms) before it sleeps on a
+spins `GOMP_SPINCOUNT` times (300,000 by default: milliseconds) before it sleeps on a
 futex. Beside another busy process that window is the problem: when the scheduler
 preempts one decode thread, its partner spins out the whole window, and three busy
 threads share two cores. libgomp shortens the spin only when the process itself runs

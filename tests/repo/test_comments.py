@@ -7,6 +7,7 @@ docs/configuration.md), and the comment links the page.
 
 from __future__ import annotations
 
+import ast
 import io
 import re
 import tokenize
@@ -14,9 +15,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent.parent
 PACKAGE = REPO / "sfcore_daemon"
-
-# Parts of the package whose comments are still to be swept; empty this set as they are.
-NOT_YET_SWEPT: frozenset[str] = frozenset()
 
 MAX_RUN = 2
 
@@ -31,12 +29,7 @@ ALLOWED_FIGURES: frozenset[tuple[str, str]] = frozenset()
 
 
 def swept_files() -> list[Path]:
-    files = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(REPO).as_posix()
-        if not any(rel == skip or rel.startswith(skip) for skip in NOT_YET_SWEPT):
-            files.append(path)
-    return files
+    return sorted(PACKAGE.rglob("*.py"))
 
 
 def comments(path: Path) -> list[tuple[int, int, str, bool]]:
@@ -91,6 +84,18 @@ def test_no_comment_states_a_figure() -> None:
                     rel == file and fragment in text for file, fragment in ALLOWED_FIGURES):
                 figures.append(f"{rel}:{line}: {text}")
     assert not figures, "figures belong in docs/performance/, linked from the comment:\n" + \
+        "\n".join(figures)
+
+
+def test_no_docstring_states_a_figure() -> None:
+    figures = []
+    for path in swept_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                doc = ast.get_docstring(node) or ""
+                figures += [f"{path.relative_to(REPO)}: {getattr(node, 'name', 'module')}: "
+                            f"{match.group(0)!r}" for match in FIGURE.finditer(doc)]
+    assert not figures, "figures belong in docs/performance/, linked from the docstring:\n" + \
         "\n".join(figures)
 
 

@@ -30,6 +30,7 @@ SECTIONS = {
     "spec-replay": "benchkit.sections.spec_replay",
     "agents": "benchkit.sections.agents",
     "contention": "benchkit.sections.contention",
+    "versions": "benchkit.sections.versions",
 }
 # What `scripts/bench.py` runs given no section.
 DEFAULT = ("figures", "structured", "concurrency")
