@@ -24,23 +24,20 @@ from sfcore_daemon.anthropic.schema import (
 )
 from sfcore_daemon.core.admission import Refused
 from sfcore_daemon.core.request import ChatRequest
-from sfcore_daemon.httpd.api import ApiHost
+from sfcore_daemon.httpd.api import ApiHost, HostedApi
 from sfcore_daemon.httpd.errors import ApiError, json_response
 
 API = "messages"
 
 
-class MessagesApi:
+class MessagesApi(HostedApi):
     """An `httpd.api.HttpApi`: Anthropic's Messages, with its errors in its own shape."""
-
-    def __init__(self) -> None:
-        self._host: ApiHost | None = None
 
     def counted_ops(self) -> Iterable[tuple[str, str]]:
         return (("chat", API), ("tokenize", API))
 
     def add_routes(self, router: web.UrlDispatcher, host: ApiHost) -> None:
-        self._host = host
+        self.bind(host)
         router.add_post(PREFIX, self.messages)
         router.add_post(PREFIX + "/count_tokens", self.count_tokens)
 
@@ -48,11 +45,6 @@ class MessagesApi:
         if not is_messages_path(path):
             return None
         return json_response(error_body(error), error.status)
-
-    @property
-    def host(self) -> ApiHost:
-        assert self._host is not None, "add_routes first"
-        return self._host
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         arrived_ns = time.perf_counter_ns()

@@ -50,6 +50,25 @@ class HttpApi(Protocol):
         ...
 
 
+class HostedApi:
+    """A base for an `HttpApi`: the host its routes were registered with (`bind`), and
+    the listener's default error shape on its paths (an API with its own overrides it)."""
+
+    def __init__(self) -> None:
+        self._host: ApiHost | None = None
+
+    def bind(self, host: ApiHost) -> None:
+        self._host = host
+
+    @property
+    def host(self) -> ApiHost:
+        assert self._host is not None, "bind (in add_routes) first"
+        return self._host
+
+    def error_response(self, path: str, error: ApiError) -> web.Response | None:
+        return None
+
+
 class ApiHost:
     """What every API's handlers use of the daemon; event loop only."""
 

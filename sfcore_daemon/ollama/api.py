@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Final
 from aiohttp import web
 
 from sfcore_daemon.core.request import GenerationRequest
-from sfcore_daemon.httpd.api import ApiHost
+from sfcore_daemon.httpd.api import ApiHost, HostedApi
 from sfcore_daemon.httpd.errors import JSON_TYPE, ApiError, encoder, json_response
 from sfcore_daemon.ollama import models, translate
 from sfcore_daemon.ollama.reply import (
@@ -48,18 +48,15 @@ GENERATE: Final = "ollama_generate"
 OLLAMA_VERSION: Final = "0.9.0"
 
 
-class OllamaApi:
+class OllamaApi(HostedApi):
     """An `httpd.api.HttpApi`: Ollama's routes, with its errors in its own shape."""
-
-    def __init__(self) -> None:
-        self._host: ApiHost | None = None
 
     def counted_ops(self) -> Iterable[tuple[str, str]]:
         # /api/generate is a chat through the template, or with raw: true a completion.
         return (("chat", CHAT), ("chat", GENERATE), ("generate", GENERATE))
 
     def add_routes(self, router: web.UrlDispatcher, host: ApiHost) -> None:
-        self._host = host
+        self.bind(host)
         router.add_get("/", self.running)
         router.add_get("/api/version", self.version)
         router.add_get("/api/tags", self.tags)
@@ -72,11 +69,6 @@ class OllamaApi:
         if not path.startswith(PREFIX):
             return None
         return json_response(ErrorBody(error=message(error)), error.status)
-
-    @property
-    def host(self) -> ApiHost:
-        assert self._host is not None, "add_routes first"
-        return self._host
 
     async def running(self, _request: web.Request) -> web.Response:
         return web.Response(text="Ollama is running")

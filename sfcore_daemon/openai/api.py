@@ -17,36 +17,25 @@ import msgspec
 from aiohttp import web
 
 from sfcore_daemon.core.request import GenerationRequest
-from sfcore_daemon.httpd.api import ApiHost
+from sfcore_daemon.httpd.api import ApiHost, HostedApi
 from sfcore_daemon.httpd.errors import ApiError, json_response
 from sfcore_daemon.openai import schema, translate
 from sfcore_daemon.openai.schema import ModelCard, ModelList
 from sfcore_daemon.openai.shapes import ChatShape, CompletionShape
 
 
-class OpenAIApi:
+class OpenAIApi(HostedApi):
     """An `httpd.api.HttpApi`."""
-
-    def __init__(self) -> None:
-        self._host: ApiHost | None = None
 
     def counted_ops(self) -> Iterable[tuple[str, str]]:
         return (("chat", "chat_completions"), ("generate", "completions"))
 
     def add_routes(self, router: web.UrlDispatcher, host: ApiHost) -> None:
-        self._host = host
+        self.bind(host)
         router.add_get("/v1/models", self.models)
         router.add_get("/v1/models/{model:.+}", self.model)
         router.add_post("/v1/chat/completions", self.chat)
         router.add_post("/v1/completions", self.completions)
-
-    def error_response(self, path: str, error: ApiError) -> web.Response | None:
-        return None
-
-    @property
-    def host(self) -> ApiHost:
-        assert self._host is not None, "add_routes first"
-        return self._host
 
     async def models(self, _request: web.Request) -> web.Response:
         await self.host.loaded()

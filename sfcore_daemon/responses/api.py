@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from aiohttp import web
 
 from sfcore_daemon.core.request import Message
-from sfcore_daemon.httpd.api import ApiHost
+from sfcore_daemon.httpd.api import ApiHost, HostedApi
 from sfcore_daemon.httpd.errors import ApiError, json_response
 from sfcore_daemon.responses.reply import ResponsesShape
 from sfcore_daemon.responses.schema import DeletedResponse, responses_decoder
@@ -27,31 +27,23 @@ from sfcore_daemon.responses.translate import responses_request
 API = "responses"
 
 
-class ResponsesApi:
+class ResponsesApi(HostedApi):
     """An `httpd.api.HttpApi`: the Responses handlers and the responses kept."""
 
     def __init__(self) -> None:
-        self._host: ApiHost | None = None
+        super().__init__()
         self._store: ResponseStore | None = None
 
     def counted_ops(self) -> Iterable[tuple[str, str]]:
         return (("chat", API),)
 
     def add_routes(self, router: web.UrlDispatcher, host: ApiHost) -> None:
-        self._host = host
+        self.bind(host)
         config = host.state.config.openai
         self._store = ResponseStore(config.stored_responses, config.stored_responses_mb << 20)
         router.add_post("/v1/responses", self.create)
         router.add_get("/v1/responses/{response_id}", self.get)
         router.add_delete("/v1/responses/{response_id}", self.delete)
-
-    def error_response(self, path: str, error: ApiError) -> web.Response | None:
-        return None
-
-    @property
-    def host(self) -> ApiHost:
-        assert self._host is not None, "add_routes first"
-        return self._host
 
     @property
     def store(self) -> ResponseStore:
