@@ -222,6 +222,7 @@ def _serve(config: Config, pinned: list[int], model_path: str, *,
 
     from sfcore_daemon.engine.speculative import draft_settings
     from sfcore_daemon.engine.thread import Engine
+    from sfcore_daemon.llama import invariant
     from sfcore_daemon.llama.gpu import gpu_layers
     from sfcore_daemon.llama.logrouter import route_llama_logs
     from sfcore_daemon.llama.model import ModelLoadError
@@ -229,6 +230,8 @@ def _serve(config: Config, pinned: list[int], model_path: str, *,
     from sfcore_daemon.store.promptstore import prompt_store
     from sfcore_daemon.system.socketfile import StartupError
 
+    # Before llama.cpp's first call (gpu_layers below starts its backends).
+    invariant.enable(config.model.reproducible)
     route_llama_logs()
     # "auto" becomes the number llama.cpp is given, so that `info` and the prompt
     # store's fingerprint (the same 0 a CPU build always had) show what was used.

@@ -88,6 +88,8 @@ class ModelConfig(_Section, frozen=True):
     # llama.cpp build has a GPU backend that finds a device, else 0 (gpu.py).
     n_gpu_layers: Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)] | Literal["auto"] = "auto"
     flash_attn: bool | Literal["auto"] = "auto"
+    # Row-invariant kernels (llama/invariant.py): a reply's bytes do not depend on what
+    # else the batch holds, on speculation, on the thread count or on the cache's history.
     reproducible: bool = False
     # For `chat` when the model file has no template: a llama.cpp built-in name ("gemma")
     # or Jinja text; empty: the built-in matching the model's architecture, if any.
@@ -98,6 +100,11 @@ class ModelConfig(_Section, frozen=True):
             raise ValueError(
                 f"n_ubatch ({self.n_ubatch}) must not exceed n_batch ({self.n_batch})"
             )
+        if self.reproducible and self.flash_attn is False:
+            # Without flash attention a row's attention sums run over the cells by their
+            # place in the pool, which other traffic decides.
+            raise ValueError("reproducible = true needs flash attention: set flash_attn "
+                             "to \"auto\" or true")
 
 
 class RuntimeConfig(_Section, frozen=True):
@@ -155,7 +162,7 @@ class SpeculativeConfig(_Section, frozen=True):
 
 class CacheConfig(_Section, frozen=True):
     # Long prefixes' KV cells kept in RAM and on disk and restored instead of evaluated
-    # again (store/promptstore.py); unused with [model] reproducible = true.
+    # again (store/promptstore.py).
     enabled: bool = True
     # Empty: $CACHE_DIRECTORY (systemd's CacheDirectory=) or $XDG_CACHE_HOME/sfcore-ai
     # (~/.cache/sfcore-ai), plus "/prompts".
@@ -243,8 +250,9 @@ class OpenAIConfig(_Section, frozen=True):
     # A remote listener (allow_remote) with no api_key serves anyone who reaches it:
     # refused at start-up unless this is true too (and then a warning is logged).
     allow_remote_without_key: bool = False
-    # Per-phase limits, so a connection that never finishes holds no descriptor for long:
-    # headers, body (408), an unread reply. Between requests: [server] idle_timeout_s.
+    # Per-phase limits, so no connection holds a descriptor long: no byte of a first
+    # request, headers, body (408), an unread reply. Between: [server] idle_timeout_s.
+    first_request_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 60.0
     header_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 10.0
     body_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 30.0
     write_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 30.0
@@ -252,8 +260,8 @@ class OpenAIConfig(_Section, frozen=True):
     # takes besides localhost, against DNS rebinding; "*": any (docs/openai.md#web-pages).
     allowed_origins: tuple[Origin, ...] = ()
     allowed_hosts: tuple[HostName, ...] = ()
-    # Responses kept for previous_response_id and GET /v1/responses/{id}, least recently
-    # used out first, by count and by MiB; in memory only, so ids end with the daemon.
+    # Responses kept for previous_response_id and GET, least recently used out first;
+    # on disk in [cache] dir + /responses when the prompt store has a folder (restarts).
     stored_responses: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 1000
     stored_responses_mb: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 256
 

@@ -2,12 +2,13 @@
 
 The events are those Anthropic's SDKs parse (each an `event:` line naming its type and
 a `data:` line): `message_start` (the usage's input_tokens already known: the prompt
-was tokenized before the first event), `ping`, then the blocks, each
-`content_block_start`, its deltas, `content_block_stop`: the text as it is generated
-(`text_delta`), then each call whole once the answer has ended (`input_json_delta`
-holding all of its input: a call is read, and checked, only when complete), and last
-`message_delta` (stop_reason, stop_sequence, usage) and `message_stop`. A failure
-after the first byte is an `error` event.
+was tokenized before the first event; how much of it the cache gives is known once it
+is read, so `message_delta` carries the split, which the SDKs take over), `ping`, then
+the blocks, each `content_block_start`, its deltas, `content_block_stop`: the text as
+it is generated (`text_delta`), then each call whole once the answer has ended
+(`input_json_delta` holding all of its input: a call is read, and checked, only when
+complete), and last `message_delta` (stop_reason, stop_sequence, usage) and
+`message_stop`. A failure after the first byte is an `error` event.
 """
 
 from __future__ import annotations
@@ -102,8 +103,7 @@ class MessagesShape:
         out += sse("message_delta", encoder.encode(MessageDelta(
             delta=StopDelta(stop_reason=translate.stop_reason(done),
                             stop_sequence=done.stop_sequence),
-            usage=MessageUsage(input_tokens=done.usage.prompt_tokens,
-                        output_tokens=done.usage.completion_tokens))))
+            usage=translate.usage(done))))
         out += sse("message_stop", encoder.encode(MessageStop()))
         return bytes(out)
 
@@ -111,8 +111,7 @@ class MessagesShape:
         return encoder.encode(MessageOut(
             id=self.id, model=self.model, content=translate.content(done),
             stop_reason=translate.stop_reason(done), stop_sequence=done.stop_sequence,
-            usage=MessageUsage(input_tokens=done.usage.prompt_tokens,
-                        output_tokens=done.usage.completion_tokens)))
+            usage=translate.usage(done)))
 
     def failure(self, error: ApiError) -> bytes:
         return sse("error", encoder.encode(error_body(error)))

@@ -1,11 +1,11 @@
 """Anthropic's Messages bodies as msgspec Structs (docs/messages.md).
 
 Requests keep Anthropic's field names and ranges; fields the daemon does not know
-(`metadata`, `thinking`, `service_tier`, `cache_control`, ...) are ignored, as its
-other HTTP routes ignore theirs. A known field with a wrong type or value fails decoding
-with the field's path in the message. Content blocks are one loose Struct whose `type`
-translate.py checks, so an unsupported block is refused by name rather than as a
-decoding error.
+(`metadata`, `thinking`, `service_tier`, ...) are ignored, as its other HTTP routes
+ignore theirs; `cache_control` on a block or a tool is read (translate.py). A known
+field with a wrong type or value fails decoding with the field's path in the message.
+Content blocks are one loose Struct whose `type` translate.py checks, so an unsupported
+block is refused by name rather than as a decoding error.
 """
 
 from __future__ import annotations
@@ -23,11 +23,19 @@ Id = Annotated[str, Meta(min_length=1, max_length=256)]
 # --- requests -------------------------------------------------------------------------
 
 
+class CacheControlIn(Struct, kw_only=True):
+    """A cache mark: the prompt up to this block is kept for `ttl` from its last use."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+
 class TextBlockIn(Struct, kw_only=True):
     """A block of `system` or of a tool result's content; only text is understood."""
 
     type: str
     text: str | None = None
+    cache_control: CacheControlIn | None = None
 
 
 class ContentBlockIn(Struct, kw_only=True):
@@ -44,6 +52,7 @@ class ContentBlockIn(Struct, kw_only=True):
     tool_use_id: Id | None = None
     content: str | list[TextBlockIn] | None = None
     is_error: bool | None = None
+    cache_control: CacheControlIn | None = None
 
 
 class MessageIn(Struct, kw_only=True):
@@ -58,6 +67,7 @@ class ToolIn(Struct, kw_only=True):
     # None or "custom": a client tool; any other type is one of Anthropic's server or
     # client-defined tools (web_search_..., bash_..., text_editor_...), refused.
     type: str | None = None
+    cache_control: CacheControlIn | None = None
 
 
 class ToolChoiceIn(Struct, kw_only=True):
@@ -118,8 +128,12 @@ StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
 class MessageUsage(Struct, kw_only=True):
+    # Anthropic's split of the prompt: input_tokens are those neither read from the
+    # cache nor written to it; the three add up to count_tokens' input_tokens.
     input_tokens: int
     output_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
 
 
 class MessageOut(Struct, kw_only=True):

@@ -8,6 +8,11 @@ message, a user turn's `tool_result` blocks tool messages, an assistant turn's
 honour is an `ApiError` naming the field (written in Anthropic's shape by errors.py),
 never silently dropped; thinking blocks, which a model that does not reason never
 wrote, are the one thing left out.
+
+`cache_control` marks become the chat's `cache_marks`: a mark on a message's block
+marks the daemon message that holds the block's text (a user turn's text blocks are
+one message), on a system block the system message, on a tool the prompt before the
+first message's text (docs/messages.md, Prompt caching).
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ import secrets
 from typing import Any, Final, Literal
 
 from sfcore_daemon.anthropic.schema import (
+    CacheControlIn,
     ContentBlock,
     ContentBlockIn,
     CountTokensRequest,
     MessageIn,
     MessagesRequest,
+    MessageUsage,
     StopReason,
     TextBlock,
     TextBlockIn,
@@ -28,7 +35,9 @@ from sfcore_daemon.anthropic.schema import (
     ToolUseBlock,
 )
 from sfcore_daemon.core.request import (
+    MAX_CACHE_MARKS,
     MAX_STOPS,
+    CacheMark,
     ChatRequest,
     ChosenFunction,
     ChosenTool,
@@ -47,6 +56,9 @@ _CHOICES: Final = {"auto": "auto", "any": "required", "none": "none"}
 # The daemon's chat fields in its error messages -> the Messages fields they came from.
 _FIELD_NAMES: Final = ((".function.parameters", ".input_schema"), (".function.name", ".name"),
                        ("$.json_schema", "$.output_config.format.schema"))
+_TTL_S: Final = {"5m": 300, "1h": 3600}
+# A mark on the prompt before the first message (CacheMark.message).
+_BEFORE_MESSAGES: Final = -1
 
 
 def message_id() -> str:
@@ -59,14 +71,38 @@ def chat_request(body: CountTokensRequest, request_id: str) -> ChatRequest:
     if not body.messages:
         raise ApiError(400, "at least one message is needed", "messages")
     messages = [*_system(body.system)]
+    marks = _system_marks(body, bool(messages))
     for index, message in enumerate(body.messages):
-        messages.extend(_turn(index, message))
+        turn, marked = _turn(index, message)
+        marks += [CacheMark(message=len(messages) + at, ttl_s=ttl) for at, ttl in marked]
+        messages.extend(turn)
+    if len(marks) > MAX_CACHE_MARKS:
+        raise ApiError(400, f"A maximum of {MAX_CACHE_MARKS} blocks with cache_control may "
+                       f"be provided. Found {len(marks)}.", "cache_control")
     options: dict[str, Any] = {**_tool_options(body)}
+    if marks:
+        options["cache_marks"] = marks
     if body.output_config is not None and body.output_config.format is not None:
         options["json_schema"] = body.output_config.format.json_schema
     if isinstance(body, MessagesRequest):
         options.update(_generation(body))
     return ChatRequest(id=request_id, messages=messages, **options)
+
+
+def _ttl(control: CacheControlIn | None) -> int:
+    return 0 if control is None else _TTL_S[control.ttl]
+
+
+def _system_marks(body: CountTokensRequest, has_system: bool) -> list[CacheMark]:
+    """The marks on tools and system blocks (tools come before the system prompt in
+    Anthropic's prefix order; the daemon's templates write both in the first turn)."""
+    marks = [CacheMark(message=_BEFORE_MESSAGES, ttl_s=_ttl(tool.cache_control))
+             for tool in body.tools or () if tool.cache_control is not None]
+    if isinstance(body.system, list):
+        at = 0 if has_system else _BEFORE_MESSAGES
+        marks += [CacheMark(message=at, ttl_s=_ttl(block.cache_control))
+                  for block in body.system if block.cache_control is not None]
+    return marks
 
 
 def _system(system: str | list[TextBlockIn] | None) -> list[Message]:
@@ -87,19 +123,22 @@ def _texts(blocks: list[TextBlockIn], where: str) -> str:
     return "\n".join(texts)
 
 
-def _turn(index: int, message: MessageIn) -> list[Message]:
+def _turn(index: int, message: MessageIn) -> tuple[list[Message], list[tuple[int, int]]]:
     """One Messages turn as the daemon's messages: a user turn may become several (its
-    tool results, then its text), in the order of its blocks."""
+    tool results, then its text), in the order of its blocks; and its blocks' cache
+    marks, as (the index among those messages of the one that holds the block, TTL)."""
     where = f"messages[{index}]"
     if message.role not in ("user", "assistant"):
         raise ApiError(400, f"{message.role!r} is not user or assistant (the system "
                        "prompt is the top-level `system` field)", f"{where}.role")
     role: Literal["user", "assistant"] = "user" if message.role == "user" else "assistant"
     if isinstance(message.content, str):
-        return [Message(role=role, content=message.content)]
+        return [Message(role=role, content=message.content)], []
     out: list[Message] = []
     texts: list[str] = []
     calls: list[ToolCall] = []
+    marks: list[tuple[int, int]] = []
+    pending: list[int] = []  # the TTLs of marked blocks in `texts` (or a dropped block)
     for number, block in enumerate(message.content):
         at = f"{where}.content[{number}]"
         kind = block.type
@@ -111,15 +150,36 @@ def _turn(index: int, message: MessageIn) -> list[Message]:
             if texts:
                 out.append(Message(role="user", content="\n".join(texts)))
                 texts = []
+                marks += [(len(out) - 1, ttl) for ttl in pending]
+                pending = []
             out.append(_result(block, at))
+            if _result_marked(block):
+                marks.append((len(out) - 1, _ttl(block.cache_control) or _result_ttl(block)))
+                continue
         elif kind not in _DROPPED_BLOCKS:
             raise ApiError(400, f"a {role} turn's blocks of type {kind!r} are "
                            "not supported (text" + (", tool_use" if role == "assistant"
                                                     else ", tool_result")
                            + " and thinking are)", f"{at}.type")
+        if block.cache_control is not None:
+            pending.append(_ttl(block.cache_control))
     if texts or calls or not out:
         out.append(Message(role=role, content="\n".join(texts), tool_calls=calls or None))
-    return out
+    marks += [(len(out) - 1, ttl) for ttl in pending]
+    return out, marks
+
+
+def _result_marked(block: ContentBlockIn) -> bool:
+    """A tool_result marked itself or on a block of its content."""
+    content = block.content
+    return block.cache_control is not None or (isinstance(content, list) and any(
+        part.cache_control is not None for part in content))
+
+
+def _result_ttl(block: ContentBlockIn) -> int:
+    content = block.content
+    assert isinstance(content, list)
+    return max(_ttl(part.cache_control) for part in content)
 
 
 def _call(block: ContentBlockIn, at: str) -> ToolCall:
@@ -218,6 +278,17 @@ def stop_reason(done: Result) -> StopReason:
     if done.truncated or done.finish_reason in ("length", "cancelled"):
         return "max_tokens"
     return "end_turn"
+
+
+def usage(done: Result) -> MessageUsage:
+    """Anthropic's usage: the prompt split into what was read from the cache (the
+    tokens whose state was reused), what was written to it (the tokens after those up
+    to the last cache mark whose state this request stored) and the rest."""
+    counts = done.usage
+    read, written = counts.cached_tokens, counts.cache_write_tokens
+    return MessageUsage(input_tokens=counts.prompt_tokens - read - written,
+                        output_tokens=counts.completion_tokens,
+                        cache_creation_input_tokens=written, cache_read_input_tokens=read)
 
 
 def tool_uses(done: Result) -> list[ToolUseBlock]:

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import msgspec
 
 from sfcore_daemon.core import errors, tools
+from sfcore_daemon.core.cachemarks import segment_cuts
 from sfcore_daemon.core.chat import ChatTemplateError
 from sfcore_daemon.core.generation import Generation, ReplySink
 from sfcore_daemon.core.request import ChatRequest, GenerateRequest, GenerationRequest
@@ -28,7 +29,7 @@ from sfcore_daemon.core.scheduler import QueueFull
 from sfcore_daemon.core.state import ServerState
 from sfcore_daemon.engine.thread import Engine
 from sfcore_daemon.llama.model import EngineClosed
-from sfcore_daemon.llama.sampling import Sampling
+from sfcore_daemon.llama.sampling import SEED_MODULUS, Sampling, draw_seed
 from sfcore_daemon.structured.compiler import compile_json_object, compile_schema
 from sfcore_daemon.structured.gbnfcheck import check_gbnf
 from sfcore_daemon.structured.grammar import GrammarError, GrammarSampler
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 _INLINE_TOKENIZE_BYTES = 32 * 1024
 
 _T = TypeVar("_T")
+# (tokens, seconds) for each cache mark (engine/crossing.py JobSpec.pins).
+Pins = tuple[tuple[int, int], ...]
 
 
 class Refused(Exception):
@@ -167,7 +170,7 @@ class Admission:
             if sink.gone:  # left during the compile or the load: render nothing for it
                 state.stats.by_outcome["cancelled"] += 1
                 return None
-            prompt = await self._prompt(engine, request)
+            prompt, pins = await self._prompt(engine, request, with_pins=True)
             grammar = (GrammarSampler.create(engine.loaded_model(), spec.text, spec.field,
                                              prompt, state.config.server.grammar_budget_s,
                                              shape=spec.shape)
@@ -189,18 +192,23 @@ class Admission:
         scheduler = state.scheduler
         assert scheduler is not None
         defaults = state.config.generation
+        temperature = _pick(request.temperature, defaults.temperature)
+        seed = request.seed
+        if seed is None and temperature > 0:
+            seed = draw_seed()
         generation = Generation(
             request_id=request_id,
             stream=request.stream,
             stops=request.stop_sequences,
             prompt=prompt,
             sampling=Sampling(
-                temperature=_pick(request.temperature, defaults.temperature),
+                temperature=temperature,
                 top_k=_pick(request.top_k, defaults.top_k),
                 top_p=_pick(request.top_p, defaults.top_p),
                 min_p=_pick(request.min_p, defaults.min_p),
                 repeat_penalty=_pick(request.repeat_penalty, defaults.repeat_penalty),
-                seed=request.seed,
+                seed=seed % SEED_MODULUS if seed is not None else None,
+                drawn_seed=request.seed is None,
                 frequency_penalty=request.frequency_penalty or 0.0,
                 presence_penalty=request.presence_penalty or 0.0,
             ),
@@ -212,7 +220,6 @@ class Admission:
             arrived_ns=arrived_ns,
             loop=asyncio.get_running_loop(),
             stats=state.stats,
-            exclusive=self._exclusive(request),
             grammar=grammar,
             # Drafts are verified a run at a time: a grammar that starts holding the
             # output inside a run (an "auto" call) would find tokens drawn without it.
@@ -222,6 +229,9 @@ class Admission:
             grammar_trigger=spec.trigger if spec is not None else None,
             calls=(tools.MarkerSplit(forced=spec.trigger is None)
                    if spec is not None and spec.field == "tools" else None),
+            pins=pins,
+            cache_key=request.prompt_cache_key if isinstance(request, ChatRequest) else None,
+            model_fingerprint=engine.reply_fingerprint,
         )
         sink.attach(generation)
         try:
@@ -244,7 +254,7 @@ class Admission:
             else:
                 request_grammar(request, native)
             engine = await state.loaded_engine()
-            return len(await self._prompt(engine, request))
+            return len((await self._prompt(engine, request))[0])
         except (ChatTemplateError, GrammarError) as exc:
             raise Refused(errors.INVALID_REQUEST, str(exc)) from None
         except EngineClosed:
@@ -260,10 +270,18 @@ class Admission:
         self._state.stats.by_outcome["error"] += 1
         return Refused(code, message)
 
-    async def _prompt(self, engine: Engine, request: GenerationRequest) -> list[int]:
-        """The request's prompt tokens; ChatTemplateError if a chat cannot be rendered."""
+    async def _prompt(self, engine: Engine, request: GenerationRequest, with_pins: bool = False
+                      ) -> tuple[list[int], Pins]:
+        """The request's prompt tokens, and `with_pins` where its cache marks end in them
+        (JobSpec.pins); ChatTemplateError if a chat cannot be rendered."""
         if isinstance(request, GenerateRequest):
-            return await off_loop_if_long(len(request.prompt), engine.tokenize, request.prompt)
+            return await off_loop_if_long(len(request.prompt), engine.tokenize,
+                                          request.prompt), ()
+        marks = request.cache_marks if with_pins else None
+        if marks and max(mark.message for mark in marks) >= len(request.messages):
+            raise ChatTemplateError(
+                f"a cache mark names message {max(mark.message for mark in marks)}; the "
+                f"request has {len(request.messages)} - at `$.cache_marks`")
         template = self._state.chat_template
         if template is None:
             raise ChatTemplateError(
@@ -273,20 +291,35 @@ class Admission:
         native = template.tool_renderer is not None
         with_tools = tools.uses_tools(request)
 
-        def build() -> list[int]:
+        def build() -> tuple[list[int], Pins]:
             tool_plan = tools.plan(request, native) if request.tools else None
             # "required" or a named function: the answer starts as the call, so the
             # marker is the prompt's last text (content: never a special token).
             forced = tool_plan is not None and tool_plan.forced
             opening = [(tools.CALL_MARKER + "\n", True)] if forced else []
+            ends: list[int] = []
+            origins = list(range(len(request.messages)))
             if native and with_tools:
                 messages, extras, definitions = tools.native_render(request, tool_plan)
-                segments = template.render(messages, extras, definitions)
+                segments = template.render(messages, extras, definitions, ends)
             else:
-                segments = template.render(
-                    tools.render(request, tool_plan) if with_tools
-                    else [(message.role, message.content) for message in request.messages])
-            return engine.tokenize_segments([*segments, *opening])
+                if with_tools:
+                    origins = []
+                    messages = tools.render(request, tool_plan, origins)
+                else:
+                    messages = [(message.role, message.content) for message in request.messages]
+                segments = template.render(messages, None, None, ends)
+            tokens = engine.tokenize_segments([*segments, *opening])
+            if not marks:
+                return tokens, ()
+            cuts = segment_cuts(marks, origins, [role for role, _ in messages], ends, segments)
+            # Each segment is tokenized alone: a prefix of them is a prefix of the tokens.
+            pins: dict[int, int] = {}
+            for cut, ttl in sorted(cuts.items()):
+                n = len(engine.tokenize_segments(segments[:cut]))
+                if 0 < n <= len(tokens):
+                    pins[n] = max(pins.get(n, 0), ttl)
+            return tokens, tuple(pins.items())
 
         # Tool definitions (up to a megabyte) are planned and rendered with the chat:
         # never on the event loop, whatever the messages' size.
@@ -294,13 +327,6 @@ class Admission:
             return await asyncio.to_thread(build)
         return await off_loop_if_long(
             sum(len(message.content) for message in request.messages), build)
-
-    def _exclusive(self, request: GenerationRequest) -> bool:
-        """Whether a request must have the batch to itself: in reproducible mode its
-        bytes must not depend on what else runs. (A `cache_prompt: false` request only
-        skips prefix reuse: letting one client empty the batch and every slot's cache
-        at will would let it serialise the daemon.)"""
-        return self._state.config.model.reproducible
 
 
 def _pick(value: _T | None, default: _T) -> _T:

@@ -95,11 +95,13 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[ChatMessage],
                extras: Sequence[dict[str, Any]] | None = None,
-               tools: list[dict[str, Any]] | None = None) -> list[Segment]:
+               tools: list[dict[str, Any]] | None = None,
+               ends: list[int] | None = None) -> list[Segment]:
         """Render `messages` followed by the opening of the assistant's turn; with
         `tools`, through the template's own tool rendering (`extras`: each message's
         tool_calls or tool_call_id). Calls and tool definitions are the template's
-        markup; message content stays content."""
+        markup; message content stays content. `ends`, if given, is filled with each
+        message's end: the number of segments up to its text's end (-1: not rendered)."""
         render_text = self.render_text
         tool_renderer = self.tool_renderer
         if tools is not None and tool_renderer is not None:
@@ -114,26 +116,33 @@ class ChatTemplate:
         real = render_text(messages)
         parts = _PLACEHOLDER_RE.split(skeleton)
         # parts: markup, index, markup, index, ..., markup
+        found = [-1] * len(messages)
         for transform in _CONTENT_TRANSFORMS:
-            segments = _fill(parts, messages, transform)
+            segments = _fill(parts, messages, transform, found)
             if "".join(text for text, _ in segments) == real:
-                return segments
-        # The template rewrites content in some other way: keep the markup it
-        # produced and the content as sent, which is always safe.
-        return _fill(parts, messages, _CONTENT_TRANSFORMS[0])
+                break
+        else:
+            # The template rewrites content in some other way: keep the markup it
+            # produced and the content as sent, which is always safe.
+            segments = _fill(parts, messages, _CONTENT_TRANSFORMS[0], found)
+        if ends is not None:
+            ends[:] = found
+        return segments
 
 
 def _fill(parts: list[str], messages: Sequence[ChatMessage],
-          transform: Callable[[str], str]) -> list[Segment]:
+          transform: Callable[[str], str], ends: list[int]) -> list[Segment]:
     segments: list[Segment] = []
     for i, part in enumerate(parts):
         if i % 2 == 0:
             if part:
                 segments.append((part, False))
         else:
-            content = transform(messages[int(part)][1])
+            index = int(part)
+            content = transform(messages[index][1])
             if content:
                 segments.append((content, True))
+            ends[index] = len(segments)
     return segments
 
 

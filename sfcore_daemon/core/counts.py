@@ -56,7 +56,7 @@ class SpeculativeSettings(Struct, kw_only=True):
 
 
 class CacheSettings(Struct, kw_only=True):
-    enabled: bool  # false also in reproducible mode
+    enabled: bool
     dir: str | None  # the disk tier's folder; None without one
     ram_mb: int
     disk_mb: int
@@ -153,6 +153,7 @@ class StoredState(Struct, kw_only=True):
     ram: bool
     disk: bool
     preview: str  # the start of its text
+    pinned_s: int = 0  # seconds its cache mark keeps it pinned (0: not pinned)
 
 
 class CacheListing(Struct, kw_only=True):

@@ -24,7 +24,14 @@ from typing import Protocol, cast
 from sfcore_daemon.core import errors
 from sfcore_daemon.core.logprobs import LogprobTrail
 from sfcore_daemon.core.request import RequestId, ToolCall
-from sfcore_daemon.core.result import FinishReason, Result, Timings, TokenLogprob, Usage
+from sfcore_daemon.core.result import (
+    FinishReason,
+    Result,
+    SamplerSettings,
+    Timings,
+    TokenLogprob,
+    Usage,
+)
 from sfcore_daemon.core.stats import Stats
 from sfcore_daemon.core.textstream import TextStream
 from sfcore_daemon.core.tools import CALL_MARKER, MarkerSplit, read_calls
@@ -76,14 +83,17 @@ class Generation:
         arrived_ns: int,
         loop: asyncio.AbstractEventLoop,
         stats: Stats,
-        exclusive: bool = False,
         grammar: GrammarSampler | None = None,
         speculative: bool = False,
         logprobs: int | None = None,
         grammar_trigger: bytes | None = None,
         calls: MarkerSplit | None = None,
+        pins: tuple[tuple[int, int], ...] = (),
+        cache_key: str | None = None,
+        model_fingerprint: str = "",
     ) -> None:
         self.request_id = request_id
+        self.model_fingerprint = model_fingerprint
         self.stream = stream
         self.sink = sink
         self.arrived_ns = arrived_ns
@@ -91,7 +101,8 @@ class Generation:
         # sequence may end it early (the drain watches for it).
         wake_each_step = stream or bool(stops)
         self.job = JobSpec(prompt, sampling, max_tokens, cache_prompt, grammar, speculative,
-                           logprobs, grammar_trigger, wake_each_step, exclusive)
+                           logprobs, grammar_trigger, wake_each_step, pins)
+        self.cache_key = cache_key  # prompt_cache_key: the scheduler's hint of a slot
         self.channel = Channel(loop, self._drain, self._finished,
                                wake_each_step=wake_each_step)
         # Set by the scheduler as it submits the job; None while it waits.
@@ -261,7 +272,7 @@ class Generation:
             end = NOT_RUN
         self._stats.generation_ended(outcome, len(self.job.prompt),
                                      end.n_cached if end is not None else 0,
-                                     self.completion_tokens, self._decode_ns())
+                                     self.completion_tokens, self.decode_ns())
         if end is None:
             self._unaccounted = True
         else:
@@ -274,7 +285,7 @@ class Generation:
         return (end is not None and end.closed_early and end.end_reason == "stop"
                 and self._text.stop_hit is None)
 
-    def _decode_ns(self) -> int:
+    def decode_ns(self) -> int:
         """From the first token to the last (the first's time is the decode thread's
         t_first: its piece carries it)."""
         return self._last_token_ns - self._first_token_ns if self.completion_tokens > 1 else 0
@@ -320,10 +331,14 @@ class Generation:
                 accepted_tokens=end.accepted,
                 forced_drafted_tokens=end.forced_drafted,
                 forced_accepted_tokens=end.forced_accepted,
+                cache_write_tokens=max(0, end.pinned - end.n_cached),
             ),
-            timings=self._timings(end),
+            timings=_timings(self, end),
             logprobs=self._done_entries(),
             tool_calls=tool_calls,
+            model_fingerprint=self.model_fingerprint,
+            sampler=_sampler_of(self.job.sampling),
+            seed=self.job.sampling.seed if self.job.sampling.temperature > 0 else None,
         ))
 
     def _done_entries(self) -> list[TokenLogprob] | None:
@@ -336,22 +351,33 @@ class Generation:
             self._entries += trail.rest()
         return self._entries
 
-    def _timings(self, end: JobEnd) -> Timings:
-        now = time.perf_counter_ns()
-        started = end.t_start or now
-        prompt_ns = end.t_prompt_done - end.t_start if end.t_prompt_done else 0
-        evaluated = len(self.job.prompt) - end.n_cached
-        decode_ns = self._decode_ns()
-        return Timings(
-            queued_ms=_ms(started - self.arrived_ns),
-            prompt_ms=_ms(prompt_ns),
-            prompt_tok_s=_rate(evaluated, prompt_ns),
-            first_token_ms=_ms(end.t_first - self.arrived_ns) if end.t_first else 0.0,
-            decode_ms=_ms(decode_ns),
-            decode_tok_s=_rate(self.completion_tokens - 1, decode_ns),
-            total_ms=_ms(now - self.arrived_ns),
-            cache_source=end.cache_source,
-        )
+
+
+def _timings(generation: Generation, end: JobEnd) -> Timings:
+    now = time.perf_counter_ns()
+    started = end.t_start or now
+    prompt_ns = end.t_prompt_done - end.t_start if end.t_prompt_done else 0
+    evaluated = len(generation.job.prompt) - end.n_cached
+    decode_ns = generation.decode_ns()
+    arrived = generation.arrived_ns
+    return Timings(
+        queued_ms=_ms(started - arrived),
+        prompt_ms=_ms(prompt_ns),
+        prompt_tok_s=_rate(evaluated, prompt_ns),
+        first_token_ms=_ms(end.t_first - arrived) if end.t_first else 0.0,
+        decode_ms=_ms(decode_ns),
+        decode_tok_s=_rate(generation.completion_tokens - 1, decode_ns),
+        total_ms=_ms(now - arrived),
+        cache_source=end.cache_source,
+    )
+
+
+def _sampler_of(sampling: Sampling) -> SamplerSettings:
+    return SamplerSettings(
+        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+        min_p=sampling.min_p, repeat_penalty=sampling.repeat_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        presence_penalty=sampling.presence_penalty)
 
 
 def _account(stats: Stats, end: JobEnd, generation: Generation) -> None:

@@ -125,6 +125,21 @@ class ChosenTool(Struct, forbid_unknown_fields=True, kw_only=True):
 
 ToolChoice = Literal["none", "auto", "required"] | ChosenTool
 
+# Anthropic's longest cache TTL, and its most cache_control marks in one request.
+MAX_CACHE_TTL_S: Final = 3600
+MAX_CACHE_MARKS: Final = 4
+CacheKey = Annotated[str, Meta(max_length=1024)]
+
+
+class CacheMark(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """A prefix to pin in the prompt store (docs/messages.md, Prompt caching): the prompt
+    up to the end of message `message`'s text, or of the system turn (and the tool
+    definitions a template writes there) when that message is the system prompt; -1:
+    the prompt before the first message's text. Kept `ttl_s` seconds from its last use."""
+
+    message: Annotated[int, Meta(ge=-1, le=2**31 - 1)]
+    ttl_s: Annotated[int, Meta(ge=1, le=MAX_CACHE_TTL_S)] = 300
+
 
 class ChatRequest(GenerationOptions, frozen=True, kw_only=True):
     """A chat: messages rendered by the model's template, maybe with tools."""
@@ -135,6 +150,9 @@ class ChatRequest(GenerationOptions, frozen=True, kw_only=True):
     tool_choice: ToolChoice | None = None
     # false: one call at most per answer.
     parallel_tool_calls: bool = True
+    cache_marks: Annotated[list[CacheMark], Meta(max_length=MAX_CACHE_MARKS)] | None = None
+    # OpenAI's hint: requests with the same key prefer the slot the key last used.
+    prompt_cache_key: CacheKey | None = None
 
 
 GenerationRequest = GenerateRequest | ChatRequest

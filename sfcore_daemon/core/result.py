@@ -33,6 +33,8 @@ class TokenLogprob(Struct, kw_only=True):
 
 class Usage(Struct, kw_only=True):
     prompt_tokens: int
+    # Of the prompt: tokens whose state was reused (a slot's cells, a stored state), and
+    # tokens after those whose state this request stored for a cache mark.
     cached_tokens: int
     completion_tokens: int
     # Tokens proposed by speculative decoding, and how many of them were emitted; of
@@ -41,6 +43,19 @@ class Usage(Struct, kw_only=True):
     accepted_tokens: int
     forced_drafted_tokens: int = 0
     forced_accepted_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+class SamplerSettings(Struct, kw_only=True):
+    """The sampler a reply was drawn with: the request's values, else the config's."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repeat_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
 
 
 class Timings(Struct, kw_only=True):
@@ -72,6 +87,11 @@ class Result(Struct, kw_only=True, omit_defaults=True):
     logprobs: list[TokenLogprob] | None = None
     # The calls the answer made (finish_reason "tool_calls"); `text` is what came before.
     tool_calls: list[ToolCall] | None = None
+    # What gives this reply again (docs/protocol.md, done): the model, build and kernels,
+    # the sampler, and a sampled reply's seed (the request's or one drawn for it).
+    model_fingerprint: str = ""
+    sampler: SamplerSettings | None = None
+    seed: int | None = None
 
     @property
     def cut_short(self) -> bool:

@@ -57,9 +57,10 @@ class Scheduler:
         # What each idle slot holds in the KV cache, as the decode thread left it.
         self._slot_tokens: list[list[int]] = [[] for _ in range(slots)]
         self._slot_used: list[int] = [0] * slots
+        # The prompt_cache_key of each slot's last request that gave one.
+        self._slot_keys: list[str | None] = [None] * slots
         self._uses = 0
         self.slot_requests: list[int] = [0] * slots  # per-slot use, for `stats`
-        self._exclusive = False  # a running request must have the batch to itself
         self._idle = asyncio.Event()
         self._idle.set()
         self._working = asyncio.Event()  # the opposite of _idle
@@ -147,12 +148,10 @@ class Scheduler:
 
     def _try_start(self, generation: Generation) -> bool:
         job = generation.job
-        if self.running and (job.exclusive or self._exclusive):
-            return False
         free = [slot for slot in range(self.slots) if slot not in self.running]
         if not free:
             return False
-        slot = self._pick_slot(free, job.prompt)
+        slot = self._pick_slot(free, job.prompt, generation.cache_key)
         pool = self._engine.n_ctx
         held = sum(g.job.reserved_cells for g in self.running.values())
         held += job.reserved_cells
@@ -162,7 +161,7 @@ class Scheduler:
         evict = []
         # Alone and reusing nothing (cache_prompt: false), a request gets an empty cache too,
         # for a fresh daemon's bytes (docs/protocol.md, "Reproducibility and the prompt cache").
-        empty = job.exclusive or (not job.cache_prompt and not self.running)
+        empty = not job.cache_prompt and not self.running
         for other in idle:
             if held <= pool and not empty:
                 break
@@ -177,31 +176,38 @@ class Scheduler:
         # Fixed before the decode thread sees the job, never changed after.
         placement = generation.placement = Placement(slot, tuple(evict))
         self.running[slot] = generation
-        self._exclusive = job.exclusive
         self.slot_requests[slot] += 1
+        if generation.cache_key is not None:
+            self._slot_keys[slot] = generation.cache_key
         self._idle.clear()
         self._working.set()
         generation.on_released = self.release
         self._engine.submit(job, placement, generation.channel)
         return True
 
-    def _pick_slot(self, free: list[int], prompt: list[int]) -> int:
+    def _pick_slot(self, free: list[int], prompt: list[int], key: str | None = None) -> int:
         """The free slot whose cache shares the longest worthwhile prefix with `prompt`,
-        else the least recently used one (an unused one first).
+        else the one `key` (prompt_cache_key) last ran in, else the least recently used
+        one (an unused one first). Between equal prefixes, the key's slot wins.
 
         A shared prefix is worthwhile when it is most of what the slot holds, or long
         in itself (a common system prompt): a lone BOS in common is not worth
         overwriting another conversation's cache for.
         """
+        keys = self._slot_keys
         best, best_shared = -1, 0
         for slot in free:
             cached = self._slot_tokens[slot]
             shared = shared_prefix(cached, prompt)
             worthwhile = shared * 2 > len(cached) or shared >= _WORTHWHILE_PREFIX
-            if worthwhile and shared > best_shared:
+            if worthwhile and (shared > best_shared or (
+                    shared == best_shared and key is not None and keys[slot] == key)):
                 best, best_shared = slot, shared
         if best >= 0:
             return best
+        keyed = [slot for slot in free if key is not None and keys[slot] == key]
+        if keyed:
+            return max(keyed, key=self._slot_used.__getitem__)
         return min(free, key=self._slot_used.__getitem__)
 
     def release(self, generation: Generation) -> None:
@@ -211,7 +217,6 @@ class Scheduler:
             return
         slot = placement.slot
         del self.running[slot]
-        self._exclusive = False
         self._slot_tokens[slot] = end.kept if end is not None else []
         self._uses += 1
         self._slot_used[slot] = self._uses
@@ -240,7 +245,7 @@ class Scheduler:
         for generation in list(self.waiting)[1:]:
             if head.overtaken >= _MAX_OVERTAKES or len(self.running) >= self.slots:
                 return
-            if generation.replied or generation.job.exclusive:
+            if generation.replied:
                 continue
             if self._try_start(generation):
                 self.waiting.remove(generation)

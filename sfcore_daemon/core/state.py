@@ -51,5 +51,5 @@ class ServerState:
 
     @property
     def speculates(self) -> bool:
-        """Whether generations may draft (never in reproducible mode)."""
-        return self.config.speculative.mode != "off" and not self.config.model.reproducible
+        """Whether generations may draft."""
+        return self.config.speculative.mode != "off"

@@ -29,8 +29,8 @@ from sfcore_daemon.store.promptstore import PromptStore
 OUTCOMES = (*FINISH_REASONS, "error")
 # Why the OpenAI listener closed a connection: one of its time limits, evicted to make room
 # at max_connections, or refused after its request (429, 403); see docs/openai.md.
-HTTP_CLOSED = ("idle_timeout", "header_timeout", "body_timeout", "write_timeout", "evicted",
-               "refused")
+HTTP_CLOSED = ("first_request_timeout", "idle_timeout", "header_timeout", "body_timeout",
+               "write_timeout", "evicted", "refused")
 # Always present (so that each has its series from the start); others as they occur.
 HTTP_STATUSES = ("200", "400", "401", "403", "404", "408", "413", "429", "500", "503")
 # The (op, api) pairs of the listener's own routes; each front end adds its own pairs

@@ -98,12 +98,15 @@ def _call_schema(tool: Tool) -> dict[str, Any]:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def render(request: ChatRequest, tool_plan: ToolPlan | None) -> list[tuple[str, str]]:
+def render(request: ChatRequest, tool_plan: ToolPlan | None,
+           origins: list[int] | None = None) -> list[tuple[str, str]]:
     """The messages as (role, content) for the chat template: tools described in the
     system message, calls and results in the generic format, turns that the template
-    would see twice in a row (a tool result after a tool result) merged."""
+    would see twice in a row (a tool result after a tool result) merged. `origins`, if
+    given, gets the index in the result of each of the request's messages."""
     messages = list(request.messages)
     rendered: list[tuple[str, str]] = []
+    where = origins if origins is not None else []
     if tool_plan is not None and request.tools:
         description = _INTRO + "\n".join(
             json.dumps({"name": tool.function.name,
@@ -115,6 +118,7 @@ def render(request: ChatRequest, tool_plan: ToolPlan | None) -> list[tuple[str, 
             description += "\n" + _REQUIRED
         if messages and messages[0].role == "system":
             rendered.append(("system", messages.pop(0).content + "\n\n" + description))
+            where.append(0)
         else:
             rendered.append(("system", description))
     for message in messages:
@@ -123,6 +127,7 @@ def render(request: ChatRequest, tool_plan: ToolPlan | None) -> list[tuple[str, 
             rendered[-1] = (role, rendered[-1][1] + "\n\n" + content)
         else:
             rendered.append((role, content))
+        where.append(len(rendered) - 1)
     return rendered
 
 

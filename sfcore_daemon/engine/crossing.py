@@ -55,7 +55,8 @@ class JobSpec(msgspec.Struct, frozen=True):
     `wake_each_step`: whether the loop needs the pieces as they come (a stream, stop
     sequences to watch for); otherwise they wait for the end, and no step wakes the
     event loop, whose thread would take a core from llama.cpp's on a 2-core machine.
-    `exclusive`: the job must have the batch to itself (reproducible bytes)."""
+    `pins`: (n, seconds) for each cache mark: the state of the prompt's first n tokens
+    is kept pinned in the prompt store that long (storepolicy.PromptStates.pin)."""
 
     prompt: list[int]
     sampling: Sampling
@@ -66,7 +67,7 @@ class JobSpec(msgspec.Struct, frozen=True):
     logprobs: int | None = None
     grammar_trigger: bytes | None = None
     wake_each_step: bool = True
-    exclusive: bool = False
+    pins: tuple[tuple[int, int], ...] = ()
 
     @property
     def reserved_cells(self) -> int:
@@ -91,7 +92,8 @@ class JobEnd(msgspec.Struct, frozen=True):
     are speculative.py's (forced_*: a schema's forced text, of those). `kept`: the
     tokens the slot now holds (the loop's from here on). `contained`: failures the
     decode thread contained while serving the job (what, the exception), and
-    `notices` what else it has to say, for the loop to log."""
+    `notices` what else it has to say, for the loop to log. `pinned`: the longest
+    prefix of the spec's `pins` whose state this job stored (0: none)."""
 
     end_reason: EndReason
     error: BaseException | None = None
@@ -114,6 +116,7 @@ class JobEnd(msgspec.Struct, frozen=True):
     kept: list[int] = []
     contained: tuple[tuple[str, BaseException], ...] = ()
     notices: tuple[str, ...] = ()
+    pinned: int = 0
 
 
 # What the loop accounts a job by when it never ran (answered while queued).

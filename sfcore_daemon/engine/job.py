@@ -23,7 +23,7 @@ class Job:
         "spec", "out", "grammar", "grammar_live", "trigger_tail", "n_cached", "cache_source",
         "restore_failed", "contained", "notices", "error", "t_start", "t_prompt_done",
         "t_first", "drafted", "accepted", "forced_drafted", "forced_accepted", "draft_steps",
-        "aligned_steps", "logit_rows",
+        "aligned_steps", "logit_rows", "pinned",
     )
 
     def __init__(self, spec: JobSpec, out: Channel) -> None:
@@ -58,6 +58,7 @@ class Job:
         self.draft_steps = 0  # steps that verified its drafts
         self.aligned_steps = 0  # of those, the ones whose logit rows were whole multiples
         self.logit_rows = 0  # those steps' logit rows
+        self.pinned = 0  # the longest of its cache marks' prefixes it stored
 
     def ended(self, reason: EndReason, kept: list[int]) -> JobEnd:
         """The end record to send: what this job came to, frozen."""
@@ -70,4 +71,4 @@ class Job:
             grammar.tokens if grammar is not None else 0,
             grammar.resampled if grammar is not None else 0,
             grammar is not None and grammar.closed_early,
-            kept, tuple(self.contained), tuple(self.notices))
+            kept, tuple(self.contained), tuple(self.notices), pinned=self.pinned)

@@ -5,11 +5,11 @@ tokens that followed them then are proposed as a draft. The step loop puts the d
 into the step beside the sequence's pending token, each row asking for logits, and the
 sequence's own sampler chain samples the rows in order: a draft token is kept while it
 equals what the chain drew (see rows.Rows._verify). So every token is the chain's draw
-from its own row, one draw per token. The rows are not always one token a step's to the
-bit: a step of several rows goes through other matrix kernels, which round otherwise
-(docs/performance/speculative.md, "Numerics"), and a near-tie can go the other way. What holds: the
-same request from the same state gives the same bytes; bytes equal to one token a step
-take `speculative: false` or reproducible mode.
+from its own row, one draw per token. With the row-invariant kernels (reproducible mode,
+llama/invariant.py) a row is one token a step's to the bit, and speculation never changes
+the bytes; without them a step of several rows goes through other matrix kernels, which
+round otherwise (docs/performance/speculative.md, "Numerics"), and a near-tie can go the
+other way.
 
 Everything here runs on the decode thread, a few dictionary operations a step: each
 n-gram is indexed once, when its continuation token arrives.

@@ -44,7 +44,7 @@ class StepBatch:
     row's sequence and row: a pending token's, or a prompt's last)."""
 
     def __init__(self, model: Model, slots: int, prefill_per_step: int,
-                 reproducible: bool, drafts: DraftSettings | None) -> None:
+                 drafts: DraftSettings | None) -> None:
         batch = model.n_batch
         self._prefill_per_step = prefill_per_step
         self._drafts = drafts
@@ -53,9 +53,6 @@ class StepBatch:
         # judged by them. None: every draft is taken ([speculative] policy "always").
         self.costs: StepCosts | None = None
         self.most_rows = slots + self._draft_rows + (drafts.row_multiple if drafts else 0)
-        # Reproducible mode cuts prompts at multiples of n_ubatch, so that a chunk
-        # evaluated after a cache hit is cut exactly as in a cold run.
-        self._prefill_chunk = batch - batch % model.n_ubatch if reproducible else batch
         self._n_batch = batch
         self.batch: Any = C.llama_batch_init(batch, 0, 1)
         for row in range(batch):
@@ -92,7 +89,7 @@ class StepBatch:
         # Then prompts, short rests first (their first token is near), then oldest first;
         # beside streaming rows at most prefill_per_step, so a long prompt never holds them up.
         budget = self._n_batch - n if n == 0 else min(self._prefill_per_step, self._n_batch - n)
-        chunk = self._prefill_chunk
+        chunk = self._n_batch
         if len(reading) > 1:
             reading.sort(key=_reading_order)
             first_rest = _rest(reading[0])

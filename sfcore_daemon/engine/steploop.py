@@ -53,7 +53,7 @@ class StepLoop:
     """`slots` sequences of one context, stepped together until the inbox says stop."""
 
     def __init__(self, model: Model, slots: int, prefill_per_step: int,  # noqa: PLR0917
-                 reproducible: bool, drafts: DraftSettings | None = None,
+                 drafts: DraftSettings | None = None,
                  store: PromptStore | None = None,
                  threads: ThreadPolicy | None = None) -> None:
         self.model = model
@@ -68,25 +68,21 @@ class StepLoop:
         self.step_tokens = 0
         self._ctx = model.ctx
         self.n_ctx = model.n_ctx
-        # Verified drafts change float summation order (rows decoded together), so
-        # reproducible mode never speculates.
-        self._drafts = None if reproducible else drafts
+        self._drafts = drafts
         # What finished requests generated, for drafts of later ones (any slot).
         self._learned = (NgramStore(self._drafts.ngram_max, self._drafts.store_tokens)
                          if self._drafts is not None and self._drafts.store_tokens else None)
         # How drafts fared lately, for the draft gate's chances (draftgate.py).
         self._book = AcceptanceBook()
         self._seqs = [Seq(seq_id) for seq_id in range(slots)]
-        # Reproducible mode keeps no states: its bytes never depend on the cache.
-        store = None if reproducible else store
         n_swa = C.llama_model_n_swa(model.model)
-        self._cells = KVCache(model.memory, self._seqs, model.n_ubatch, reproducible,
-                              model.ctx, n_swa, slots if store is not None else None)
+        self._cells = KVCache(model.memory, self._seqs, model.ctx, n_swa,
+                              slots if store is not None else None)
         # A failure in the store or in ending a job stays with its sequence.
         self._states = ContainedStates(store, self._cells, model, n_swa, self._seqs)
         self._active: list[Seq] = []  # sequences with a job, in the order they began
         self._ending = Ending(self._cells, self._states, self._active)
-        self._steps = StepBatch(model, slots, prefill_per_step, reproducible, self._drafts)
+        self._steps = StepBatch(model, slots, prefill_per_step, self._drafts)
         self._rows = Rows(model, self._ending.end)
         # The channels of the prompt batch being decoded, for the abort callback.
         self._abort_jobs: list[Channel] = []
@@ -180,7 +176,7 @@ class StepLoop:
             self._rows.prepare(seq, job)
             # A seeded request drafts from its own text, by the fixed prior: the store and
             # the book are other requests' history, and its bytes must not depend on them.
-            unseeded = spec.sampling.seed is None
+            unseeded = spec.sampling.seed is None or spec.sampling.drawn_seed
             learned = self._learned if unseeded else None
             seq.drafter = (faults.drafter(job)(self._drafts, spec.prompt, learned,
                                                self._book if unseeded else None)

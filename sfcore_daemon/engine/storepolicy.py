@@ -43,7 +43,7 @@ _EXACT_SLACK = 32
 
 class PromptStates:
     """Restores and keeps the states of the slots' sequences. With `store` None (no
-    store, or reproducible mode) nothing is kept or cut, and `restore` is never called."""
+    store) nothing is kept or cut, and `restore` is never called."""
 
     def __init__(self, store: PromptStore | None, cells: KVCache, model: Model, n_swa: int,
                  seqs: Sequence[Seq]) -> None:
@@ -135,13 +135,34 @@ class PromptStates:
         seq.prompt_kept = True
         if store is None:
             return
-        if len(job.spec.prompt) - job.n_cached >= store.min_tokens:
-            self.keep(seq, len(job.spec.prompt))
-            for boundary in seq.boundaries:
-                self.keep(seq, boundary)
-        if seq.keep_prefix:
-            self.keep(seq, seq.keep_prefix, exact=True)
-        self.unprotect(seq)
+        try:
+            # First: a turn start at a mark is then the pinned state, not a copy of it.
+            self.pin(seq, job)
+            if len(job.spec.prompt) - job.n_cached >= store.min_tokens:
+                self.keep(seq, len(job.spec.prompt))
+                for boundary in seq.boundaries:
+                    self.keep(seq, boundary)
+            if seq.keep_prefix:
+                self.keep(seq, seq.keep_prefix, exact=True)
+        finally:
+            self.unprotect(seq)
+
+    def pin(self, seq: Seq, job: Job) -> None:
+        """The states of the prompt's cache marks (`JobSpec.pins`), pinned in the store
+        for their TTLs: a stored state of exactly that prefix has its pin restarted,
+        else one is taken now (`job.pinned`: the longest taken)."""
+        store = self._store
+        if store is None or not seq.keep_state:
+            return
+        for n, seconds in job.spec.pins:
+            if n < store.min_tokens or n > len(seq.cached):
+                continue
+            tokens = seq.cached[:n]
+            if store.pin(tokens, seconds):
+                continue
+            data = self._cells.state(seq, n)
+            if data is not None and store.put(tokens, data, seconds):
+                job.pinned = max(job.pinned, n)
 
     def protect(self, seq: Seq, job: Job) -> None:
         """Plan the states its prompt gives once read, and which rows they need kept
@@ -155,7 +176,8 @@ class PromptStates:
             return
         if len(job.spec.prompt) - job.n_cached >= store.min_tokens:
             seq.boundaries = seq.cuts[::-1]
-        marks = [b for b in (*seq.boundaries, seq.keep_prefix) if b > 0]
+        pins = (n for n, _ in job.spec.pins)
+        marks = [b for b in (*seq.boundaries, seq.keep_prefix, *pins) if b > 0]
         if marks and self._n_swa:
             seq.protect_from = max(0, min(marks) - self._n_swa)
 
@@ -225,9 +247,11 @@ class PromptStates:
         return found
 
     def keep_all(self) -> None:
-        """At shutdown: every slot's cells into the store (the daemon drains first)."""
+        """At shutdown: every slot's cells into the store (the daemon drains first),
+        held to the gain of a shared prefix: after a restart a conversation's next turn
+        goes on from its last answer, not from its prompt's last line start."""
         for seq in self._seqs:
-            self.keep(seq, len(seq.cached))
+            self.keep(seq, len(seq.cached), exact=True)
 
     def _count_error(self) -> None:
         """A failed restore or keep, counted in the store's `errors` (the stats op)."""

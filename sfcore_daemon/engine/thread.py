@@ -25,11 +25,19 @@ from sfcore_daemon.engine.speculative import DraftSettings
 from sfcore_daemon.engine.steploop import StepLoop, Submitted
 from sfcore_daemon.engine.storepolicy import PromptStore, store_fingerprint
 from sfcore_daemon.engine.threadpolicy import ThreadLimits, ThreadPolicy
-from sfcore_daemon.llama.model import EngineClosed, LoadAborted, Model, ModelLoadError
-from sfcore_daemon.llama.modelfile import known_sha256
+from sfcore_daemon.llama.invariant import row_invariant
+from sfcore_daemon.llama.model import (
+    EngineClosed,
+    LoadAborted,
+    Model,
+    ModelLoadError,
+    llama_cpp_version,
+)
+from sfcore_daemon.llama.modelfile import known_sha256, model_sha256
 from sfcore_daemon.llama.sampling import import_numpy_beside
 from sfcore_daemon.llama.selfcheck import check_batched_decode
 from sfcore_daemon.llama.stepcost import BUSY_SHARE, BusyMeter, measure_step_costs, step_costs_key
+from sfcore_daemon.store.fingerprint import reply_fingerprint
 
 # How long the start-up waits for the store to index its folder (headers only: a few
 # milliseconds for hundreds of files); only a hung disk takes longer.
@@ -69,18 +77,17 @@ class Engine:
         self.n_threads = n_threads
         self.n_threads_batch = n_threads_batch
         self.slots = slots
-        # Fewer threads while others hold the cores (threadpolicy.py); never in reproducible
-        # mode: the thread count partitions llama.cpp's sums, so bytes would follow the load.
+        # Fewer threads while others hold the cores (threadpolicy.py). Without row-invariant
+        # kernels (llama/invariant.py) the thread count partitions some sums.
         self.threads = ThreadPolicy(
             # (More threads than CPUs, as configured, is not the others' doing.)
             ThreadLimits(n_threads, n_threads_batch,
                          max(n_threads, cpus or os.cpu_count() or 1)),
-            adaptive_threads and not model_config.reproducible)
+            adaptive_threads)
         self._prefill_per_step = prefill_per_step
         self.drafts = drafts
-        # Prompt states kept across evictions and restarts; None when turned off, and
-        # never used in reproducible mode.
-        self.store = None if model_config.reproducible else store
+        # Prompt states kept across evictions and restarts; None when turned off.
+        self.store = store
         # Resolved once the model is loaded and warmed up, or fails with ModelLoadError.
         self.ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         # Resolved as the decode thread ends after serving: None after `close`, else the
@@ -101,6 +108,8 @@ class Engine:
         self.step_costs_ms = 0.0
         self.step_costs_busy = 0.0  # other processes' share of the CPUs meanwhile
         self._abort_load = False
+        # store/fingerprint.reply_fingerprint, set before `ready`.
+        self.reply_fingerprint = ""
 
     @property
     def progress(self) -> int:
@@ -139,6 +148,10 @@ class Engine:
                 raise LoadAborted("the model load was stopped")
             importing.join()  # before the first request: no import then competes for the GIL
             self.warm_up()
+            self.reply_fingerprint = reply_fingerprint(
+                model_sha256=model_sha256(self.model_path), llama_cpp=llama_cpp_version(),
+                flash_attn=self.config.flash_attn, row_invariant=row_invariant(),
+                system_info=self.system_info)
             if self.store is not None and known_sha256(self.model_path) is not None:
                 # The first request after a restart finds the states on disk (unless the
                 # model must be hashed first: then the disk tier joins when that is done).
@@ -175,11 +188,11 @@ class Engine:
         self.info = model.info
         self.system_info = model.system_info
         self.bos_text, self.eos_text = model.bos_text, model.eos_text
-        self._loop = StepLoop(model, self.slots, self._prefill_per_step,
-                              self.config.reproducible, self.drafts, self.store, self.threads)
+        self._loop = StepLoop(model, self.slots, self._prefill_per_step, self.drafts,
+                              self.store, self.threads)
 
     def _draft_rows(self) -> int:
-        if self.drafts is None or self.config.reproducible:
+        if self.drafts is None:
             return 0
         return min(self.drafts.step_rows, self.config.n_batch - self.slots)
 
@@ -278,4 +291,4 @@ class Engine:
 
     def _judges_drafts(self) -> bool:
         drafts = self.drafts
-        return drafts is not None and drafts.measured and not self.config.reproducible
+        return drafts is not None and drafts.measured

@@ -88,8 +88,12 @@ class ApiHost:
         return os.path.basename(engine.info.path).removesuffix(".gguf")
 
     def fingerprint(self) -> str:
+        """OpenAI's system_fingerprint: the `done` line's model_fingerprint (the model,
+        build and kernels a reply's bytes depend on) once the model is loaded."""
         engine = self.state.engine
-        return f"sfcore-{engine.info.architecture}" if engine is not None else "sfcore"
+        if engine is None or not engine.reply_fingerprint:
+            return "sfcore"
+        return "sfcore-" + engine.reply_fingerprint.removeprefix("sha256:")
 
     async def loaded(self) -> None:
         """Wait for the model; a daemon that stopped first is a 503."""

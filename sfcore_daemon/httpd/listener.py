@@ -82,6 +82,7 @@ class HttpListener:
         self.url = url_of(listening.sock)
         self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
+        self._pool: ConnectionPool | None = None
 
     def describe(self) -> str:
         return f"OpenAI API on {self.url}"
@@ -89,7 +90,7 @@ class HttpListener:
     async def start(self, state: ServerState) -> None:
         config = self._config
         host = ApiHost(state)
-        pool = ConnectionPool(config, state.stats)
+        pool = self._pool = ConnectionPool(config, state.stats)
         gate = Gate(config, self._listening.sock, pool)
         shaped = _ErrorShapes(self._apis)
         app = web.Application(
@@ -103,15 +104,17 @@ class HttpListener:
             state.stats.count_ops(api.counted_ops())
             api.add_routes(app.router, host)
         idle_s = config.server.idle_timeout_s
+        # aiohttp's own timer also runs before a first request: after both of the pool's.
+        keepalive_s = max(idle_s, config.openai.first_request_timeout_s) + 1.0
         self._runner = web.AppRunner(
             app, handle_signals=False, access_log=None, handler_cancellation=True,
             shutdown_timeout=_CLOSE_GRACE_S, logger=ServerLog(state.stats),
             # A body is read whole before any handler (guard.py); one left unread is a
-            # refused request's, closed on rather than read for another 10 s.
+            # refused request's, dropped by the pool's lingering close, not aiohttp's.
             lingering_time=0,
             # The pool closes idle connections (and counts them); aiohttp's own timer
             # only after it, or never, as [server] idle_timeout_s = 0 says.
-            keepalive_timeout=idle_s + 1.0 if idle_s else _NEVER_S)
+            keepalive_timeout=keepalive_s if idle_s else _NEVER_S)
         await self._runner.setup()
         server = self._runner.server
         assert server is not None
@@ -132,6 +135,8 @@ class HttpListener:
             server.close()
 
     async def close(self) -> None:
+        if self._pool is not None:
+            self._pool.stop_lingering()
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()

@@ -50,9 +50,8 @@ def shared_prefix(a: list[int], b: list[int], limit: int | None = None) -> int:
 class KVCache:
     """The cells of every sequence in one unified KV pool."""
 
-    def __init__(self, memory: Any, seqs: Sequence[SeqCells], n_ubatch: int,  # noqa: PLR0917
-                 reproducible: bool, ctx: Any = None, n_swa: int = 0,
-                 scratch: int | None = None) -> None:
+    def __init__(self, memory: Any, seqs: Sequence[SeqCells], ctx: Any = None,
+                 n_swa: int = 0, scratch: int | None = None) -> None:
         self._ctx = ctx
         # A sliding-window model's window: a prefix is usable when the rows its next token
         # attends to are there, as a restore keeps no others; 0: every row must be there.
@@ -66,8 +65,6 @@ class KVCache:
         self._padded_for = -1  # the slot whose restore the pad cells serve
         self._memory = memory
         self._seqs = seqs
-        self._n_ubatch = n_ubatch
-        self._reproducible = reproducible
 
     def best_reuse(self, seq: SeqCells, prompt: list[int]) -> int:
         """What `reuse_prefix` would give `seq`, without changing anything."""
@@ -107,13 +104,7 @@ class KVCache:
     def usable(self, seq: SeqCells, prompt: list[int]) -> int:
         """How much of `seq`'s cache `prompt` could reuse."""
         # The last prompt token must be evaluated, to produce logits.
-        n = shared_prefix(seq.cached, prompt, len(prompt) - 1)
-        if self._reproducible:
-            # Only whole n_ubatch-aligned chunks of earlier prompt evaluation are
-            # bit-identical to what a cold run computes.
-            n = min(n, seq.prompt_rows)
-            n -= n % self._n_ubatch
-        return n
+        return shared_prefix(seq.cached, prompt, len(prompt) - 1)
 
     def forget(self, seq: SeqCells) -> None:
         self.unplace(seq)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sfcore_daemon.config import ModelConfig
+from sfcore_daemon.llama import invariant
 from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.gpu import gpu_layers, placement
 from sfcore_daemon.llama.logrouter import llama_log_router
@@ -235,6 +236,9 @@ def load_model(model_path: str, model_config: ModelConfig,
     False the load stops (and fails like any other load; the caller knows why).
     `huge_pages`: marks the weights' buffers at the first call, before they are written.
     """
+    # Read by llama.cpp's CPU backend as it starts (invariant.py); the daemon has set it
+    # already, the tuner and the benches' workers set it here.
+    invariant.enable(model_config.reproducible)
     C.llama_backend_init()
     params = C.llama_model_default_params()
     params.n_gpu_layers = gpu_layers(model_config.n_gpu_layers)

@@ -8,6 +8,7 @@ argmax of the row instead: the same token, without the chain's candidate array.
 
 from __future__ import annotations
 
+import secrets
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -34,11 +35,20 @@ class Sampling:
     # recent token's logit less frequency_penalty per use and presence_penalty once.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # The seed was drawn by the daemon (the request named none): the reply reports it,
+    # and the request is unseeded for drafting (steploop.py).
+    drawn_seed: bool = False
 
     @property
     def penalised(self) -> bool:
         return (self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
+
+
+def draw_seed() -> int:
+    """A seed for a sampled request that named none, reported in its reply so that the
+    reply can be had again."""
+    return secrets.randbelow(SEED_MODULUS)
 
 
 def make_chain(vocab: Any, sampling: Sampling, prompt: list[int]) -> tuple[Any, Any]:

@@ -275,7 +275,8 @@ class Ops:
             except EngineClosed:
                 preview = ""
             states.append(StoredState(tokens=stored.n_tokens, bytes=stored.nbytes,
-                                      ram=stored.ram, disk=stored.disk, preview=preview))
+                                      ram=stored.ram, disk=stored.disk, preview=preview,
+                                      pinned_s=stored.pinned_s))
         folder = store.folder if store is not None else None
         slot.write(protocol.encode_line(CacheReply(
             id=request_id, enabled=store is not None,

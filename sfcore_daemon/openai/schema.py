@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from sfcore_daemon.core.request import PositiveInt, ToolName, TopLogprobs
+from sfcore_daemon.core.request import CacheKey, PositiveInt, ToolName, TopLogprobs
 
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
 
@@ -115,6 +115,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tool_choice: Literal["none", "auto", "required"] | ChosenToolIn | None = None
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
+    # A hint: requests with the same key prefer the slot the key last ran in.
+    prompt_cache_key: CacheKey | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

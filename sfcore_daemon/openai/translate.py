@@ -57,7 +57,8 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> ChatRequest:
                   else body.max_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return ChatRequest(id=request_id, messages=messages, **_tool_options(body),
-                       **_options(body, max_tokens, logprobs))
+                       **_options(body, max_tokens, logprobs),
+                       prompt_cache_key=body.prompt_cache_key)
 
 
 def _tool_options(body: ChatCompletionRequest) -> dict[str, Any]:

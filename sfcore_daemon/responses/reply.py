@@ -212,7 +212,8 @@ def _base(response_id: str, model: str, body: ResponsesRequest) -> ResponseObjec
         tools=[FunctionToolOut(type="function", name=tool.name or "",
                                description=tool.description, parameters=tool.parameters,
                                strict=tool.strict) for tool in body.tools or ()],
-        truncation="disabled", usage=None, metadata=body.metadata or {})
+        truncation=body.truncation or "disabled", usage=None, metadata=body.metadata or {},
+        background=bool(body.background))
 
 
 def _logprobs(entries: list[TokenLogprob]) -> list[LogprobOut]:

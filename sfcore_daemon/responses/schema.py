@@ -92,10 +92,13 @@ class ResponsesRequest(Struct, kw_only=True):
     top_logprobs: TopLogprobs | None = None
     include: list[str] | None = None
     metadata: dict[str, str] | None = None
+    # "auto": the oldest items dropped to fit the context (truncate.py).
+    truncation: Literal["auto", "disabled"] | None = None
+    prompt_cache_key: Annotated[str, Meta(max_length=1024)] | None = None
     # Accepted and ignored: the model does not reason (docs/http.md).
     reasoning: dict[str, Any] | None = None
     # Refused when set: the daemon keeps no server-side conversations other than
-    # previous_response_id's chain, and runs nothing in the background.
+    # previous_response_id's chain. background: run, and polled (background.py).
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
     # Beyond OpenAI's fields, as llama-server takes them.
@@ -224,6 +227,7 @@ class ResponseObject(Struct, kw_only=True):
     truncation: str
     usage: ResponseUsage | None
     metadata: dict[str, str]
+    background: bool = False
 
 
 class DeletedResponse(Struct, kw_only=True):

@@ -62,9 +62,12 @@ def responses_request(body: ResponsesRequest, request_id: str,
     if body.conversation is not None:
         raise unsupported("conversation objects are not kept here: chain turns with "
                           "previous_response_id", "conversation")
-    if body.background:
-        raise unsupported("background responses are not supported: stream instead",
-                          "background")
+    if body.background and body.stream:
+        raise unsupported("background responses are polled here (GET), not streamed",
+                          "stream")
+    if body.background and not body.store:
+        raise ApiError(400, "a background response must be stored (store: true) to be "
+                       "polled", "store")
     conversation = list(history)
     if isinstance(body.input, str):
         if body.input:
@@ -82,7 +85,8 @@ def responses_request(body: ResponsesRequest, request_id: str,
         logprobs = body.top_logprobs or 0
     request = ChatRequest(id=request_id, messages=messages, stream=body.stream,
                           max_tokens=body.max_output_tokens, logprobs=logprobs,
-                          **_tool_options(body), **_sampling(body))
+                          **_tool_options(body), **_sampling(body),
+                          prompt_cache_key=body.prompt_cache_key)
     return Mapped(request, conversation)
 
 

@@ -17,6 +17,7 @@ import re
 import stat
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import NamedTuple
 
@@ -68,12 +69,16 @@ class Room(NamedTuple):
     evicted: int  # files removed, of every folder
 
 
-def make_room(root: Path, own: Path, size: int, budget: int, keep: str) -> Room:
+def make_room(root: Path, own: Path, size: int, budget: int, keep: str, *,
+              pinned: Collection[str] = ()) -> Room:
     """Remove files until `size` more bytes fit `budget`: other fingerprints' first,
-    then the least recently used. `keep` (the name of the file about to be replaced)
-    is neither counted nor removed; neither are other writers' files in progress."""
+    then the least recently used, this store's `pinned` ones (cache marks) last. `keep`
+    (the name of the file about to be replaced) is neither counted nor removed; neither
+    are other writers' files in progress."""
     files = [file for file in stored_files(root, own)
              if not (file.own and file.path.name == keep)]
+    if pinned:
+        files.sort(key=lambda file: file.own and file.path.name in pinned)
     total = sum(file.size for file in files)
     own_bytes = sum(file.size for file in files if file.own)
     now = time.time_ns()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,8 +34,8 @@ class DiskTier(PromptIndex):
     """The stored states' files in one folder on disk (bounded); the base of PromptStore."""
 
     def __init__(self, directory: Path | None, ram_bytes: int, disk_bytes: int,
-                 min_tokens: int) -> None:
-        super().__init__(directory, ram_bytes, disk_bytes, min_tokens)
+                 min_tokens: int, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(directory, ram_bytes, disk_bytes, min_tokens, clock)
         self.fingerprint = ""
         # Held while a file is replaced (the store's thread) or removed after a failed
         # read (the reader): a bad read never removes a file written meanwhile.
@@ -178,7 +179,8 @@ class DiskTier(PromptIndex):
         root, folder = self.root, self.folder
         if size > self.disk_budget or root is None or folder is None:
             return False
-        room = disk.make_room(root, folder, size, self.disk_budget, keep)
+        room = disk.make_room(root, folder, size, self.disk_budget, keep,
+                              pinned=self.pinned_names())
         with self._lock:
             self.counters.disk_evicted += room.evicted
             for path in room.removed:

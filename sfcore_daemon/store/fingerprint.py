@@ -35,3 +35,19 @@ def state_fingerprint(*, model_sha256: str, llama_cpp: str, flash_attn: bool | s
         "system_info": system_info,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def reply_fingerprint(*, model_sha256: str, llama_cpp: str, flash_attn: bool | str,
+                      row_invariant: bool, system_info: str) -> str:
+    """What a reply's bytes depend on besides the request, hashed for its `done` line:
+    the model file, the llama.cpp build, the CPU features and the kernels' mode. Two
+    replies with the same fingerprint, request and seed are the same bytes."""
+    identity = {
+        "model_sha256": model_sha256,
+        "llama_cpp": llama_cpp,
+        "flash_attn": flash_attn,
+        "row_invariant": row_invariant,
+        "system_info": system_info,
+    }
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    return "sha256:" + digest[:16]

@@ -6,15 +6,21 @@ queued for disk together, each buffer once (a slow disk or the model's first has
 cannot grow the write queue past it); a state that fits neither is not kept. A state
 larger than the whole budget still goes to disk alone, when no other write is queued.
 
-The decode thread calls `find`, `stored_prefix`, `put` and `take_ram`: no I/O, no
-logging, a lock held for microseconds.
+Pins: a state kept for a request's cache mark (Anthropic's `cache_control`) is pinned
+for the mark's TTL, which each use restarts. Both tiers evict pinned states only after
+every unpinned one; a pin that ran out leaves an ordinary state.
+
+The decode thread calls `find`, `stored_prefix`, `put`, `pin` and `take_ram`: no I/O,
+no logging, a lock held for microseconds.
 """
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
-from collections.abc import Collection
+import time
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -27,7 +33,8 @@ from sfcore_daemon.store.statefile import state_name
 class Entry:
     """One stored state: its tokens, and where its bytes are (RAM, disk, or both)."""
 
-    __slots__ = ("tokens", "name", "nbytes", "data", "path", "file_bytes", "used", "writing")
+    __slots__ = ("tokens", "name", "nbytes", "data", "path", "file_bytes", "used", "writing",
+                 "pin_s", "pinned_until")
 
     def __init__(self, tokens: list[int], name: str, nbytes: int) -> None:
         self.tokens = tokens
@@ -40,6 +47,17 @@ class Entry:
         # Queued for the disk tier: the write holds the bytes, counted against the RAM
         # budget, even once the RAM tier dropped them.
         self.writing = False
+        # A cache mark's pin: its TTL, and the clock reading it holds until (0: none).
+        self.pin_s = 0.0
+        self.pinned_until = 0.0
+
+    def pinned(self, now: float) -> bool:
+        return self.pinned_until > now
+
+    def use(self, now: float) -> None:
+        """Restart its pin's TTL (Anthropic's marks live that long from their last use)."""
+        if self.pin_s:
+            self.pinned_until = max(self.pinned_until, now + self.pin_s)
 
 
 class CacheCounters(msgspec.Struct, kw_only=True):
@@ -78,14 +96,16 @@ class StateView(msgspec.Struct, frozen=True):
     nbytes: int
     ram: bool
     disk: bool
+    pinned_s: int = 0  # seconds its cache mark's pin has left (0: not pinned)
 
 
 class PromptIndex:
     """The stored states by name, and the RAM tier, bounded; the base of PromptStore."""
 
     def __init__(self, directory: Path | None, ram_bytes: int, disk_bytes: int,
-                 min_tokens: int) -> None:
+                 min_tokens: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.root = directory
+        self.clock = clock
         self.ram_budget = ram_bytes
         self.disk_budget = disk_bytes if directory is not None else 0
         self.min_tokens = min_tokens
@@ -146,10 +166,12 @@ class PromptIndex:
                 return 0
             self._uses += 1
             best.used = self._uses
+            best.use(self.clock())
             return len(best.tokens)
 
-    def put(self, tokens: list[int], data: bytearray) -> None:
-        """Keep the state `data` of `tokens`: in RAM if it fits the budget, and on disk.
+    def put(self, tokens: list[int], data: bytearray, pin_s: float = 0.0) -> bool:
+        """Keep the state `data` of `tokens`: in RAM if it fits the budget, and on disk;
+        pinned for `pin_s` seconds if given. Whether it was kept.
 
         The RAM tier and the writes queued share the RAM budget: a state that finds it
         held by states still being written is not kept (a slow or hung disk never grows
@@ -161,13 +183,17 @@ class PromptIndex:
             self.counters.saved += 1
             self._uses += 1
             entry.used = self._uses
+            entry.pin_s = pin_s
             to_disk = self.disk_budget >= size and not (self._opened.is_set()
                                                         and self.folder is None)
             old = self._entries.pop(entry.name, None)
             if old is not None:
                 self._drop_ram(old)
+                entry.pin_s = max(entry.pin_s, old.pin_s)  # a longer pin of the tokens holds
+                entry.pinned_until = old.pinned_until
                 # The same tokens: the file is rewritten in place.
                 entry.path, entry.file_bytes = old.path, old.file_bytes
+            entry.use(self.clock())
             if size <= self.ram_budget:
                 self._trim_ram(size)
             if self.held_bytes + size <= self.ram_budget:
@@ -177,7 +203,9 @@ class PromptIndex:
                 self.counters.dropped += 1
                 if old is not None and old.path is not None:
                     self._entries[old.name] = old  # its file still serves
-                return
+                    old.pin_s, old.pinned_until = entry.pin_s, entry.pinned_until
+                    return True
+                return False
             self.held_bytes += size
             self._entries[entry.name] = entry
             if to_disk:
@@ -186,24 +214,48 @@ class PromptIndex:
                     self._pending += 1
         if to_disk:
             self._writes.put(_Write(entry, data))
+        return True
+
+    def pin(self, tokens: list[int], pin_s: float) -> bool:
+        """Pin the stored state of exactly `tokens` for `pin_s` seconds from now (a
+        longer pin it has stays); False if there is none."""
+        with self._lock:
+            entry = self._entries.get(state_name(tokens))
+            if entry is None or entry.tokens != tokens:
+                return False
+            self._uses += 1
+            entry.used = self._uses
+            entry.pin_s = max(entry.pin_s, pin_s)
+            entry.use(self.clock())
+            return True
 
     def take_ram(self, entry: Entry) -> bytearray | None:
-        """The entry's bytes if they are in RAM (marking it used)."""
+        """The entry's bytes if they are in RAM (marking it used: its pin restarts)."""
         with self._lock:
             self._uses += 1
             entry.used = self._uses
+            entry.use(self.clock())
             return entry.data
+
+    def pinned_names(self) -> frozenset[str]:
+        """The states pinned now (the disk tier removes their files last)."""
+        now = self.clock()
+        with self._lock:
+            return frozenset(name for name, entry in self._entries.items()
+                             if entry.pinned(now))
 
     def _trim_ram(self, room: int) -> None:
         """Drop the bytes of the least recently used states until `room` more bytes fit
-        the budget (lock held). Only states no queued write holds free memory, and
-        nothing is dropped unless that makes the room."""
+        the budget (lock held), pinned states only after every unpinned one. Only states
+        no queued write holds free memory, and nothing is dropped unless that makes the
+        room."""
         need = self.held_bytes + room - self.ram_budget
         if need <= 0:
             return
+        now = self.clock()
         droppable = sorted((entry for entry in self._entries.values()
                             if entry.data is not None and not entry.writing),
-                           key=lambda e: e.used)
+                           key=lambda e: (e.pinned(now), e.used))
         if sum(entry.nbytes for entry in droppable) < need:
             return
         for entry in droppable:
@@ -229,11 +281,13 @@ class PromptIndex:
 
     def states(self, preview_tokens: int) -> list[StateView]:
         """Every stored state, most recently used first."""
+        now = self.clock()
         with self._lock:
             entries = sorted(self._entries.values(), key=lambda e: e.used, reverse=True)
             return [StateView(tokens=entry.tokens[:preview_tokens], n_tokens=len(entry.tokens),
                               nbytes=entry.nbytes, ram=entry.data is not None,
-                              disk=entry.path is not None or entry.writing)
+                              disk=entry.path is not None or entry.writing,
+                              pinned_s=max(0, math.ceil(entry.pinned_until - now)))
                     for entry in entries]
 
     def figures(self) -> tuple[int, int, int, int]:

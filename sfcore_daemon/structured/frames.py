@@ -206,9 +206,11 @@ class NumberFrame(Frame):
         text = self.text
         last = text[-1:]
         if byte in DIGITS:
-            # A leading zero is the whole integral part in both grammars the tracker
-            # serves ("-"? ([0-9] | [1-9] [0-9]...)): no digit follows it.
-            ok = text.lstrip(b"-") != b"0"
+            # No digit after a leading zero ("-"? ([0-9] | [1-9] [0-9]...) in both grammars
+            # the tracker serves), nor a third one in an exponent (gbnf.py's number).
+            exponent = text.lower().partition(b"e")
+            ok = (len(exponent[2].lstrip(b"-+")) < 2 if exponent[1]
+                  else text.lstrip(b"-") != b"0")
         elif byte == ord("-"):
             ok = not text or (not self.integer and last in (b"e", b"E"))
         elif byte == ord("+"):

@@ -51,7 +51,9 @@ _PRIMITIVES: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
     "boolean": ('("true" | "false") space', ()),
     "decimal-part": ("[0-9] " + _UP_TO_15_DIGITS, ()),
     "integral-part": ("[0-9] | [1-9] " + _UP_TO_15_DIGITS, ()),
-    "number": ('("-"? integral-part) ("." decimal-part)? ([eE] [-+]? integral-part)? space',
+    # An exponent of at most two digits: every number the grammar admits is a finite
+    # double, so a reader (msgspec, JavaScript) never meets one out of range.
+    "number": ('("-"? integral-part) ("." decimal-part)? ([eE] [-+]? [0-9] [0-9]?)? space',
                ("integral-part", "decimal-part")),
     "integer": ('("-"? integral-part) space', ("integral-part",)),
     "value": ("object | array | string | number | boolean | null",
@@ -369,7 +371,7 @@ string ::=
     "\\" (["\\bfnrt] | NO_SURROGATE_ESCAPE) # escapes
   )* "\"" ws
 
-number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [0-9]?)? ws
 
 # Optional space: by convention, applied in this grammar after literal chars when allowed
 ws ::= | " " | "\n" [ \t]{0,20}

@@ -213,11 +213,13 @@ def assert_clean_log(daemon: Daemon) -> None:
 # The loopback listener with short time limits, a listed origin and host, and
 # allowed_uids = [0] (test_openai_guard.py's `tcp`, and test_openai_fuzz.py's).
 IDLE_S = 2.0
+FIRST_S = 1.0  # shorter than IDLE_S: a silent new connection goes first
 HEADER_S = 1.0
 BODY_S = 1.0
 MAX_CONNECTIONS = 32
 GUARDED_TCP: dict[str, Any] = {
-    "openai": {"listen": "127.0.0.1:0", "header_timeout_s": HEADER_S,
+    "openai": {"listen": "127.0.0.1:0", "first_request_timeout_s": FIRST_S,
+               "header_timeout_s": HEADER_S,
                "body_timeout_s": BODY_S, "allowed_origins": ["https://app.example"],
                "allowed_hosts": ["proxy.example"]},
     "server": {"idle_timeout_s": IDLE_S, "max_connections": MAX_CONNECTIONS,

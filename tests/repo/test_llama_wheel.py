@@ -88,8 +88,9 @@ def test_a_portable_key_does_not_depend_on_the_cpu(tmp_path: Path) -> None:
         assert native.cpu_flags and native.key() != portable.key()
     assert [name for name, _ in native.patches] == sorted(
         path.name for path in PATCHES.glob("*.patch"))
-    assert [name for name, _ in native.patches] == ["amx-tile-config.patch",
-                                                     "fa-split-kv-balance.patch"]
+    assert [name for name, _ in native.patches] == [
+        "amx-tile-config.patch", "cpu-row-invariant.patch", "fa-split-kv-balance.patch",
+        "kv-position-order.patch", "repack-row-invariant.patch"]
 
 
 def _patch() -> object:

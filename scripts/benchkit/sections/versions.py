@@ -26,14 +26,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
-import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchkit.common import filler_text, log
+from benchkit import paired
+from benchkit.common import filler_text
 from benchkit.context import Bench
 from benchkit.daemon import Daemon, Stream
 
@@ -115,16 +114,9 @@ async def measure(params: dict[str, Any], baseline: str, rounds: int, tokens: in
             result = await one_round(streams, pids, tokens, index, order)
             for name, kept in samples.items():
                 kept.append(result[name])
-            log(f"[round {index + 1}/{rounds}] " + "; ".join(
-                f"{name}: " + ", ".join(f"{value:.1f}" for value in result[name].values())
-                for name in ("this", "baseline")))
+            paired.log_round(index, rounds, result, ("this", "baseline"))
     finally:
-        for stream, clients in streams.values():
-            for client in (stream, *clients):
-                await client.close()
-        for daemon in daemons.values():
-            await daemon.stop()
-        shutil.rmtree(shared, ignore_errors=True)
+        await paired.close(streams, daemons, shared)
     return samples
 
 
@@ -133,15 +125,5 @@ def run(bench: Bench) -> dict[str, Any]:
     samples = bench.runner(measure(params, args.baseline_tree, bench.runs, params["tokens"]))
     print(f"This checkout's daemon against {args.baseline_tree}'s: {bench.header}")
     print()
-    print("| figure | unit | this | baseline | this/baseline (paired, above 1 is better) |")
-    print("|---|---|---|---|---|")
-    ratios = {}
-    for key, label, unit, higher in FIGURES:
-        this = [run[key] for run in samples["this"]]
-        base = [run[key] for run in samples["baseline"]]
-        paired = [(a / b if higher else b / a) for a, b in zip(this, base, strict=True)]
-        ratios[key] = statistics.median(paired)
-        print(f"| {label} | {unit} | {statistics.median(this):.1f} ({min(this):.1f}-"
-              f"{max(this):.1f}) | {statistics.median(base):.1f} ({min(base):.1f}-"
-              f"{max(base):.1f}) | {ratios[key]:.3f} |")
+    ratios = paired.table(samples, "this", "baseline", FIGURES)
     return {"samples": samples, "ratios": ratios}

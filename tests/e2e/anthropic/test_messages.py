@@ -120,7 +120,9 @@ async def test_text_whole_and_streamed_are_the_same_message(daemon: Endpoint) ->
     assert whole.stop_reason == streamed.stop_reason
     assert whole.stop_reason in ("end_turn", "max_tokens")
     assert whole.stop_sequence is None
-    assert whole.usage.input_tokens == streamed.usage.input_tokens > 0
+    # The prompt's whole count, however much of it the cache gave.
+    assert whole.usage.input_tokens + (whole.usage.cache_read_input_tokens or 0) == \
+        streamed.usage.input_tokens + (streamed.usage.cache_read_input_tokens or 0) > 0
     assert whole.usage.output_tokens == streamed.usage.output_tokens
     if whole.stop_reason == "max_tokens":
         assert whole.usage.output_tokens == 16
@@ -146,7 +148,13 @@ async def test_the_stream_is_anthropic_s_event_sequence(daemon: Endpoint) -> Non
     assert all(delta["type"] == "text_delta" and delta["text"] for delta in deltas)
     end = events[-2][1]
     assert end["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
-    assert end["usage"] == {"input_tokens": start["usage"]["input_tokens"], "output_tokens": 8}
+    # No cache mark: nothing written; what the slot's cells gave is read.
+    usage = end["usage"]
+    assert usage["output_tokens"] == 8 and usage["cache_creation_input_tokens"] == 0
+    assert set(usage) == {"input_tokens", "output_tokens", "cache_creation_input_tokens",
+                          "cache_read_input_tokens"}
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == \
+        start["usage"]["input_tokens"]
 
 
 async def test_a_stop_sequence_ends_the_message_and_is_named(daemon: Endpoint) -> None:
@@ -241,7 +249,8 @@ async def test_count_tokens_is_the_input_tokens_of_the_same_request(daemon: Endp
         for body in bodies:
             counted = await client.messages.count_tokens(model="m", **body)
             made = await client.messages.create(model="m", max_tokens=1, **body)
-            assert counted.input_tokens == made.usage.input_tokens, body
+            assert counted.input_tokens == made.usage.input_tokens + (
+                made.usage.cache_read_input_tokens or 0), body
             counts.append(counted.input_tokens)
     # Each part of the prompt counts: a system prompt, tools, a forced call's opening.
     assert counts[1] > counts[0] and counts[2] > counts[0] and counts[3] > counts[0]

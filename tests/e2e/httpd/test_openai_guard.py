@@ -31,6 +31,7 @@ from sfcore_daemon.system import fdlimit
 from tests.kit import run_cli, running_daemon
 from tests.kit.http import (
     BODY_S,
+    FIRST_S,
     HEADER_S,
     IDLE_S,
     MAX_CONNECTIONS,
@@ -93,17 +94,28 @@ async def unix() -> AsyncIterator[Listener]:
 
 
 @module_test
-async def test_idle_connections_close_after_idle_timeout(tcp: Listener) -> None:
+async def test_a_silent_connection_closes_after_first_request_timeout_an_idle_one_later(
+        tcp: Listener) -> None:
     before = await tcp.http_stats()
+    opened = time.monotonic()
     async with tcp.connection() as (silent, _), tcp.connection() as (served, writer):
-        # One never sends a byte; the other is idle after a first reply (keep-alive).
+        # One never sends a byte; the other sends its request at once, is served, and
+        # is then idle between requests (keep-alive), under the other limit.
         writer.write(request("GET", "/health"))
         assert (await read_reply(served))[0] == 200
-        for reader in (silent, served):
-            waited = await closed_within(reader, IDLE_S + 10)
-            assert waited < IDLE_S + 5
+        answered = time.monotonic()
+        await closed_within(silent, FIRST_S + 10)
+        silent_s = time.monotonic() - opened
+        await closed_within(served, IDLE_S + 10)
+        idle_s = time.monotonic() - answered
+    assert FIRST_S * 0.9 <= silent_s < FIRST_S + 5, silent_s
+    assert IDLE_S * 0.9 <= idle_s < IDLE_S + 5, idle_s
     after = await tcp.http_stats()
-    assert after["closed"]["idle_timeout"] >= before["closed"]["idle_timeout"] + 2
+    closed, was = after["closed"], before["closed"]
+    assert closed["first_request_timeout"] >= was["first_request_timeout"] + 1, closed
+    assert closed["idle_timeout"] >= was["idle_timeout"] + 1, closed
+    print(f"closed: silent after {silent_s:.2f} s (first_request_timeout_s {FIRST_S:g}), "
+          f"idle after {idle_s:.2f} s (idle_timeout_s {IDLE_S:g})")
 
 
 @module_test

@@ -73,21 +73,21 @@ async def test_reproducible_mode_warm_equals_cold(sampling: dict[str, Any]) -> N
             cold = await generate(client, PREFIX + second_question, cache_prompt=False,
                                   **sampling)
             assert warm["text"] == cold["text"], second_question
-            cached = warm["usage"]["cached_tokens"]
-            assert cached > 1024 - 256  # whole aligned chunks of the shared prefix
-            assert cached % 256 == 0
+            # The whole shared prefix is reused, not whole chunks of it: row-invariant
+            # kernels compute a row alike in any chunk.
+            assert warm["usage"]["cached_tokens"] > 1024
             assert cold["usage"]["cached_tokens"] == 0
 
 
-async def test_reproducible_mode_never_reuses_rows_written_by_decoding() -> None:
+async def test_reproducible_mode_reuses_rows_written_by_decoding_with_cold_bytes() -> None:
     config = {"model": {"reproducible": True, "n_ubatch": 128}}
     async with running_daemon(config) as daemon, daemon.client() as client:
         first = await generate(client, PREFIX, max_tokens=300)
         # The next prompt continues exactly with the generated text: its common prefix
-        # with the cache runs into rows that single-token decoding wrote.
+        # with the cache runs into rows that single-token decoding (and drafts) wrote,
+        # which a cold run computes in prompt chunks.
         follow_up = PREFIX + first["text"] + QUESTION_1
         warm = await generate(client, follow_up)
         cold = await generate(client, follow_up, cache_prompt=False)
         assert warm["text"] == cold["text"]
-        assert warm["usage"]["cached_tokens"] <= first["usage"]["prompt_tokens"]
-        assert warm["usage"]["cached_tokens"] % 128 == 0
+        assert warm["usage"]["cached_tokens"] > first["usage"]["prompt_tokens"]

@@ -195,8 +195,8 @@ async def test_four_slots_restore_and_save_at_once(cache_dir: Path) -> None:
                 await client.close()
 
 
-async def test_the_store_is_off_by_config_and_in_reproducible_mode(cache_dir: Path) -> None:
-    for extra in ({"cache": {"enabled": False}}, {"model": {"reproducible": True}}):
+async def test_the_store_is_off_by_config(cache_dir: Path) -> None:
+    for extra in ({"cache": {"enabled": False}},):
         config = store_config(cache_dir)
         for section, values in extra.items():
             config[section].update(values)

@@ -6,8 +6,8 @@ pick and partition its attention kernels (one query row over 512 or more cells i
 by cell ranges across threads; a prompt's rows take the cells in tiles), so the float
 sums, and near-ties, moved with the history. A request that reuses nothing and starts
 alone now gets an empty pool (docs/protocol.md, "Reproducibility and the prompt cache").
-In reproducible mode every request has the batch and the pool to itself, also while
-other clients stream."""
+In reproducible mode the kernels are row-invariant and a sequence's cells follow its
+positions, so a request keeps its bytes beside other streams too (test_reproducible.py)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,8 @@ async def test_with_the_store_of_earlier_answers_a_seeded_request_keeps_its_byte
 async def test_reproducible_mode_gives_the_same_bytes_alone_and_beside_streaming_clients(
 ) -> None:
     """`reproducible = true`: the seeded request alone, then sent while another client
-    streams and two more wait, gives the same bytes (it waits for the batch to itself)."""
+    streams and two more are sent, gives the same bytes (it runs in the batch beside
+    them)."""
     request = {**SAMPLED, "cache_prompt": True}
     config = {"model": {"reproducible": True}, "server": {"slots": 4},
               "generation": {"max_tokens": 256}}

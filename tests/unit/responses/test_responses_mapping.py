@@ -1,7 +1,7 @@
 """The Responses API's pure logic (responses/), fast: whatever a client sends
 to /v1/responses is decoded and mapped or refused with a 400 naming the field, never a
 crash; what maps is a chat request the NDJSON side would accept; the streamed events
-are numbered and in the documented order; the store keeps its bounds."""
+are numbered and in the documented order (the store: test_stored.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from sfcore_daemon.core.result import Result, Timings, Usage
 from sfcore_daemon.openai.translate import ApiError
 from sfcore_daemon.responses.reply import ResponsesShape
 from sfcore_daemon.responses.schema import ResponsesRequest, responses_decoder
-from sfcore_daemon.responses.store import ResponseStore
 from sfcore_daemon.responses.translate import responses_request
 from tests.kit.mapping import FAST, as_ndjson, check_refusal, json_values
 
@@ -154,7 +153,8 @@ def test_previous_turns_come_first_and_are_not_changed() -> None:
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}},
      "text.format.schema"),
     ({"input": "hi", "conversation": {"id": "conv"}}, "conversation"),
-    ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "background": True, "stream": True}, "stream"),
+    ({"input": "hi", "background": True, "store": False}, "store"),
 ])
 def test_refusals_name_the_field(body: dict[str, Any], param: str) -> None:
     with pytest.raises(ApiError) as caught:
@@ -244,22 +244,3 @@ def test_a_failure_ends_the_stream_with_response_failed() -> None:
                                                    "error", "response.failed"]
     assert stream[-1]["response"]["status"] == "failed"
     assert stream[-1]["response"]["error"] == {"code": "internal", "message": "boom"}
-
-
-def test_the_store_keeps_its_bounds_least_recently_used_out_first() -> None:
-    store = ResponseStore(max_count=2, max_bytes=1 << 20)
-    bodies = []
-    for number in range(3):
-        shape = ResponsesShape("m", decode({"input": "hi"}), None)
-        bodies.append(msgspec.structs.replace(shape.base, id=f"resp_{number}"))
-    conversation = [Message(role="user", content="hi")]
-    store.put(bodies[0], conversation, 1)
-    store.put(bodies[1], conversation, 1)
-    assert store.get("resp_0") is not None  # now the most recently used
-    store.put(bodies[2], conversation, 1)
-    assert store.get("resp_1") is None and len(store) == 2
-    assert store.delete("resp_0") and not store.delete("resp_0")
-    assert store.nbytes == store.get("resp_2").nbytes  # type: ignore[union-attr]
-    tiny = ResponseStore(max_count=10, max_bytes=100)
-    tiny.put(bodies[0], conversation, 1)  # larger than the whole budget: not kept
-    assert len(tiny) == 0 and tiny.nbytes == 0
