@@ -372,6 +372,9 @@ type CacheState struct {
 	Disk bool `json:"disk"`
 	// Preview is the first 80 characters of its text.
 	Preview string `json:"preview"`
+	// PinnedS is how many seconds a cache mark keeps it pinned (evicted after every
+	// unpinned state); 0 when it is not pinned.
+	PinnedS int `json:"pinned_s"`
 }
 
 // CacheReply is the `cache` reply: what the prompt store holds, and what a clear removed.

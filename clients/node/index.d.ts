@@ -301,6 +301,8 @@ export interface CacheState {
   disk: boolean;
   /** The first 80 characters of its text. */
   preview: string;
+  /** Seconds a cache mark keeps it pinned (evicted after every unpinned state); 0: none. */
+  pinned_s: number;
 }
 
 export interface CacheReply {

@@ -303,7 +303,7 @@ async def test_library_cache_lists_and_clears_the_prompt_store(tmp_path: Path) -
     states = listed["states"]
     assert states and listed["removed_states"] == listed["removed_bytes"] == 0, listed
     for state in states:
-        assert set(state) == {"tokens", "bytes", "ram", "disk", "preview"}, state
+        assert set(state) == {"tokens", "bytes", "ram", "disk", "preview", "pinned_s"}, state
         assert STORE_MIN_TOKENS <= state["tokens"] <= prompt_tokens, state
         assert state["bytes"] > 0 and state["ram"] is True, state
         assert isinstance(state["disk"], bool), state

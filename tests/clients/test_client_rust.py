@@ -265,7 +265,7 @@ async def test_cache_example_lists_and_clears_the_prompt_store(build: dict[str, 
     states = listed_line["states"]
     assert states, listed_line
     for state in states:
-        assert set(state) == {"tokens", "bytes", "ram", "disk", "preview"}, state
+        assert set(state) == {"tokens", "bytes", "ram", "disk", "preview", "pinned_s"}, state
         assert state["tokens"] >= 64 and state["bytes"] > 0, state
         assert isinstance(state["ram"], bool) and isinstance(state["disk"], bool), state
         assert STORED_PROMPT.startswith(state["preview"]), state

@@ -1284,7 +1284,8 @@ impl Client {
     }
 
     /// The `cache` line: what the prompt store holds (`enabled`, `dir`, and `states`, most
-    /// recently used first, each with `tokens`, `bytes`, `ram`, `disk`, `preview`). With
+    /// recently used first, each with `tokens`, `bytes`, `ram`, `disk`, `preview`,
+    /// `pinned_s`). With
     /// `clear` the daemon first forgets every stored state, in RAM and on disk, and
     /// `removed_states`, `removed_files`, `removed_bytes` say what went (0 for a list).
     pub fn cache(&mut self, clear: bool) -> Result<Value, Error> {

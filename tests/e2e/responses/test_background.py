@@ -21,8 +21,10 @@ POLL_S = 0.05
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def tcp() -> AsyncIterator[Endpoint]:
-    async with endpoint({"openai": {"listen": "127.0.0.1:0"}, "server": {"slots": 1}}) \
-            as found:
+    # Reproducible mode: the background answer, which reuses the first one's cached
+    # prompt, must give its bytes.
+    async with endpoint({"openai": {"listen": "127.0.0.1:0"}, "server": {"slots": 1},
+                         "model": {"reproducible": True}}) as found:
         yield found
 
 

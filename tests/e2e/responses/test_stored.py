@@ -27,8 +27,10 @@ QUESTIONS = ("My name is Ann.", "What is my name?", "Say it once more.", "Spell 
 
 
 def config(directory: Path) -> dict[str, Any]:
+    # Reproducible mode: a restored state and a slot's own cells give the same bytes
+    # whatever the kernels' batch shapes were (docs/performance/reproducible.md).
     return {"openai": {"listen": "127.0.0.1:0"}, "server": {"slots": 1},
-            "cache": {"dir": str(directory)}}
+            "cache": {"dir": str(directory)}, "model": {"reproducible": True}}
 
 
 async def turns(found: Endpoint, questions: tuple[str, ...],
