@@ -75,7 +75,11 @@ class ServerConfig(_Section, frozen=True):
 class ModelConfig(_Section, frozen=True):
     # Empty: the embedded default model (Gemma 3 270M Q4_K_M).
     path: str = ""
-    n_ctx: Annotated[int, msgspec.Meta(ge=64, le=2**31 - 1)] = 8192
+    # Tokens the context holds, every slot's prompts and replies together; 0: what the
+    # model was trained for, cut to kv_budget_mb (llama/ctxsize.py).
+    n_ctx: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] = 0
+    # The KV cache's budget for n_ctx = 0, in MiB; 0: a quarter of the machine's memory.
+    kv_budget_mb: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)] = 0
     n_batch: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] = 512
     n_ubatch: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] = 512
     # False: weights read into the daemon's memory, where huge_pages can back them in
@@ -96,6 +100,8 @@ class ModelConfig(_Section, frozen=True):
     chat_template: str = ""
 
     def __post_init__(self) -> None:
+        if 0 < self.n_ctx < 64:
+            raise ValueError(f"n_ctx ({self.n_ctx}) must be 0 (the model's own) or at least 64")
         if self.n_ubatch > self.n_batch:
             raise ValueError(
                 f"n_ubatch ({self.n_ubatch}) must not exceed n_batch ({self.n_batch})"

@@ -20,6 +20,8 @@ class ModelDescription(Struct, kw_only=True):
 
 class EffectiveConfig(Struct, kw_only=True):
     n_ctx: int
+    # The KV cache's bytes at n_ctx (all slots' pool, F16; llama/ctxsize.py).
+    kv_bytes: int
     threads: int
     threads_batch: int
     batch: int

@@ -171,6 +171,7 @@ class Server:
                  engine.load_seconds * 1000, engine.warm_up_ms)
         log.info("%s", engine.loaded_model().placement)
         log.info("%s", engine.huge_pages.line())
+        log.info("%s", engine.context_size.line())
         log.info("n_ctx=%d n_batch=%d n_ubatch=%d threads=%d threads_batch=%d cpus=%s "
                  "reproducible=%s chat_template=%s", engine.n_ctx, model_config.n_batch,
                  engine.n_ubatch, engine.n_threads, engine.n_threads_batch, state.cpus,

@@ -184,6 +184,7 @@ class Engine:
         self.load_seconds = model.load_seconds
         self.huge_pages = model.huge_pages
         self.n_ctx = model.n_ctx
+        self.context_size = model.context_size
         self.n_ubatch = model.n_ubatch
         self.info = model.info
         self.system_info = model.system_info

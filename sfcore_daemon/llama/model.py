@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import threading
 import time
@@ -19,6 +20,7 @@ from typing import Any
 from sfcore_daemon.config import ModelConfig
 from sfcore_daemon.llama import invariant
 from sfcore_daemon.llama.capi import C
+from sfcore_daemon.llama.ctxsize import ContextSize, context_size
 from sfcore_daemon.llama.gpu import gpu_layers, placement
 from sfcore_daemon.llama.logrouter import llama_log_router
 from sfcore_daemon.system.hugepages import HugePageLoad, HugePages
@@ -66,6 +68,8 @@ class Model:
         self.vocab = C.llama_model_get_vocab(model)
         self.memory = C.llama_get_memory(ctx)
         self.n_ctx: int = C.llama_n_ctx(ctx)
+        # How n_ctx was chosen and what its KV cache costs (ctxsize.py); set by load.
+        self.context_size = ContextSize(self.n_ctx, 0, 0, 0)
         self.n_ubatch: int = C.llama_n_ubatch(ctx)
         self.n_batch: int = C.llama_n_batch(ctx)
         self.info = _read_model_info(model, self.vocab, path)
@@ -93,18 +97,23 @@ class Model:
         started = time.perf_counter()
         huge_pages = HugePageLoad() if config.huge_pages else None
         model = load_model(path, config, progress, huge_pages)
+        size = context_size(model, functools.partial(_meta, model), config.n_ctx,
+                            config.kv_budget_mb)
         ctx = C.llama_init_from_model(model, context_params(
-            config, n_threads, n_threads_batch, slots, draft_rows, spare_seqs=spare_seqs))
+            config, n_threads, n_threads_batch, slots, draft_rows, spare_seqs=spare_seqs,
+            n_ctx=size.n_ctx))
         if not ctx:
             C.llama_model_free(model)
             C.llama_backend_free()
             raise ModelLoadError(
-                f"cannot create a context for {path} (n_ctx={config.n_ctx}); "
+                f"cannot create a context for {path} (n_ctx={size.n_ctx}); "
                 "see the llama.cpp messages above"
             )
-        return cls(path, model, ctx, time.perf_counter() - started,
-                   n_gpu_layers=gpu_layers(config.n_gpu_layers),
-                   huge_pages=huge_pages.finish() if huge_pages is not None else None)
+        loaded = cls(path, model, ctx, time.perf_counter() - started,
+                     n_gpu_layers=gpu_layers(config.n_gpu_layers),
+                     huge_pages=huge_pages.finish() if huge_pages is not None else None)
+        loaded.context_size = size._replace(n_ctx=loaded.n_ctx)
+        return loaded
 
     def tokenize(self, text: str, add_special: bool = True,
                  parse_special: bool = True) -> list[int]:
@@ -267,11 +276,13 @@ def load_model(model_path: str, model_config: ModelConfig,
 
 
 def context_params(model_config: ModelConfig, n_threads: int, n_threads_batch: int,
-                   slots: int = 1, draft_rows: int = 0, *, spare_seqs: int = 0) -> Any:
+                   slots: int = 1, draft_rows: int = 0, *, spare_seqs: int = 0,
+                   n_ctx: int | None = None) -> Any:
     """The daemon's llama_context_params; the tuner and the benchmark use the same.
-    `spare_seqs`: sequence ids beyond the slots' that are never decoded (kvcache.py)."""
+    `spare_seqs`: sequence ids beyond the slots' that are never decoded (kvcache.py).
+    `n_ctx`: the context chosen for the model (ctxsize.py), else the config's."""
     params = C.llama_context_default_params()
-    params.n_ctx = model_config.n_ctx
+    params.n_ctx = n_ctx if n_ctx is not None else model_config.n_ctx
     params.n_batch = model_config.n_batch
     params.n_ubatch = model_config.n_ubatch
     params.n_seq_max = slots + spare_seqs

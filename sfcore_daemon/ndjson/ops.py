@@ -197,7 +197,8 @@ class Ops:
                 n_params=info.n_params, n_ctx_train=info.n_ctx_train, n_vocab=info.n_vocab,
                 size_bytes=info.size_bytes, has_chat_template=info.chat_template is not None),
             config=EffectiveConfig(
-                n_ctx=engine.n_ctx, threads=engine.n_threads,
+                n_ctx=engine.n_ctx, kv_bytes=engine.context_size.kv_bytes,
+                threads=engine.n_threads,
                 threads_batch=engine.n_threads_batch, batch=model_config.n_batch,
                 ubatch=engine.n_ubatch, cpu_affinity=list(self.state.cpus),
                 mmap=model_config.use_mmap, mlock=model_config.use_mlock,

@@ -51,7 +51,11 @@ class OpenAIApi(HostedApi):
         return json_response(self._card())
 
     def _card(self) -> ModelCard:
-        return ModelCard(id=self.host.model_id, created=self.host.created)
+        engine = self.host.state.engine
+        size = engine.context_size if engine is not None else None
+        return ModelCard(id=self.host.model_id, created=self.host.created,
+                         context_length=size.n_ctx if size else 0,
+                         kv_bytes=size.kv_bytes if size else 0)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._completion(request, schema.chat_decoder, translate.chat_request,

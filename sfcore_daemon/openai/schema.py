@@ -137,6 +137,9 @@ class ModelCard(Struct, kw_only=True):
     object: str = "model"
     created: int
     owned_by: str = "sfcore-ai"
+    # Beyond OpenAI's card: the context in force, in tokens, and its KV cache's bytes.
+    context_length: int = 0
+    kv_bytes: int = 0
 
 
 class ModelList(Struct, kw_only=True):
