@@ -12,6 +12,7 @@ tail, a prefix two prompts share, a slot's cells before they are overwritten.
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Sequence
 
@@ -21,7 +22,6 @@ from sfcore_daemon.engine.sequence import Seq
 from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.kvcache import KVCache
 from sfcore_daemon.llama.model import Model, llama_cpp_version
-from sfcore_daemon.llama.modelfile import model_sha256
 from sfcore_daemon.store.fingerprint import state_fingerprint
 from sfcore_daemon.store.promptstore import Entry, PromptStore
 
@@ -259,11 +259,12 @@ class PromptStates:
             self._store.counters.errors += 1
 
 
-def store_fingerprint(model_path: str, config: ModelConfig) -> str:
+def store_fingerprint(sha256: concurrent.futures.Future[str], config: ModelConfig) -> str:
     """The fingerprint of the states this model and context make (store/fingerprint.py).
-    Runs on the store's thread: it may hash the model file."""
+    Runs on the store's thread: it waits for the model file's sha256 (Engine hashes it
+    once, for this and for the replies' fingerprint)."""
     return state_fingerprint(
-        model_sha256=model_sha256(model_path),
+        model_sha256=sha256.result(),
         llama_cpp=llama_cpp_version(),
         flash_attn=config.flash_attn,
         n_ubatch=min(config.n_ubatch, config.n_batch),

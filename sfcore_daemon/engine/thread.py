@@ -108,8 +108,10 @@ class Engine:
         self.step_costs_ms = 0.0
         self.step_costs_busy = 0.0  # other processes' share of the CPUs meanwhile
         self._abort_load = False
-        # store/fingerprint.reply_fingerprint, set before `ready`.
+        # store/fingerprint.reply_fingerprint, once the model file's sha256 is known: from a
+        # thread of its own beside the load, which may hash the file (a model's first start).
         self.reply_fingerprint = ""
+        self._model_sha256: concurrent.futures.Future[str] = concurrent.futures.Future()
 
     @property
     def progress(self) -> int:
@@ -133,12 +135,28 @@ class Engine:
             key = step_costs_key(self.model_path, self.n_threads, (*context, self.slots))
             self._costs_path = self._costs_dir / f"{key}.json"
             self.step_costs = costsfile.load(self._costs_path)
+        threading.Thread(target=self._hash_model, name="sfcore-model-sha256",
+                         daemon=True).start()
         self._thread = threading.Thread(target=self._main, name="sfcore-decode", daemon=True)
         self._thread.start()
         if self.store is not None:
             # Beside the model load: the store reads its folder meanwhile.
-            self.store.open(functools.partial(store_fingerprint, self.model_path, self.config))
+            self.store.open(functools.partial(store_fingerprint, self._model_sha256,
+                                              self.config))
         return self.ready
+
+    def _set_reply_fingerprint(self, sha256: concurrent.futures.Future[str]) -> None:
+        if sha256.exception() is None:
+            self.reply_fingerprint = reply_fingerprint(
+                model_sha256=sha256.result(), llama_cpp=llama_cpp_version(),
+                flash_attn=self.config.flash_attn, row_invariant=row_invariant(),
+                system_info=self.system_info)
+
+    def _hash_model(self) -> None:
+        try:
+            self._model_sha256.set_result(model_sha256(self.model_path))
+        except BaseException as exc:  # an unreadable model file: the load fails too
+            self._model_sha256.set_exception(exc)
 
     def _main(self) -> None:
         try:
@@ -148,10 +166,7 @@ class Engine:
                 raise LoadAborted("the model load was stopped")
             importing.join()  # before the first request: no import then competes for the GIL
             self.warm_up()
-            self.reply_fingerprint = reply_fingerprint(
-                model_sha256=model_sha256(self.model_path), llama_cpp=llama_cpp_version(),
-                flash_attn=self.config.flash_attn, row_invariant=row_invariant(),
-                system_info=self.system_info)
+            self._model_sha256.add_done_callback(self._set_reply_fingerprint)
             if self.store is not None and known_sha256(self.model_path) is not None:
                 # The first request after a restart finds the states on disk (unless the
                 # model must be hashed first: then the disk tier joins when that is done).
