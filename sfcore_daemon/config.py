@@ -270,6 +270,9 @@ class OpenAIConfig(_Section, frozen=True):
     # on disk in [cache] dir + /responses when the prompt store has a folder (restarts).
     stored_responses: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 1000
     stored_responses_mb: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 256
+    # A streamed reply waiting for its first output (queued, or its prompt being read)
+    # gets an SSE comment this often, so proxies and SDKs keep waiting; 0: never.
+    keepalive_s: Annotated[float, msgspec.Meta(ge=0, le=86400)] = 5.0
 
     @property
     def address(self) -> ListenAddress | None:

@@ -213,6 +213,31 @@ type Options struct {
 	Tools             []Tool      `json:"tools,omitempty"`
 	ToolChoice        *ToolChoice `json:"tool_choice,omitempty"`
 	ParallelToolCalls *bool       `json:"parallel_tool_calls,omitempty"`
+
+	// Priority is PriorityInteractive (the daemon's default) or PriorityBackground: which
+	// waiting requests the daemon starts first. "" is not sent (a daemon without
+	// priorities refuses the field).
+	Priority string `json:"priority,omitempty"`
+
+	// OnQueued, not sent, is called with the request's place in the daemon's wait queue
+	// each time a `queued` line reports it: streamed requests only (StreamGenerate,
+	// StreamChat, StartGenerate, StartChat), before their first piece, on the goroutine
+	// reading the stream. If it returns an error, the request is cancelled and the stream
+	// ends with that error.
+	OnQueued func(QueuePosition) error `json:"-"`
+}
+
+// The values of Options.Priority.
+const (
+	PriorityInteractive = "interactive"
+	PriorityBackground  = "background"
+)
+
+// QueuePosition is a streamed request's place in the daemon's wait queue (a `queued`
+// line): Position 1 is the next to start; QueueDepth requests wait in all.
+type QueuePosition struct {
+	Position   int `json:"position"`
+	QueueDepth int `json:"queue_depth"`
 }
 
 // Int returns a pointer to n, for Options.
@@ -396,7 +421,7 @@ type CacheReply struct {
 	Raw           json.RawMessage `json:"-"`
 }
 
-// line is one reply line: the fields of token, done and error lines. The fields of the
+// line is one reply line: the fields of token, done, error and queued lines. The fields of the
 // other replies are decoded from raw by the call that asked for them.
 type line struct {
 	Type         string          `json:"type"`
@@ -413,7 +438,10 @@ type line struct {
 	Logprobs []TokenLogprob `json:"logprobs"`
 	// The done line of an answer that called.
 	ToolCalls []ToolCall `json:"tool_calls"`
-	raw       []byte
+	// A queued line's place (nil when absent).
+	Position   *int `json:"position"`
+	QueueDepth *int `json:"queue_depth"`
+	raw        []byte
 }
 
 // envelope is what every reply line has.
@@ -453,6 +481,9 @@ type call struct {
 	goneOnce sync.Once
 	finished bool  // its final line was read, or its connection failed (guarded by Client.mu)
 	err      error // why lines was closed (set before closing it)
+	// generation: a generate or chat request, whose reply ends only with done or error
+	// (token, queued and line types newer than this client come before). Set before send.
+	generation bool
 }
 
 func (cl *call) abandon() { cl.goneOnce.Do(func() { close(cl.gone) }) }
@@ -617,11 +648,16 @@ func (c *Client) StartChat(ctx context.Context, messages []Message, opts *Option
 
 func (c *Client) start(ctx context.Context, req genRequest) (*Stream, error) {
 	cl := c.newCall()
+	cl.generation = true
 	req.ID = cl.id
 	if err := c.send(ctx, req, cl); err != nil {
 		return nil, err
 	}
-	return &Stream{c: c, cl: cl, ctx: ctx, streaming: req.Stream}, nil
+	s := &Stream{c: c, cl: cl, ctx: ctx, streaming: req.Stream}
+	if req.Options != nil {
+		s.onQueued = req.Options.OnQueued
+	}
+	return s, nil
 }
 
 func (c *Client) collect(s *Stream, err error, onPiece func(string) error) (*Result, error) {
@@ -655,6 +691,8 @@ type Stream struct {
 	res       *Result
 	err       error
 	done      bool
+	onQueued  func(QueuePosition) error
+	queued    *QueuePosition // the last place reported
 }
 
 // ID is the request's id, for Client.Cancel.
@@ -662,10 +700,20 @@ func (s *Stream) ID() int64 { return s.cl.id }
 
 // Next waits for the next piece of text; false at the end of the reply, on an error (see
 // Err) or when the context is cancelled (then `cancel` is sent and Err is ctx.Err()).
+// While the request waits in the daemon's queue, Next calls Options.OnQueued for each
+// `queued` line; it skips lines of types this client does not know.
 func (s *Stream) Next() bool {
-	if s.done {
-		return false
+	for !s.done {
+		if s.next() {
+			return true
+		}
 	}
+	return false
+}
+
+// next reads one line: true for a piece; false when the stream has ended or the line
+// was not a piece (then s.done says which).
+func (s *Stream) next() bool {
 	select {
 	case l, ok := <-s.cl.lines:
 		if !ok {
@@ -699,8 +747,19 @@ func (s *Stream) Next() bool {
 			s.end(nil)
 		case "error":
 			s.end(&Error{Code: l.Code, Message: l.Message, ID: l.ID})
-		default:
-			s.end(unexpected(l, "done"))
+		case "queued":
+			if l.Position == nil || l.QueueDepth == nil {
+				return false
+			}
+			q := QueuePosition{Position: *l.Position, QueueDepth: *l.QueueDepth}
+			s.queued = &q
+			if s.onQueued != nil {
+				if err := s.onQueued(q); err != nil {
+					s.c.abandon(s.cl)
+					s.end(err)
+				}
+			}
+		default: // a line type newer than this client: skipped
 		}
 		return false
 	case <-s.ctx.Done():
@@ -714,6 +773,16 @@ func (s *Stream) end(err error) {
 	s.done = true
 	s.err = err
 	s.piece = ""
+}
+
+// QueuePosition is the last place in the daemon's wait queue reported for the request
+// (a `queued` line), or nil: it never waited, or the daemon does not report it.
+func (s *Stream) QueuePosition() *QueuePosition {
+	if s.queued == nil {
+		return nil
+	}
+	q := *s.queued
+	return &q
 }
 
 // Text is the piece of text Next has just received.
@@ -987,7 +1056,8 @@ func (c *Client) dispatch(l *line) bool {
 		// an id of the daemon's own; it ends whatever request is waiting.
 		if bytes.Equal(l.ID, head.idJSON) || l.Type == "error" {
 			target = head
-			if l.Type != "token" {
+			// A generation ends with done or error; any other request with its line.
+			if l.Type == "error" || l.Type == "done" || (!head.generation && l.Type != "token") {
 				c.pending[0] = nil
 				c.pending = c.pending[1:]
 				head.finished = true

@@ -469,6 +469,114 @@ func TestStreamErrorAndPipelinedReplies(t *testing.T) {
 	}
 }
 
+func TestQueuedLinesAndPriority(t *testing.T) {
+	// Streamed requests wait in the queue first (queued lines, place 2 then 1), then get a
+	// line of a type newer than the client, their tokens and done; a non-streamed request
+	// gets the unknown line and its done. Priority goes out only when set.
+	requests := make(chan map[string]any, 16)
+	path := fakeDaemon(t, func(req map[string]any, w *bufio.Writer) bool {
+		requests <- req
+		id := req["id"]
+		switch req["op"] {
+		case "cancel":
+			reply(w, map[string]any{"type": "done", "id": req["target"], "text": "",
+				"finish_reason": "cancelled"})
+			reply(w, map[string]any{"type": "cancelled", "id": id, "target": req["target"],
+				"found": true})
+			return true
+		case "health":
+			reply(w, map[string]any{"type": "health", "id": id, "status": "ok"})
+			return true
+		}
+		if req["stream"] == true {
+			reply(w, map[string]any{"type": "queued", "id": id, "position": 2, "queue_depth": 3})
+			reply(w, map[string]any{"type": "queued", "id": id, "position": 1, "queue_depth": 2})
+			if req["prompt"] == "wait" { // still waiting until cancelled
+				return true
+			}
+		}
+		reply(w, map[string]any{"type": "future_kind", "id": id, "position": "n/a"})
+		text := "Hi!"
+		if req["stream"] == true {
+			text = ""
+			reply(w, map[string]any{"type": "token", "id": id, "text": "Hi"})
+			reply(w, map[string]any{"type": "token", "id": id, "text": "!"})
+		}
+		reply(w, map[string]any{"type": "done", "id": id, "text": text, "finish_reason": "stop"})
+		return true
+	})
+	c := mustDial(t, path)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+
+	var places []QueuePosition
+	opts := &Options{Priority: PriorityBackground, OnQueued: func(q QueuePosition) error {
+		places = append(places, q)
+		return nil
+	}}
+	var pieces []string
+	res, err := c.StreamGenerate(ctx, "p", opts, func(p string) error {
+		pieces = append(pieces, p)
+		return nil
+	})
+	want := []QueuePosition{{Position: 2, QueueDepth: 3}, {Position: 1, QueueDepth: 2}}
+	if err != nil || res.Text != "Hi!" || res.FinishReason != "stop" ||
+		strings.Join(pieces, "|") != "Hi|!" || fmt.Sprint(places) != fmt.Sprint(want) {
+		t.Fatalf("stream: %+v %v %v %v", res, err, pieces, places)
+	}
+	// The iterator form, without a callback: the same pieces; the place is kept.
+	s, err := c.StartChat(ctx, []Message{{Role: "user", Content: "c"}},
+		&Options{Priority: PriorityInteractive})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.QueuePosition() != nil {
+		t.Fatalf("a place before reading: %v", s.QueuePosition())
+	}
+	pieces = nil
+	for s.Next() {
+		pieces = append(pieces, s.Text())
+	}
+	if s.Err() != nil || s.Result().Text != "Hi!" || strings.Join(pieces, "|") != "Hi|!" ||
+		s.QueuePosition() == nil || *s.QueuePosition() != want[1] {
+		t.Fatalf("iterator: %v %+v %v %v", s.Err(), s.Result(), pieces, s.QueuePosition())
+	}
+	// Not streamed: the unknown line is skipped.
+	if res, err := c.Generate(ctx, "p", nil); err != nil || res.Text != "Hi!" {
+		t.Fatalf("generate: %+v %v", res, err)
+	}
+	if res, err := c.Chat(ctx, []Message{{Role: "user", Content: "c"}},
+		&Options{Priority: PriorityBackground}); err != nil || res.Text != "Hi!" {
+		t.Fatalf("chat: %+v %v", res, err)
+	}
+	// OnQueued's error cancels the request and ends the stream with it.
+	stop := errors.New("stop here")
+	_, err = c.StreamGenerate(ctx, "wait", &Options{OnQueued: func(QueuePosition) error { return stop }},
+		func(string) error { return nil })
+	if !errors.Is(err, stop) {
+		t.Fatalf("OnQueued error: %v", err)
+	}
+	if h, err := c.Health(ctx); err != nil || h.Status != "ok" {
+		t.Fatalf("health after: %+v %v", h, err)
+	}
+	var sent []string
+	for i := 0; i < 7; i++ {
+		req := <-requests
+		priority, ok := req["priority"]
+		if !ok {
+			priority = "-"
+		}
+		sent = append(sent, fmt.Sprint(req["op"], ":", priority))
+		if _, ok := req["OnQueued"]; ok {
+			t.Errorf("the callback went on the wire: %v", req)
+		}
+	}
+	if got := strings.Join(sent, " "); got != "generate:background chat:interactive "+
+		"generate:- chat:background generate:- cancel:- health:-" {
+		t.Fatalf("requests on the wire: %s", got)
+	}
+}
+
 func TestCache(t *testing.T) {
 	// The fake store holds one state until a clear. The clear's null dir is what a daemon
 	// without a disk tier sends; the last listing's null states come out as an empty slice.

@@ -93,6 +93,9 @@ export interface GenerationOptions {
   logprobs?: number | null;
   /** false: the daemon drafts no tokens for this request (speculative decoding). */
   speculative?: boolean | null;
+  /** "interactive" (the daemon's default) or "background": which waiting requests the
+   * daemon starts first. Sent only when given (a daemon without priorities refuses it). */
+  priority?: "interactive" | "background" | null;
   /** Structured output (at most one of json_schema, format and grammar; the daemon
    * answers invalid_request otherwise): the output is a JSON document valid against this
    * JSON Schema, sent as given. */
@@ -115,7 +118,20 @@ export interface GenerationOptions {
   /** Aborting sends `cancel` for the request; the call rejects (or the iteration throws)
    * with the signal's reason. */
   signal?: AbortSignal;
+  /** Called with the request's place in the daemon's wait queue each time a `queued` line
+   * reports it (streamed requests, before their first piece). If it throws, the request
+   * is cancelled and the iteration (or the call) rejects with that error. With `generate`
+   * or `chat` it makes the reply streamed (the Result is the same). */
+  onQueued?: (place: QueuePosition) => void;
   [field: string]: unknown;
+}
+
+/** A streamed request's place in the daemon's wait queue (a `queued` line). */
+export interface QueuePosition {
+  /** 1: the next request to start. */
+  position: number;
+  /** How many requests wait in all. */
+  queueDepth: number;
 }
 
 export interface CallbackOptions extends GenerationOptions {
@@ -224,6 +240,9 @@ export declare class Stream implements AsyncIterableIterator<string> {
   readonly text: string;
   /** Whether the reply has ended (done or error). */
   readonly finished: boolean;
+  /** The last place in the daemon's wait queue reported for the request; null if it
+   * never waited (or the daemon does not report it). */
+  readonly queuePosition: QueuePosition | null;
   /** The Result once the reply has ended; rejects with the request's error. */
   readonly completed: Promise<Result>;
   [Symbol.asyncIterator](): AsyncIterableIterator<string>;

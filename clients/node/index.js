@@ -193,26 +193,38 @@ function unexpected(line, want) {
 }
 
 // Options of ours, not sent: `signal` (an AbortSignal), `onToken` (callback form),
-// `stream` (each method decides). The rest are the protocol's fields, in snake_case or
-// camelCase (maxTokens -> max_tokens); undefined and null mean "the daemon's default".
-// Only the names are converted: a `json_schema` or `tools` value goes out exactly as given.
+// `onQueued` (the request's place in the daemon's wait queue), `stream` (each method
+// decides). The rest are the protocol's fields (`priority` among them), in snake_case or
+// camelCase (maxTokens -> max_tokens); undefined and null mean "the daemon's default" and
+// are not sent. Only the names are converted: a `json_schema` or `tools` value goes out
+// exactly as given.
 function splitOptions(options) {
   const fields = {};
   let signal;
   let onToken;
+  let onQueued;
   for (const key of Object.keys(options ?? {})) {
     const value = options[key];
     if (value === undefined || value === null) continue;
     if (key === "signal") signal = value;
     else if (key === "onToken") onToken = value;
+    else if (key === "onQueued") onQueued = value;
     else if (key !== "stream") fields[key.replace(/[A-Z]/g, (c) => `_${c.toLowerCase()}`)] = value;
   }
-  return { fields, signal, onToken };
+  return { fields, signal, onToken, onQueued };
+}
+
+// A `queued` line's place, typed; null when its fields are not numbers.
+function toQueuePosition(line) {
+  if (typeof line.position !== "number" || typeof line.queue_depth !== "number") return null;
+  return { position: line.position, queueDepth: line.queue_depth };
 }
 
 /** The pieces of a streamed generation, as an async iterator. `result` holds the Result
- * once the `done` line has arrived; `completed` is a promise of it. Leaving the iteration
- * early (`break`, an exception) sends `cancel` for the request, freeing the daemon's slot. */
+ * once the `done` line has arrived; `completed` is a promise of it; `queuePosition` the
+ * last place in the daemon's wait queue reported for the request (null if none). Leaving
+ * the iteration early (`break`, an exception) sends `cancel` for the request, freeing the
+ * daemon's slot. */
 export class Stream {
   #abandon;
   #queue = [];
@@ -230,6 +242,7 @@ export class Stream {
     this.id = id;
     this.result = null;
     this.text = "";
+    this.queuePosition = null;
     this.#abandon = abandon;
   }
 
@@ -313,6 +326,10 @@ export class Stream {
     }
   }
 
+  _queued(position) {
+    this.queuePosition = position;
+  }
+
   _done(line) {
     this.result = toResult(line, this.text, this.#entries);
     this.#entries = [];
@@ -369,7 +386,8 @@ export class Client {
   // --- generation ----------------------------------------------------------------------
 
   /** Complete `prompt`; resolves to a Result. With `options.onToken(piece)` the reply is
-   * streamed and the callback gets each piece as it arrives. */
+   * streamed and the callback gets each piece as it arrives; with `options.onQueued(place)`
+   * it is streamed too, and the callback gets each place in the daemon's wait queue. */
   generate(prompt, options = {}) {
     return this.#generation({ op: "generate", prompt }, options);
   }
@@ -545,11 +563,11 @@ export class Client {
   }
 
   #generation(base, options) {
-    const { fields, signal, onToken } = splitOptions(options);
-    if (typeof onToken === "function") {
+    const { fields, signal, onToken, onQueued } = splitOptions(options);
+    if (typeof onToken === "function" || typeof onQueued === "function") {
       return (async () => {
-        const stream = this.#stream(base, { ...fields, signal });
-        for await (const piece of stream) onToken(piece);
+        const stream = this.#stream(base, { ...fields, signal, onQueued });
+        for await (const piece of stream) onToken?.(piece);
         return stream.result;
       })();
     }
@@ -566,12 +584,14 @@ export class Client {
       const call = {
         id,
         ended: false,
+        generation: true,
         line: (line) => {
-          if (line.type === "token") return; // not asked for; ignore
+          // Only `done` and `error` end it; a token, `queued` or a line type newer than
+          // this client is skipped.
+          if (line.type !== "done" && line.type !== "error") return;
           call.ended = true;
           if (line.type === "done") settle(resolve, toResult(line, line.text));
-          else if (line.type === "error") settle(reject, toError(line));
-          else settle(reject, unexpected(line, "done"));
+          else settle(reject, toError(line));
         },
         fail: (error) => {
           call.ended = true;
@@ -588,9 +608,9 @@ export class Client {
   }
 
   #stream(base, options) {
-    const { fields, signal } = splitOptions(options);
+    const { fields, signal, onQueued } = splitOptions(options);
     const id = this.#newId(fields);
-    const call = { id, ended: false, line: null, fail: null };
+    const call = { id, ended: false, generation: true, line: null, fail: null };
     const stream = new Stream(id, () => this.#abandon(call));
     const onAbort = () => stream._abort(signal.reason);
     const detach = () => signal?.removeEventListener("abort", onAbort);
@@ -599,11 +619,24 @@ export class Client {
         stream._token(line.text, line.logprobs);
         return;
       }
+      if (line.type === "queued") {
+        const position = toQueuePosition(line);
+        if (position === null) return;
+        stream._queued(position);
+        if (typeof onQueued === "function" && !stream.finished) {
+          try {
+            onQueued(position);
+          } catch (error) {
+            stream._abort(error); // cancels the request; the iteration throws it
+          }
+        }
+        return;
+      }
+      if (line.type !== "done" && line.type !== "error") return; // newer than this client
       call.ended = true;
       detach();
       if (line.type === "done") stream._done(line);
-      else if (line.type === "error") stream._fail(toError(line));
-      else stream._fail(unexpected(line, "done"));
+      else stream._fail(toError(line));
     };
     call.fail = (error) => {
       call.ended = true;
@@ -671,7 +704,9 @@ export class Client {
       }
       return;
     }
-    if (line.type !== "token") this.#pending.shift();
+    // A generation ends with `done` or `error`; its other lines (token, queued, a type
+    // newer than this client) come before. Any other request has one line.
+    if (!call.generation || line.type === "done" || line.type === "error") this.#pending.shift();
     call.line(line);
     if (line.type === "error" && CLOSING_CODES.has(line.code)) {
       // Known now, not at EOF: the next request must not be written to this connection.

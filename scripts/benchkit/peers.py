@@ -34,7 +34,8 @@ class LlamaServer:
     """llama-server on a loopback port with `-np slots`. Its KV: "split" (llama-server's
     default with an explicit -np): `-c` = n_ctx x slots, divided among the slots, so each
     request may use n_ctx cells as in the daemon; "unified": `-kvu -c n_ctx`, one pool of
-    n_ctx cells shared by the slots, the daemon's own layout."""
+    n_ctx cells shared by the slots, the daemon's own layout; "default": llama-server's own
+    settings (slots, context, batch sizes), only the model, address and threads given."""
 
     def __init__(self, process: subprocess.Popen[bytes], port: int, logfile: Path) -> None:
         self.process, self.port, self.logfile = process, port, logfile
@@ -42,6 +43,10 @@ class LlamaServer:
     @staticmethod
     def command(binary: str, params: dict[str, Any], slots: int, port: int,
                 extra: tuple[str, ...] | list[str] = ()) -> list[str]:
+        if params.get("llama_server_kv") == "default":
+            return [binary, "-m", params["model"], "--host", "127.0.0.1", "--port", str(port),
+                    "-t", str(params["n_threads"]), "-tb", str(params["n_threads_batch"]),
+                    *extra]
         unified = params.get("llama_server_kv") == "unified"
         kv = ["-kvu", "-c", str(params["n_ctx"])] if unified else [
             "-c", str(params["n_ctx"] * slots)]

@@ -52,7 +52,7 @@ class MessagesApi(HostedApi):
         body = await host.decode(request, messages_decoder)
         host.count("chat", API)
         shape = MessagesShape(host.model_id)
-        core_request = self._mapped(body, shape.id)
+        core_request = self._mapped(body, shape.id, request)
         try:
             return await host.generate(request, core_request, shape, arrived_ns,
                                        reply_type=MessagesReply)
@@ -75,9 +75,14 @@ class MessagesApi(HostedApi):
                 ApiError.from_code(refusal.code, refusal.message)) from None
         return json_response(TokensCount(input_tokens=count))
 
-    def _mapped(self, body: Any, request_id: str) -> ChatRequest:
+    def _mapped(self, body: Any, request_id: str,
+                request: web.Request | None = None) -> ChatRequest:
+        """The body's chat; with the `request` to generate, its priority header's."""
         try:
-            return translate.chat_request(body, request_id)
+            mapped = translate.chat_request(body, request_id)
+            if request is None:
+                return mapped
+            return self.host.with_priority(request, mapped)
         except ApiError:
             self.host.refuse_invalid()
             raise

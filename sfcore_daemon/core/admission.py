@@ -232,6 +232,7 @@ class Admission:
             pins=pins,
             cache_key=request.prompt_cache_key if isinstance(request, ChatRequest) else None,
             model_fingerprint=engine.reply_fingerprint,
+            priority=request.priority,
         )
         sink.attach(generation)
         try:

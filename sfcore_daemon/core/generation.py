@@ -58,6 +58,11 @@ class ReplySink(Protocol):
         """The end of a batch of `token` calls: send what they gathered."""
         ...
 
+    def queued(self, position: int, depth: int) -> None:
+        """A streamed request waits: `position` in the wait queue (1 starts next) of
+        `depth` waiting; told on entering and whenever the position changes."""
+        ...
+
     def done(self, reply: Result) -> None: ...
 
     def error(self, code: str, message: str) -> None: ...
@@ -91,6 +96,7 @@ class Generation:
         pins: tuple[tuple[int, int], ...] = (),
         cache_key: str | None = None,
         model_fingerprint: str = "",
+        priority: str = "interactive",
     ) -> None:
         self.request_id = request_id
         self.model_fingerprint = model_fingerprint
@@ -101,7 +107,8 @@ class Generation:
         # sequence may end it early (the drain watches for it).
         wake_each_step = stream or bool(stops)
         self.job = JobSpec(prompt, sampling, max_tokens, cache_prompt, grammar, speculative,
-                           logprobs, grammar_trigger, wake_each_step, pins)
+                           logprobs, grammar_trigger, wake_each_step, pins,
+                           priority=priority)
         self.cache_key = cache_key  # prompt_cache_key: the scheduler's hint of a slot
         self.channel = Channel(loop, self._drain, self._finished,
                                wake_each_step=wake_each_step)
@@ -129,6 +136,8 @@ class Generation:
         self.replied = False
         # Times a later request started ahead of this one while it waited for room.
         self.overtaken = 0
+        # The wait-queue position its client was last told (0: none yet).
+        self._position = 0
         # Set by the scheduler that starts it: told once the job has ended, so that it
         # frees the slot.
         self.on_released: Callable[[Generation], None] | None = None
@@ -160,6 +169,13 @@ class Generation:
         """Answer a request that never ran: `done`, finish_reason "cancelled"."""
         if not self.replied:
             self._reply_done("cancelled")
+
+    def queued(self, position: int, depth: int) -> None:
+        """Where it waits now (scheduler.py); a streamed reply tells its client when
+        the position is new. A reply written whole says nothing before its end."""
+        if self.stream and not self.replied and position != self._position:
+            self._position = position
+            self.sink.queued(position, depth)
 
     # --- called on the event loop by the decode thread's wake-ups -----------------------
 

@@ -172,6 +172,9 @@ def _engine(out: Exposition, state: ServerState) -> None:
     out.one("decode_steps_total", "counter", "Decode steps (one llama_decode each).", steps)
     out.one("step_tokens_total", "counter", "Tokens the decode steps held (prompt and "
             "generated rows); divided by decode_steps_total: tokens per step.", tokens)
+    out.one("preempted_steps_total", "counter", "Prompt-only steps stopped so that a newer "
+            "interactive request starts (what they had read is kept).",
+            engine.preempted_steps if engine is not None else 0)
     threads = engine.threads if engine is not None else None
     out.one("decode_threads", "gauge", "Decode threads in force now (fewer than "
             "configured while other processes hold the cores; runtime.adaptive_threads).",

@@ -22,7 +22,10 @@ MAX_LOGPROBS: Final = 20
 MAX_STOPS: Final = 8
 PositiveInt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
-
+# Which class of the wait queue a request waits in (scheduler.py): interactive ones
+# start first; a background one is passed only a bounded number of times.
+Priority = Literal["interactive", "background"]
+PRIORITIES: Final[tuple[Priority, ...]] = ("interactive", "background")
 
 
 class GenerationOptions(Struct, frozen=True, kw_only=True):
@@ -53,6 +56,7 @@ class GenerationOptions(Struct, frozen=True, kw_only=True):
     # Each token's log-probability and its `logprobs` likeliest alternatives (0: the
     # token's own only); None: none. OpenAI's top_logprobs has the same range.
     logprobs: TopLogprobs | None = None
+    priority: Priority = "interactive"
 
     @property
     def stop_sequences(self) -> tuple[str, ...]:

@@ -2,18 +2,19 @@
 
 `Scheduler` keeps one wait queue for all connections and hands the engine a generation's
 job whenever a slot and room in the KV pool are free; a generation tells it when its
-slot is free again (`Generation.on_released`). What a generation writes is
-`Generation`'s business (generation.py).
+slot is free again (`Generation.on_released`). The queue's order, interactive requests
+before background ones, is waitqueue.py's. What a generation writes is `Generation`'s
+business (generation.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
 
 from sfcore_daemon.core.counts import SlotUse
 from sfcore_daemon.core.generation import Generation
+from sfcore_daemon.core.waitqueue import WaitQueue
 from sfcore_daemon.engine.crossing import Placement
 from sfcore_daemon.engine.thread import Engine
 from sfcore_daemon.llama.kvcache import shared_prefix
@@ -40,10 +41,11 @@ class Scheduler:
     that room. So a running request never fails for lack of cells, and a waiting one
     only waits.
 
-    Requests start in arrival order, with one bounded exception (`_overtake`): while a
-    slot is free but the head cannot start (its reservation does not fit beside the
-    running requests', or it must have the batch to itself and others run), later
-    requests that fit start ahead of it, at most _MAX_OVERTAKES times while it waits.
+    Requests start in the queue's order (interactive ones first, waitqueue.py), with
+    one bounded exception (`_overtake`): while a slot is free but the head cannot
+    start (its reservation does not fit beside the running requests', or it must have
+    the batch to itself and others run), later requests that fit start ahead of it,
+    at most _MAX_OVERTAKES times while it waits.
     So one large request neither holds up the small ones behind it nor waits forever.
     A request that must have the batch to itself never overtakes.
     """
@@ -52,7 +54,7 @@ class Scheduler:
         self._engine = engine
         self._max_queue = max_queue
         self.slots = slots
-        self.waiting: deque[Generation] = deque()
+        self.waiting = WaitQueue()
         self.running: dict[int, Generation] = {}
         # What each idle slot holds in the KV cache, as the decode thread left it.
         self._slot_tokens: list[list[int]] = [[] for _ in range(slots)]
@@ -64,6 +66,9 @@ class Scheduler:
         self._idle = asyncio.Event()
         self._idle.set()
         self._working = asyncio.Event()  # the opposite of _idle
+        # Telling the waiting their positions; a sink may re-enter (its client left).
+        self._announcing = False
+        self._announce_again = False
 
     @property
     def busy(self) -> bool:
@@ -89,7 +94,7 @@ class Scheduler:
             return
         if len(self.waiting) >= self._max_queue:
             raise QueueFull
-        self.waiting.append(generation)
+        self.waiting.add(generation)
         self._pump()  # it may fit where the head waiting for room does not
 
     def abandon(self, generation: Generation) -> None:
@@ -113,7 +118,9 @@ class Scheduler:
 
     def reject_waiting(self, code: str, message: str) -> None:
         while self.waiting:
-            self.waiting.popleft().fail(code, message)
+            generation = self.waiting.head
+            self.waiting.remove(generation)
+            generation.fail(code, message)
 
     def fail_all(self, code: str, message: str) -> None:
         """The decode thread is gone: every request, running or waiting, is answered
@@ -225,18 +232,42 @@ class Scheduler:
     def _pump(self) -> None:
         waiting = self.waiting
         while waiting:
-            head = waiting[0]
+            head = waiting.head
             if head.replied:
-                waiting.popleft()
+                waiting.remove(head)
                 continue
-            if not self._try_start(head):
+            if self._try_start(head):
+                waiting.take(head)
+                continue
+            self._overtake(head)
+            # Starting others may have moved a background request passed too often
+            # to the head: then that one is tried.
+            if not waiting or waiting.head is head:
                 break
-            waiting.popleft()
-        if waiting:
-            self._overtake(waiting[0])
         if not self.running and not waiting:
             self._idle.set()
             self._working.clear()
+        self._announce()
+
+    def _announce(self) -> None:
+        """Tell each waiting request its position (a stream's client hears of a new
+        one). A sink that finds its client gone abandons it here: then again."""
+        if self._announcing:
+            self._announce_again = True
+            return
+        self._announcing = True
+        try:
+            again = True
+            while again:
+                self._announce_again = False
+                depth = len(self.waiting)
+                for position, generation in enumerate(self.waiting, 1):
+                    if self._announce_again:
+                        break
+                    generation.queued(position, depth)
+                again = self._announce_again
+        finally:
+            self._announcing = False
 
     def _overtake(self, head: Generation) -> None:
         """The head waits for room in the KV pool (a large reservation) or for the batch
@@ -248,6 +279,6 @@ class Scheduler:
             if generation.replied:
                 continue
             if self._try_start(generation):
-                self.waiting.remove(generation)
+                self.waiting.take(generation)
                 head.overtaken += 1
 

@@ -15,9 +15,10 @@ import msgspec
 
 log = logging.getLogger(__name__)
 
-# rows -> ns; at most a few dozen sizes, each a positive time under ten seconds.
-_Rows = Annotated[int, msgspec.Meta(ge=1, le=4096)]
-_Nanoseconds = Annotated[float, msgspec.Meta(gt=0, lt=1e10)]
+# rows -> ns; at most a few dozen sizes, each a time under ten seconds. Rows 0: what a logit
+# row costs for each cell of context it attends to (llama/stepcost.py, DEPTH_KEY).
+_Rows = Annotated[int, msgspec.Meta(ge=0, le=4096)]
+_Nanoseconds = Annotated[float, msgspec.Meta(ge=0, lt=1e10)]
 _MAX_BYTES = 64 << 10
 
 
@@ -26,7 +27,7 @@ class CostsFile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     ns: dict[_Rows, _Nanoseconds]
 
 
-_VERSION = 1
+_VERSION = 2
 _decoder = msgspec.json.Decoder(CostsFile)
 
 
@@ -39,7 +40,9 @@ def parse(data: bytes) -> dict[int, float] | None:
         costs = _decoder.decode(data)
     except (msgspec.DecodeError, UnicodeDecodeError):
         return None
-    if costs.version != _VERSION or 1 not in costs.ns or len(costs.ns) < 2:
+    ns = costs.ns
+    if (costs.version != _VERSION or 1 not in ns or sum(rows > 0 for rows in ns) < 2
+            or any(rows > 0 and value <= 0 for rows, value in ns.items())):
         return None
     return dict(costs.ns)
 

@@ -68,6 +68,7 @@ class JobSpec(msgspec.Struct, frozen=True):
     grammar_trigger: bytes | None = None
     wake_each_step: bool = True
     pins: tuple[tuple[int, int], ...] = ()
+    priority: str = "interactive"
 
     @property
     def reserved_cells(self) -> int:

@@ -22,16 +22,26 @@ _MARGIN = 1.02
 _LONGEST = 320
 
 
+# Context cells a step's depth is rounded down to, for the kept least_paying bounds.
+_DEPTH_STEP = 256
+
+
 class StepCosts:
     """The time of a step by its logit rows: the sizes measured at start-up
-    (llama/stepcost.py), the others drawn between and past them. Fixed for the
-    daemon's life, so that the drafts of a request do not depend on what it served
-    before (nor on how busy the machine was a moment ago)."""
+    (llama/stepcost.py), the others drawn between and past them, plus what each row
+    adds for each cell of context it attends to (measured too), at the `depth` the
+    step loop sets for the step at hand. Fixed for the daemon's life, so that the
+    drafts of a request do not depend on what it served before (nor on how busy the
+    machine was a moment ago)."""
 
-    __slots__ = ("_estimate", "_slope", "_least")
+    __slots__ = ("_estimate", "_slope", "_least", "_cell_ns", "depth")
 
     def __init__(self, measured: dict[int, float], most_rows: int) -> None:
-        """`measured`: rows -> ns, with 1 and at least one more size."""
+        """`measured`: rows -> ns, with 1 and at least one more size; under key 0
+        (stepcost.DEPTH_KEY), the ns a row adds per cell of context."""
+        self._cell_ns = max(measured.get(0, 0.0), 0.0)
+        # Cells of context of the step being planned (stepbatch.StepBatch.fill).
+        self.depth = 0
         sizes = sorted(rows for rows in measured if rows > 0)
         if len(sizes) < 2 or sizes[0] != 1:
             raise ValueError("step costs need a one-row step and one more size")
@@ -52,14 +62,16 @@ class StepCosts:
                 estimate[rows] = measured[low] + share * (measured[high] - measured[low])
         self._estimate = estimate
         self._slope = slope
-        self._least: dict[int, float] = {}  # rows -> least_paying(rows)
+        # (rows, depth // _DEPTH_STEP) -> least_paying(rows) there
+        self._least: dict[tuple[int, int], float] = {}
 
     def cost(self, rows: int) -> float:
-        """The estimated ns of a step of `rows` logit rows."""
+        """The estimated ns of a step of `rows` logit rows at the step's depth."""
         estimate = self._estimate
+        attention = rows * self.depth * self._cell_ns
         if rows < len(estimate):
-            return estimate[rows]
-        return estimate[-1] + (rows - len(estimate) + 1) * self._slope
+            return estimate[rows] + attention
+        return estimate[-1] + (rows - len(estimate) + 1) * self._slope + attention
 
     def as_one_row(self, elapsed_ns: int, rows: int) -> int:
         """A step of `rows` logit rows that took `elapsed_ns`, as the time of a one-row
@@ -68,7 +80,7 @@ class StepCosts:
         tokens takes longer with nothing slowing it down."""
         if rows <= 1:
             return elapsed_ns
-        return int(elapsed_ns * self._estimate[1] / self.cost(rows))
+        return int(elapsed_ns * self.cost(1) / self.cost(rows))
 
     def least_paying(self, rows: int) -> float:
         """A chance of acceptance below which no draft (of 2 to _LONGEST tokens) pays
@@ -77,9 +89,15 @@ class StepCosts:
         draft turned away by it is one `best_length` turns away. In text with little to
         copy the gate refuses most drafts proposed: this refuses each with one comparison
         instead of a search of lengths (docs/performance/speculative.md)."""
-        least = self._least.get(rows)
+        key = (rows, self.depth // _DEPTH_STEP)
+        least = self._least.get(key)
         if least is None:
-            least = self._least[rows] = self._least_paying(rows)
+            # At the bucket's least depth: the bound for any depth in it is no lower.
+            depth, self.depth = self.depth, key[1] * _DEPTH_STEP
+            try:
+                least = self._least[key] = self._least_paying(rows)
+            finally:
+                self.depth = depth
         return least
 
     def _least_paying(self, rows: int) -> float:

@@ -30,11 +30,17 @@ def _rest(seq: Seq) -> int:
     return len(job.spec.prompt) - seq.next_prompt
 
 
-def _reading_order(seq: Seq) -> tuple[bool, int]:
-    """Short rests first, the fewest tokens left first; then the long prompts (the
-    sort is stable: oldest request first among them)."""
+def _background(seq: Seq) -> bool:
+    job = seq.job
+    return job is not None and job.spec.priority == "background"
+
+
+def _reading_order(seq: Seq) -> tuple[bool, bool, int]:
+    """Short rests first, interactive before background, the fewest tokens left first;
+    then the long prompts, interactive first (the sort is stable: oldest request first
+    among equals)."""
     rest = _rest(seq)
-    return (rest > _SHORT_REST, rest if rest <= _SHORT_REST else 0)
+    return (rest > _SHORT_REST, _background(seq), rest if rest <= _SHORT_REST else 0)
 
 
 class StepBatch:
@@ -80,15 +86,20 @@ class StepBatch:
                    if not seq.generating and seq.parked is None and seq.loading is None]
         # Generating sequences first (pending token and draft, each row asking for logits);
         # drafts settle once the chunks are planned: a prompt read to its end adds a row.
+        if self.costs is not None and stepping:
+            # Each draft row attends over its sequence's context (draftgate.StepCosts).
+            self.costs.depth = sum(len(seq.cached) for seq in stepping) // len(stepping)
         plan = (DraftPlan(self._drafts, self._draft_rows, stepping, self.costs,
                           shared=len(active) > 1,
                           first_token=any(_rest(seq) <= self._prefill_per_step
                                           for seq in reading))
                 if self._drafts is not None and stepping else None)
         n = len(stepping) + (plan.rows if plan is not None else 0)
-        # Then prompts, short rests first (their first token is near), then oldest first;
-        # beside streaming rows at most prefill_per_step, so a long prompt never holds them up.
-        budget = self._n_batch - n if n == 0 else min(self._prefill_per_step, self._n_batch - n)
+        # Then prompts, short rests first, then oldest first; beside interactive streams at
+        # most prefill_per_step, so a long prompt never holds them up (docs/performance/slots.md).
+        interactive = any(not _background(seq) for seq in stepping)
+        budget = (min(self._prefill_per_step, self._n_batch - n) if interactive
+                  else self._n_batch - n)
         chunk = self._n_batch
         if len(reading) > 1:
             reading.sort(key=_reading_order)

@@ -41,6 +41,9 @@ from sfcore_daemon.structured.forced import ForcedDrafts
 _DECODE_ABORTED = 2
 # Prompt tokens in one step from which the step can be aborted (about 0.25 s of work).
 _ABORTABLE_PREFILL = 128
+# An interactive request with at most this many prompt tokens, submitted while a step reads
+# only prompts, stops that step (its whole ubatches are kept): its first token is near.
+PREEMPTING_PROMPT = 512
 # When every active sequence waits for a wide grammar pass: how long to wait for one
 # before looking at the inbox again.
 _PARKED_WAIT_S = 0.005
@@ -66,6 +69,7 @@ class StepLoop:
         # plain int stores, read on the event loop (Engine.step_counts).
         self.decode_steps = 0
         self.step_tokens = 0
+        self.preempted_steps = 0  # prompt-only steps stopped for a newer job
         self._ctx = model.ctx
         self.n_ctx = model.n_ctx
         self._drafts = drafts
@@ -86,6 +90,14 @@ class StepLoop:
         self._rows = Rows(model, self._ending.end)
         # The channels of the prompt batch being decoded, for the abort callback.
         self._abort_jobs: list[Channel] = []
+        # Interactive jobs submitted, and those with a short prompt: plain ints the event
+        # loop bumps (`submitted`), read by the abort callback.
+        self.interactive_submits = 0
+        self.short_submits = 0
+        # While a prompt-only step is decoded: the counts it yields to once they change
+        # (-1: none), and whether it did.
+        self._yield_to = (-1, -1)
+        self._preempted = False
         self._abort_callback = C.ggml_abort_callback(self._should_abort)
         self._no_abort_callback = C.ggml_abort_callback()
 
@@ -96,6 +108,14 @@ class StepLoop:
     def use_step_costs(self, measured: dict[int, float]) -> None:
         """Judge drafts by these step costs (rows -> ns; draftgate.py), before serving."""
         self._steps.costs = StepCosts(measured, self._steps.most_rows)
+
+    def submitted(self, spec: JobSpec) -> None:
+        """A job was put in the inbox (event loop): an interactive one may stop a step
+        that only reads prompts (`_should_abort`)."""
+        if spec.priority != "background":
+            if len(spec.prompt) <= PREEMPTING_PROMPT:
+                self.short_submits += 1
+            self.interactive_submits += 1
 
     def free(self) -> None:
         """Free the batch; only once the loop has returned."""
@@ -222,6 +242,8 @@ class StepLoop:
         if not active:
             return
         steps = self._steps
+        # Before the fill: a job submitted while the step is planned stops it at once.
+        submits = (self.short_submits, self.interactive_submits)
         n = steps.fill(active)
         if n == 0:  # every sequence waits: for a grammar pass, a state read or a new job
             waits: list[Future[Any]] = [seq.parked for seq in active
@@ -236,6 +258,13 @@ class StepLoop:
             # The abort callback stops a long prompt batch once all its jobs are cancelled;
             # only here, as llama.cpp calls it (Python, under the GIL) at every graph node.
             self._abort_jobs = [seq.job.out for seq in active if seq.job is not None]
+            self._preempted = False
+            if not steps.stepping:
+                # Only prompts: a short interactive job stops it, and any interactive job
+                # stops one that reads only background prompts.
+                background = all(seq.job is not None and seq.job.spec.priority == "background"
+                                 for seq in steps.prefilling)
+                self._yield_to = (submits[0], submits[1] if background else -1)
             started = time.perf_counter_ns()
             C.llama_set_abort_callback(ctx, self._abort_callback, None)
             try:
@@ -243,10 +272,15 @@ class StepLoop:
             finally:
                 C.llama_set_abort_callback(ctx, self._no_abort_callback, None)
                 self._abort_jobs = []
+                self._yield_to = (-1, -1)
         else:
             started = time.perf_counter_ns()
             rc = C.llama_decode(ctx, batch)
         self.progress += 1
+        if rc == _DECODE_ABORTED and self._preempted:
+            self.preempted_steps += 1
+            self._keep_read_ubatches()
+            return
         if rc == _DECODE_ABORTED:
             # Whole ubatches done before the abort stay in the cache; drop them so
             # each sequence's cache holds exactly its `cached` tokens.
@@ -282,10 +316,31 @@ class StepLoop:
     def _end(self, seq: Seq, reason: EndReason) -> None:
         self._ending.end(seq, reason)
 
+    def _keep_read_ubatches(self) -> None:
+        """The prompt-only step stopped for a newer job: each prompt keeps what the whole
+        ubatches before the stop read, and reads on from there in later steps. A prompt's
+        last token is read again: its logits did not survive the stop."""
+        steps = self._steps
+        for seq in steps.prefilling:
+            job = seq.job
+            assert job is not None
+            held = min(self._cells.held(seq), seq.chunk_end, len(job.spec.prompt) - 1)
+            seq.chunk_end = max(held, seq.next_prompt)
+        steps.decoded(self._cells)
+        for seq in steps.prefilling:
+            self._cells.trim(seq)
+
     def _should_abort(self, _data: Any) -> bool:
         self.progress += 1
         jobs = self._abort_jobs
-        return bool(jobs) and all(out.stopped for out in jobs)
+        if jobs and all(out.stopped for out in jobs):
+            return True
+        short, interactive = self._yield_to
+        if (short >= 0 and self.short_submits != short) or (
+                interactive >= 0 and self.interactive_submits != interactive):
+            self._preempted = True
+            return True
+        return False
 
 
 class Ending:

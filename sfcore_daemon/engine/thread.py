@@ -128,6 +128,12 @@ class Engine:
         loop = self._loop
         return (loop.decode_steps, loop.step_tokens) if loop is not None else (0, 0)
 
+    @property
+    def preempted_steps(self) -> int:
+        """Prompt-only steps stopped for a newer interactive job (steploop.PREEMPTING_PROMPT)."""
+        loop = self._loop
+        return loop.preempted_steps if loop is not None else 0
+
     def start(self) -> concurrent.futures.Future[None]:
         """Start loading on the decode thread; the returned future says when it is ready."""
         if self._judges_drafts() and self._costs_dir is not None:
@@ -243,6 +249,8 @@ class Engine:
         """Run `spec` where `placement` says; what it makes comes back through `out`
         (crossing.py). The loop's one way to hand the decode thread a job."""
         self._inbox.put((spec, placement, out))
+        if self._loop is not None:
+            self._loop.submitted(spec)
 
     def close(self, timeout: float = 10.0) -> bool:
         """Stop the decode thread and free the model; False if something would not stop

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -22,10 +22,15 @@ from aiohttp import web
 from sfcore_daemon.core import errors
 from sfcore_daemon.core.admission import Admission, Refused
 from sfcore_daemon.core.generation import Generation
-from sfcore_daemon.core.request import GenerationRequest
+from sfcore_daemon.core.request import (
+    PRIORITIES,
+    GenerationOptions,
+    GenerationRequest,
+    Priority,
+)
 from sfcore_daemon.core.state import ServerState
 from sfcore_daemon.httpd.errors import JSON_TYPE, ApiError
-from sfcore_daemon.httpd.reply import HttpReply, ReplyShape
+from sfcore_daemon.httpd.reply import SSE_TYPE, HttpReply, ReplyShape
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +40,18 @@ _SSE_HEADERS = {
     # Proxies (nginx) pass the events on as they come instead of buffering them.
     "X-Accel-Buffering": "no",
 }
+# The request header that asks for a priority on every API (docs/protocol.md,
+# Scheduling); it wins over a body's own (OpenAI's service_tier).
+PRIORITY_HEADER = "X-Sfcore-Priority"
+# What a waiting stream is sent every [openai] keepalive_s: an SSE comment.
+KEEPALIVE = b": keep-alive\n\n"
+_Request = TypeVar("_Request", bound=GenerationOptions)
+
+
+def tier_priority(service_tier: Any) -> Priority:
+    """OpenAI's service_tier (Chat Completions, Completions, Responses) as the wait
+    queue's class: "flex" (slower, cheaper processing) is background, else interactive."""
+    return "background" if service_tier == "flex" else "interactive"
 
 
 class HttpApi(Protocol):
@@ -129,6 +146,20 @@ class ApiHost:
         """A body that decoded but does not map to the core's request."""
         self.state.stats.errors[errors.INVALID_REQUEST] += 1
 
+    @staticmethod
+    def with_priority(request: web.Request, core_request: _Request) -> _Request:
+        """`core_request` with the priority the PRIORITY_HEADER asks for, if sent; a
+        value other than interactive or background is a 400 (in the API's shape),
+        which the caller counts as a body that does not map (`refuse_invalid`)."""
+        given = request.headers.get(PRIORITY_HEADER)
+        if given is None:
+            return core_request
+        if given not in PRIORITIES:
+            raise ApiError(400, f"{PRIORITY_HEADER} must be interactive or background, not "
+                           f"{given[:64]!a}", None, errors.INVALID_REQUEST)
+        priority: Priority = "background" if given == "background" else "interactive"
+        return msgspec.structs.replace(core_request, priority=priority)
+
     async def generate(self, request: web.Request, core_request: GenerationRequest,
                        shape: ReplyShape, arrived_ns: int,
                        reply_type: type[HttpReply] = HttpReply) -> web.StreamResponse:
@@ -168,19 +199,48 @@ class ApiHost:
         return web.Response(body=shape.whole(outcome), content_type=JSON_TYPE)
 
     async def _stream(self, request: web.Request, reply: HttpReply) -> web.StreamResponse:
-        await reply.ready.wait()
+        response = await self._keep_alive(request, reply)
         # Before the first byte an error can still be a status code of its own.
-        if reply.ended and not reply.pending and isinstance(reply.outcome, ApiError):
+        if (response is None and reply.ended and not reply.pending
+                and isinstance(reply.outcome, ApiError)):
             raise reply.outcome
         if reply.gone:
-            return hang_up(request)
-        response = web.StreamResponse(headers={**_SSE_HEADERS,
-                                               "Content-Type": reply.shape.content_type})
-        await response.prepare(request)
+            return hang_up(request, response)
+        if response is None:
+            response = await self._start_stream(request, reply)
         await pump(reply, response.write)
         if reply.gone:
             return hang_up(request, response)
         await response.write_eof()
+        return response
+
+    async def _keep_alive(self, request: web.Request,
+                          reply: HttpReply) -> web.StreamResponse | None:
+        """Wait for the reply's first events. A server-sent stream still waiting after
+        [openai] keepalive_s (queued, or its prompt being read) gets its headers and a
+        comment, then another comment each keepalive_s: its response, if started."""
+        every = self.state.config.openai.keepalive_s
+        if every <= 0 or reply.shape.content_type != SSE_TYPE:
+            await reply.ready.wait()
+            return None
+        response = None
+        while not reply.ready.is_set():
+            try:
+                async with asyncio.timeout(every):
+                    await reply.ready.wait()
+            except TimeoutError:
+                if reply.ready.is_set():
+                    break
+                if response is None:
+                    response = await self._start_stream(request, reply)
+                await response.write(KEEPALIVE)
+        return response
+
+    @staticmethod
+    async def _start_stream(request: web.Request, reply: HttpReply) -> web.StreamResponse:
+        response = web.StreamResponse(headers={**_SSE_HEADERS,
+                                               "Content-Type": reply.shape.content_type})
+        await response.prepare(request)
         return response
 
     def _stalled(self, reply: HttpReply) -> None:

@@ -75,6 +75,9 @@ class HttpReply:
     def token(self, text: str, logprobs: list[TokenLogprob] | None) -> None:
         self.shape.chunk(text, logprobs, self.pending)
 
+    def queued(self, position: int, depth: int) -> None:
+        """Not shown: a stream keeps its client waiting with comments (api.py)."""
+
     def flush(self) -> None:
         if len(self.pending) > self._limit_bytes and not self.gone:
             self.gone = True

@@ -122,6 +122,10 @@ class KVCache:
         C.llama_memory_clear(self._memory, False)
         return True
 
+    def held(self, seq: SeqCells) -> int:
+        """Positions `seq` holds in the pool, from 0 (an aborted decode keeps whole ubatches)."""
+        return int(C.llama_memory_seq_pos_max(self._memory, seq.id)) + 1
+
     def trim(self, seq: SeqCells) -> None:
         """Drop cells past `seq.cached` (whole ubatches an aborted decode left behind)."""
         C.llama_memory_seq_rm(self._memory, seq.id, len(seq.cached), -1)

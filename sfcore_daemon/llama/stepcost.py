@@ -4,9 +4,12 @@ the cache folder so that later starts read it instead.
 
 One sequence after a short prompt, every row asking for logits (the shape of a step
 that verifies a draft), on the daemon's own threads; each size the fastest of a few
-rounds, in a shuffled order each round. The threads and the machine's load both change
-the figures (docs/performance/speculative.md), so costs measured while other processes
-kept the CPUs busy serve this run only, and the next start measures again (`busy_share`).
+rounds, in a shuffled order each round. Then the same after DEPTH cells of context: each
+verification row attends over the whole context, so a draft costs more at depth than its
+rows' share of the weights, and what one row adds per cell is kept under DEPTH_KEY.
+The threads and the machine's load both change the figures
+(docs/performance/speculative.md), so costs measured while other processes kept the
+CPUs busy serve this run only, and the next start measures again (`busy_share`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 from sfcore_daemon.config import CacheConfig
 from sfcore_daemon.llama.capi import C
@@ -26,6 +30,11 @@ from sfcore_daemon.llama.modelfile import cache_dir
 # too: drawn on from 17 they came out too dear (docs/performance/speculative.md).
 SIZES = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64)
 ROUNDS = 2
+# The context the depth cost is measured at, and the row count compared with one row.
+DEPTH = 1024
+_DEPTH_ROWS = 8
+# The costs' key for the ns one logit row adds per cell of context (draftgate.StepCosts).
+DEPTH_KEY = 0
 # Other processes' share of the CPUs during the measurement above which it is not kept.
 BUSY_SHARE = 0.1
 _PROMPT_TOKENS = 8
@@ -46,6 +55,7 @@ def measure_step_costs(model: Model, sizes: tuple[int, ...] = SIZES,
     shuffle = random.Random(0).shuffle
     best: dict[int, float] = {}
     try:
+        depth_ns = _depth_cost(model, batch, sizes, rounds, most)
         for row in range(_PROMPT_TOKENS + most):
             batch.token[row] = row * 7919 % (n_vocab - 1) + 1  # any valid ids do
             batch.pos[row] = row
@@ -76,7 +86,58 @@ def measure_step_costs(model: Model, sizes: tuple[int, ...] = SIZES,
     finally:
         C.llama_batch_free(batch)
         C.llama_memory_clear(model.memory, False)
+    if best and depth_ns is not None:
+        rows = min(_DEPTH_ROWS, most)
+        shallow = best[rows] - best[1]
+        best[DEPTH_KEY] = max(0.0, (depth_ns[1] - depth_ns[0] - shallow)
+                              / ((rows - 1) * (DEPTH - _PROMPT_TOKENS)))
     return best
+
+
+def _depth_cost(model: Model, batch: object, sizes: tuple[int, ...], rounds: int,
+                most: int) -> tuple[float, float] | None:
+    """The ns of a one-row step and of a _DEPTH_ROWS-row step (fewer if `most` is less)
+    after DEPTH cells of context, the fastest of `rounds`; None where it cannot be
+    measured (a context or batch too small). The cache is cleared after."""
+    rows = min(_DEPTH_ROWS, most)
+    if rows < 2 or DEPTH + rows > model.n_ctx or rows not in sizes:
+        return None
+    chunk = min(model.n_batch, _PROMPT_TOKENS + most)
+    n_vocab = model.info.n_vocab
+    times = [float("inf"), float("inf")]
+    try:
+        for start in range(0, DEPTH, chunk):
+            count = min(chunk, DEPTH - start)
+            for row in range(count):
+                _put(batch, row, (start + row) * 7919 % (n_vocab - 1) + 1, start + row, 0)
+            batch.n_tokens = count  # type: ignore[attr-defined]
+            if C.llama_decode(model.ctx, batch) != 0:
+                return None
+        for _ in range(rounds):
+            for index, size in enumerate((1, rows)):
+                for row in range(size):
+                    _put(batch, row, row * 104729 % (n_vocab - 1) + 1, DEPTH + row, 1)
+                batch.n_tokens = size  # type: ignore[attr-defined]
+                started = time.perf_counter_ns()
+                status = C.llama_decode(model.ctx, batch)
+                C.llama_synchronize(model.ctx)
+                elapsed = time.perf_counter_ns() - started
+                C.llama_memory_seq_rm(model.memory, 0, DEPTH, -1)
+                if status != 0:
+                    return None
+                times[index] = min(times[index], elapsed)
+    finally:
+        C.llama_memory_clear(model.memory, False)
+    return times[0], times[1]
+
+
+def _put(batch: object, row: int, token: int, pos: int, logits: int) -> None:
+    b: Any = batch
+    b.token[row] = token
+    b.pos[row] = pos
+    b.n_seq_id[row] = 1
+    b.seq_id[row][0] = 0
+    b.logits[row] = logits
 
 
 def step_costs_key(model_path: str, n_threads: int, context: tuple[object, ...]) -> str:

@@ -24,7 +24,13 @@ from sfcore_daemon.core import errors
 from sfcore_daemon.core.request import RequestId
 from sfcore_daemon.core.result import Result, TokenLogprob
 from sfcore_daemon.ndjson import protocol
-from sfcore_daemon.ndjson.protocol import DoneReply, Request, RequestError, TokenReply
+from sfcore_daemon.ndjson.protocol import (
+    DoneReply,
+    QueuedReply,
+    Request,
+    RequestError,
+    TokenReply,
+)
 
 if TYPE_CHECKING:
     from sfcore_daemon.config import Config
@@ -107,7 +113,8 @@ class ReplySlot:
 
 class GenerationReply:
     """A generation's reply events as NDJSON lines in its slot (`output.ReplySink`):
-    `token` lines gathered and written a batch at a time, then `done` or `error`."""
+    `queued` lines while a stream waits, `token` lines gathered and written a batch at
+    a time, then `done` or `error`."""
 
     __slots__ = ("_slot", "_request_id", "_batch")
 
@@ -132,6 +139,10 @@ class GenerationReply:
             # A new buffer each time: the transport may keep the one it was given.
             batch, self._batch = self._batch, bytearray()
             self._slot.write(batch)
+
+    def queued(self, position: int, depth: int) -> None:
+        self._slot.write(protocol.encode_line(
+            QueuedReply(id=self._request_id, position=position, queue_depth=depth)))
 
     def done(self, result: Result) -> None:
         self._slot.write(protocol.encode_line(DoneReply(**msgspec.structs.asdict(result))))

@@ -96,6 +96,13 @@ class TokenReply(_Reply, tag="token", kw_only=True, omit_defaults=True):
     logprobs: list[TokenLogprob] | None = None
 
 
+class QueuedReply(_Reply, tag="queued", kw_only=True):
+    """A streamed request waits for a slot: `position` 1 starts next."""
+
+    position: int
+    queue_depth: int
+
+
 class DoneReply(Result, tag="done", tag_field="type", kw_only=True, omit_defaults=True):
     """The last line of a generation: the core's result, tagged."""
 
@@ -148,7 +155,7 @@ class MetricsReply(_Reply, tag="metrics", kw_only=True):
     text: str  # Prometheus' text exposition format 0.0.4 (core/metrics.py)
 
 
-Reply = (TokenReply | DoneReply | ErrorReply | HealthReply | TokensReply | TextReply
+Reply = (TokenReply | QueuedReply | DoneReply | ErrorReply | HealthReply | TokensReply | TextReply
          | CancelledReply | InfoReply | StatsReply | CacheReply | MetricsReply)
 
 

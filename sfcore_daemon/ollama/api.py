@@ -107,7 +107,8 @@ class OllamaApi(HostedApi):
         shape = ChatShape(models.tagged(host.model_id))
         if not body.messages and body.model:
             return await self._loaded(shape.model, body.stream, chat=True)
-        core_request = self._mapped(lambda: translate.chat_request(body, _request_id()))
+        core_request = self._mapped(request,
+                                    lambda: translate.chat_request(body, _request_id()))
         return await host.generate(request, core_request, shape, arrived_ns)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -118,12 +119,16 @@ class OllamaApi(HostedApi):
         shape = GenerateShape(models.tagged(host.model_id))
         if not body.prompt and body.model and not (body.suffix or body.images):
             return await self._loaded(shape.model, body.stream, chat=False)
-        core_request = self._mapped(lambda: translate.generate_request(body, _request_id()))
+        core_request = self._mapped(request,
+                                    lambda: translate.generate_request(body, _request_id()))
         return await host.generate(request, core_request, shape, arrived_ns)
 
-    def _mapped(self, mapping: Callable[[], GenerationRequest]) -> GenerationRequest:
+    def _mapped(self, request: web.Request,
+                mapping: Callable[[], GenerationRequest]) -> GenerationRequest:
+        """The body's request, with the priority its header asks for (the one way
+        Ollama's requests ask for one)."""
         try:
-            return mapping()
+            return self.host.with_priority(request, mapping())
         except ApiError:
             self.host.refuse_invalid()
             raise

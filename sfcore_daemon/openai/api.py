@@ -77,7 +77,7 @@ class OpenAIApi(HostedApi):
         host.count(op, api)
         shape = shape_type(host.model_id, host.fingerprint(), _include_usage(body))
         try:
-            core_request = mapping(body, shape.id)
+            core_request = host.with_priority(request, mapping(body, shape.id))
         except ApiError:
             host.refuse_invalid()
             raise

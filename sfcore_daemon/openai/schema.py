@@ -104,6 +104,9 @@ class SamplingFields(Struct, kw_only=True):
     top_k: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
     min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
     repeat_penalty: Annotated[float, Meta(gt=0, le=1e6)] | None = None
+    # "flex" asks for the background class of the wait queue; any other value (what
+    # was taken before it meant anything here) for the interactive one.
+    service_tier: Any = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):

@@ -24,6 +24,7 @@ from sfcore_daemon.core.request import (
     ToolCall,
 )
 from sfcore_daemon.core.result import Result, TokenLogprob
+from sfcore_daemon.httpd.api import tier_priority
 from sfcore_daemon.httpd.errors import ApiError
 from sfcore_daemon.openai.schema import (
     ChatCompletionRequest,
@@ -173,6 +174,7 @@ def _options(body: SamplingFields, max_tokens: int | None,
         "seed": body.seed % (1 << 63) if body.seed is not None else None,
         "stop": stops or None,
         "logprobs": logprobs,
+        "priority": tier_priority(body.service_tier),
     }
     response_format = body.response_format
     if response_format is not None and response_format.type == "json_object":

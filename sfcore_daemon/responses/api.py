@@ -105,6 +105,7 @@ class ResponsesApi(HostedApi):
                                "and [openai] stored_responses is 0", "background")
             shape = ResponsesShape(host.model_id, body, keep if body.store else None)
             mapped = responses_request(body, shape.id, history)
+            mapped = mapped._replace(request=host.with_priority(request, mapped.request))
         except ApiError:
             host.refuse_invalid()
             raise

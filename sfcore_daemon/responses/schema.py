@@ -109,6 +109,8 @@ class ResponsesRequest(Struct, kw_only=True):
     repeat_penalty: Annotated[float, Meta(gt=0, le=1e6)] | None = None
     frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
     presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    # "flex": the background class of the wait queue; any other value: interactive.
+    service_tier: Any = None
 
 
 # --- replies --------------------------------------------------------------------------

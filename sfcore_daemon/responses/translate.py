@@ -27,6 +27,7 @@ from sfcore_daemon.core.request import (
     Tool,
     ToolCall,
 )
+from sfcore_daemon.httpd.api import tier_priority
 from sfcore_daemon.httpd.errors import ApiError
 from sfcore_daemon.responses.schema import (
     ChosenToolIn,
@@ -207,6 +208,7 @@ def _sampling(body: ResponsesRequest) -> dict[str, Any]:
         # The sampler folds any integer into its 32-bit seed range.
         "seed": body.seed % (1 << 63) if body.seed is not None else None,
         "stop": stops or None,
+        "priority": tier_priority(body.service_tier),
     }
     text_format = body.text.format if body.text is not None else None
     if text_format is not None and text_format.type == "json_object":

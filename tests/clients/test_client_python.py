@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 from sfcore_client import (
     AsyncClient,
     Client,
+    QueuePosition,
     Result,
     SfcoreConnectionError,
     SfcoreError,
@@ -782,6 +783,89 @@ def test_logprobs_are_asked_for_and_come_back_typed() -> None:
 
     with fake_daemon(with_logprobs) as path:
         asyncio.run(main())
+
+
+def queued_then_tokens(requests_seen: list[dict[str, Any]]) -> Script:
+    """A daemon whose streamed requests wait in its queue first: `queued` lines (place 2,
+    then 1), a line of a type newer than the client, then tokens and `done`. A
+    non-streamed request gets the unknown line and its `done`; other ops a `health`."""
+    def script(conn: socket.socket, requests: BinaryIO, n: int) -> None:
+        for line in requests:
+            request = json.loads(line)
+            requests_seen.append(request)
+            request_id = request["id"]
+            if request["op"] not in ("generate", "chat"):
+                conn.sendall(json.dumps({"type": "health", "id": request_id,
+                                         "status": "ok"}).encode() + b"\n")
+                continue
+            lines = [{"type": "future_kind", "id": request_id, "detail": [1, 2]}]
+            if request["stream"]:
+                lines = [{"type": "queued", "id": request_id, "position": 2, "queue_depth": 3},
+                         {"type": "queued", "id": request_id, "position": 1, "queue_depth": 2},
+                         *lines,
+                         {"type": "token", "id": request_id, "text": "Hi"},
+                         {"type": "token", "id": request_id, "text": "!"}]
+            conn.sendall(b"".join(json.dumps(reply).encode() + b"\n" for reply in lines)
+                         + done_line(request_id, "" if request["stream"] else "Hi!", 2))
+    return script
+
+
+def test_queued_lines_report_the_place_and_priority_is_sent_only_when_given() -> None:
+    """A stream that waits in the daemon's queue (`queued` lines), or gets a line type
+    newer than the client, yields its pieces and result as usual and reports its place
+    through on_queued and queue_position; `priority` is on the wire only when given."""
+    seen: list[dict[str, Any]] = []
+    with fake_daemon(queued_then_tokens(seen)) as path, Client(path, timeout=30) as client:
+        places: list[QueuePosition] = []
+        stream = client.stream_generate("x", priority="background", on_queued=places.append)
+        assert stream.queue_position is None
+        assert list(stream) == ["Hi", "!"]
+        assert places == [QueuePosition(2, 3), QueuePosition(1, 2)]
+        assert stream.queue_position == QueuePosition(position=1, queue_depth=2)
+        assert stream.result is not None and stream.result.text == "Hi!"
+        assert stream.result.finish_reason == "length"
+        # Without a callback: the same pieces; the place is still kept.
+        chat = client.stream_chat([{"role": "user", "content": "x"}], priority="interactive")
+        assert "".join(chat) == "Hi!" and chat.queue_position == QueuePosition(1, 2)
+        assert client.generate("x").text == "Hi!"  # an unknown line before a `done`
+        assert client.chat([{"role": "user", "content": "x"}], priority="background").text \
+            == "Hi!"
+        raw = list(client.request({"op": "generate", "prompt": "x", "stream": True}))
+        assert [line["type"] for line in raw] == [
+            "queued", "queued", "future_kind", "token", "token", "done"]
+        assert client.health()["status"] == "ok"  # the connection stayed in step
+        # A callback that raises leaves the stream: it is cancelled, the error goes up.
+        def fail(place: QueuePosition) -> None:
+            raise RuntimeError("stop")
+        with pytest.raises(RuntimeError, match="stop"):
+            list(client.stream_generate("x", on_queued=fail))
+    assert [request.get("priority") for request in seen[:5]] == [
+        "background", "interactive", None, "background", None]
+    assert "priority" not in seen[2] and "priority" not in seen[4]
+
+    async def main() -> None:
+        with fake_daemon(queued_then_tokens(seen)) as path:
+            async with AsyncClient(path, timeout=30) as client:
+                places: list[QueuePosition] = []
+                stream = client.stream_chat([{"role": "user", "content": "x"}],
+                                            priority="background", on_queued=places.append)
+                assert [piece async for piece in stream] == ["Hi", "!"]
+                assert places == [QueuePosition(2, 3), QueuePosition(1, 2)]
+                assert stream.queue_position == QueuePosition(1, 2)
+                assert stream.result is not None and stream.result.text == "Hi!"
+                plain = client.stream_generate("x")
+                assert [piece async for piece in plain] == ["Hi", "!"]
+                assert (await client.generate("x", priority="interactive")).text == "Hi!"
+                raw = [line async for line in client.request(
+                    {"op": "chat", "messages": [], "stream": True})]
+                assert [line["type"] for line in raw][:3] == ["queued", "queued", "future_kind"]
+                assert (await client.health())["status"] == "ok"
+
+    seen.clear()
+    asyncio.run(main())
+    assert [request.get("priority") for request in seen[:3]] == [
+        "background", None, "interactive"]
+    assert "priority" not in seen[1]
 
 
 def test_a_hang_up_mid_stream_raises_after_the_pieces_that_came() -> None:

@@ -264,7 +264,8 @@ async def wait_for_outcome(daemon: Daemon, outcome: str, count: int,
 
 def sse_chunks(stream: bytes) -> list[dict[str, Any]]:
     """The JSON chunks of a streamed reply's body (server-sent events), which ends in
-    `[DONE]`."""
-    events = [event.removeprefix(b"data: ") for event in stream.split(b"\n\n") if event]
+    `[DONE]`; comments (`: keep-alive` while it waited) are passed over."""
+    events = [event.removeprefix(b"data: ") for event in stream.split(b"\n\n")
+              if event and not event.startswith(b":")]
     assert events[-1] == b"[DONE]"
     return [json.loads(event) for event in events[:-1]]

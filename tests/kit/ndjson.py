@@ -133,9 +133,12 @@ class Client:
 
     async def start_streaming(self, *messages: dict[str, Any]) -> dict[str, Any]:
         """Send (pipelined) requests and return once the first has streamed a token:
-        from then on the slot is known to be busy with it."""
+        from then on the slot is known to be busy with it (`queued` lines before it,
+        while it waited for a slot, are passed over)."""
         await self.send(*messages)
         first = await self.recv()
+        while first is not None and first["type"] == "queued":
+            first = await self.recv()
         assert first is not None and first["type"] == "token", first
         return first
 
@@ -161,6 +164,8 @@ class Client:
                     raise ConnectionError(f"the daemon closed the connection after "
                                           f"{len(arrivals)} token lines")
                 reply = decode(line)
+                if reply["type"] == "queued":  # waiting for a slot: not a token
+                    continue
                 if reply["type"] != "token":
                     break
                 arrivals.append(now)

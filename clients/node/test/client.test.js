@@ -299,6 +299,83 @@ test("the daemon's numbers come through exactly", async () => {
   }
 });
 
+test("queued lines report the place; unknown lines are skipped; priority only when given",
+  async () => {
+    const { socketPath, state } = await fakeDaemon((request, socket) => {
+      const id = request.id;
+      if (request.op === "cancel") {
+        socket.write(line({ type: "cancelled", id, target: request.target, found: true }));
+        return;
+      }
+      if (request.op === "health") {
+        socket.write(line({ type: "health", id, status: "ok" }));
+        return;
+      }
+      const unknown = line({ type: "future_kind", id, detail: [1, 2] });
+      if (!request.stream) {
+        socket.write(unknown + done(id, { text: "Hi!" }));
+        return;
+      }
+      socket.write(line({ type: "queued", id, position: 2, queue_depth: 3 }) +
+        line({ type: "queued", id, position: 1, queue_depth: 2 }) + unknown +
+        line({ type: "token", id, text: "Hi" }) + line({ type: "token", id, text: "!" }) +
+        done(id));
+    });
+    const client = await connect(socketPath);
+    after(() => client.close());
+    const places = [];
+    const stream = client.streamGenerate("p", { priority: "background",
+      onQueued: (place) => places.push(place) });
+    assert.equal(stream.queuePosition, null);
+    const pieces = [];
+    for await (const piece of stream) pieces.push(piece);
+    assert.deepEqual(pieces, ["Hi", "!"]);
+    assert.deepEqual(places, [{ position: 2, queueDepth: 3 }, { position: 1, queueDepth: 2 }]);
+    assert.deepEqual(stream.queuePosition, { position: 1, queueDepth: 2 });
+    assert.equal(stream.result.text, "Hi!");
+    assert.equal(stream.result.finishReason, "stop");
+
+    // Without a callback: the same pieces; the place is still kept.
+    const chat = client.streamChat([{ role: "user", content: "c" }], { priority: "interactive" });
+    const chatPieces = [];
+    for await (const piece of chat) chatPieces.push(piece);
+    assert.deepEqual(chatPieces, ["Hi", "!"]);
+    assert.deepEqual(chat.queuePosition, { position: 1, queueDepth: 2 });
+
+    // Not streamed: an unknown line before the done is skipped.
+    assert.equal((await client.generate("p")).text, "Hi!");
+    assert.equal((await client.chat([{ role: "user", content: "c" }], { priority: null })).text,
+      "Hi!");
+    // onQueued (with or without onToken) streams generate and chat.
+    const called = [];
+    const tokens = [];
+    const viaCallbacks = await client.chat([{ role: "user", content: "c" }], {
+      priority: "background", onQueued: (place) => called.push(place.position),
+      onToken: (piece) => tokens.push(piece) });
+    assert.deepEqual([called, tokens, viaCallbacks.text], [[2, 1], ["Hi", "!"], "Hi!"]);
+    const onlyQueued = await client.generate("p", { onQueued: (place) => called.push(place) });
+    assert.equal(onlyQueued.text, "Hi!");
+    assert.equal(called.length, 4);
+
+    // A callback that throws cancels the request; the iteration rejects with its error.
+    const failing = client.streamGenerate("p", { onQueued: () => {
+      throw new Error("stop here");
+    } });
+    await assert.rejects((async () => {
+      for await (const piece of failing) void piece;
+    })(), /stop here/);
+    assert.equal((await client.health()).status, "ok"); // still in step
+
+    const sent = state.requests.map((r) => [r.op, r.stream, r.priority]);
+    assert.deepEqual(sent.slice(0, 7), [["generate", true, "background"],
+      ["chat", true, "interactive"], ["generate", false, undefined], ["chat", false, undefined],
+      ["chat", true, "background"], ["generate", true, undefined], ["generate", true, undefined]]);
+    assert.ok(!("priority" in state.requests[2]) && !("priority" in state.requests[3]));
+    assert.ok(!("on_queued" in state.requests[4]) && !("onQueued" in state.requests[4]));
+    assert.equal(state.requests[7].op, "cancel");
+    assert.equal(state.requests[7].target, state.requests[6].id);
+  });
+
 test("leaving an iteration early sends cancel for the request", async () => {
   const { socketPath, state } = await fakeDaemon((request, socket) => {
     if (request.op === "generate") {

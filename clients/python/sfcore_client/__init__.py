@@ -8,6 +8,7 @@
 
 from ._common import (
     DEFAULT_SOCKET,
+    QueuePosition,
     Result,
     SfcoreConnectionError,
     SfcoreError,
@@ -25,7 +26,7 @@ from .aio import AsyncClient, AsyncStream
 from .client import Client, Stream
 
 __version__ = "0.2.0"
-__all__ = ["DEFAULT_SOCKET", "AsyncClient", "AsyncStream", "Client", "Result",
+__all__ = ["DEFAULT_SOCKET", "AsyncClient", "AsyncStream", "Client", "QueuePosition", "Result",
            "SfcoreConnectionError", "SfcoreError", "SfcoreTimeoutError", "Stream", "Timings",
            "TokenLogprob", "ToolCall", "TopLogprob", "Usage", "assistant_message",
            "function_tool", "tool_message"]

@@ -23,7 +23,10 @@ DEFAULT_TIMEOUT = 60.0
 GENERATION_OPTIONS = frozenset({"max_tokens", "temperature", "top_k", "top_p", "min_p",
                                 "repeat_penalty", "seed", "stop", "cache_prompt",
                                 "json_schema", "format", "grammar", "speculative",
-                                "logprobs"})
+                                "logprobs", "priority"})
+# The ops whose reply is a generation's: token lines (and `queued` lines while a streamed
+# request waits for a slot), then `done` or `error`.
+GENERATION_OPS = frozenset({"generate", "chat"})
 # Chat only: the functions the model may call (docs/protocol.md, Tool calls).
 CHAT_OPTIONS = GENERATION_OPTIONS | {"tools", "tool_choice", "parallel_tool_calls"}
 TOOL_CHOICE_MODES = frozenset({"auto", "required", "none"})
@@ -124,6 +127,15 @@ class ToolCall:
         """The call as an assistant message's `tool_calls` entry carries it."""
         return {"id": self.id, "type": "function",
                 "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True, slots=True)
+class QueuePosition:
+    """A streamed request's place in the daemon's wait queue (a `queued` line): `position`
+    1 is the next to start; `queue_depth` requests wait in all."""
+
+    position: int
+    queue_depth: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +268,14 @@ def result_of(done: Mapping[str, Any], text: str,
     )
 
 
+def queue_position(reply: Mapping[str, Any]) -> QueuePosition | None:
+    """The QueuePosition of a `queued` line; None when its fields are not integers."""
+    position, depth = reply.get("position"), reply.get("queue_depth")
+    if type(position) is not int or type(depth) is not int:
+        return None
+    return QueuePosition(position, depth)
+
+
 def token_logprob(entry: Mapping[str, Any]) -> TokenLogprob:
     """A typed logprobs entry (`bytes` as bytes, from the list of ints on the wire)."""
     return TokenLogprob(
@@ -282,16 +302,24 @@ class Call:
     """One request in flight on a connection.
 
     `pieces` receives what the caller has not taken yet: token texts (or, for `raw`
-    calls, whole reply dicts). `parts` keeps every token text for the final Result, and
-    `entries` the token lines' logprobs entries (a request that asked for them).
+    calls, whole reply dicts; for `watch` calls, streamed generations a Stream iterates,
+    also a QueuePosition per `queued` line).
+    `parts` keeps every token text for the final Result, and `entries` the token lines'
+    logprobs entries (a request that asked for them). A `generation` call ends only with
+    `done` or `error`: other lines of its id (`queued`, or a type newer than this client)
+    come before its end. `queued` is the last QueuePosition the daemon reported.
     """
 
-    __slots__ = ("id", "raw", "pieces", "parts", "entries", "final", "error", "done",
-                 "abandoned", "conn")
+    __slots__ = ("id", "raw", "generation", "watch", "queued", "pieces", "parts", "entries",
+                 "final", "error", "done", "abandoned", "conn")
 
-    def __init__(self, request_id: Any, raw: bool = False) -> None:
+    def __init__(self, request_id: Any, raw: bool = False, generation: bool = False,
+                 watch: bool = False) -> None:
         self.id = request_id
         self.raw = raw
+        self.generation = generation
+        self.watch = watch and not raw  # a stream that reports queue positions
+        self.queued: QueuePosition | None = None
         self.pieces: deque[Any] = deque()
         self.parts: list[str] = []
         self.entries: list[Mapping[str, Any]] = []
@@ -358,6 +386,18 @@ def route(calls: deque[Call], reply: Any) -> bool:
             return code in CLOSING_CODES
         if reply["id"] != call.id:
             raise OutOfStep(f"a {kind!r} line for id {reply['id']!r} while {call.id!r} is due")
+        if call.generation and kind != "done":
+            # Not the end: the request's place in the wait queue, or a line of a type newer
+            # than this client (skipped; a raw call passes it on as it came).
+            if kind == "queued":
+                position = queue_position(reply)
+                if position is not None:
+                    call.queued = position
+                    if call.watch and not call.abandoned:
+                        call.pieces.append(position)
+            if call.raw and not call.abandoned:
+                call.pieces.append(reply)
+            return False
     except (KeyError, TypeError):
         raise OutOfStep(f"a reply line of an unknown shape: {str(reply)[:120]}") from None
     calls.popleft()

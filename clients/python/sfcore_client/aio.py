@@ -20,15 +20,24 @@ import os
 import select
 import threading
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+    Sequence,
+)
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
 from ._common import (
     CANCEL_DRAIN_S,
     DEFAULT_TIMEOUT,
+    GENERATION_OPS,
     Call,
     OutOfStep,
+    QueuePosition,
     Result,
     SfcoreConnectionError,
     SfcoreError,
@@ -316,18 +325,25 @@ class AsyncClient:
                                                     chat_messages(messages), False, options))
         return result_of(done, done["text"])
 
-    def stream_generate(self, prompt: str, **options: Any) -> AsyncStream[str]:
+    def stream_generate(self, prompt: str, *,
+                        on_queued: Callable[[QueuePosition], object] | None = None,
+                        **options: Any) -> AsyncStream[str]:
+        """`on_queued(QueuePosition)`: called, from the iteration, each time the daemon
+        reports the request's place in its wait queue (before the first piece)."""
         return AsyncStream(self, generation_request("generate", "prompt", prompt, True,
-                                                    options))
+                                                    options), on_queued=on_queued)
 
-    def stream_chat(self, messages: Sequence[Mapping[str, Any]],
+    def stream_chat(self, messages: Sequence[Mapping[str, Any]], *,
+                    on_queued: Callable[[QueuePosition], object] | None = None,
                     **options: Any) -> AsyncStream[str]:
         return AsyncStream(self, generation_request("chat", "messages",
-                                                    chat_messages(messages), True, options))
+                                                    chat_messages(messages), True, options),
+                           on_queued=on_queued)
 
     def request(self, message: Mapping[str, Any]) -> AsyncStream[dict[str, Any]]:
         """Send one request object as it is (an `id` is added if it has none) and iterate
-        its reply lines as dicts, the final one included; an error line raises SfcoreError."""
+        its reply lines as dicts, the final one included (for generate and chat also any
+        `queued` line); an error line raises SfcoreError."""
         request = dict(message)
         request.setdefault("id", new_id())
         return AsyncStream(self, request, raw=True)
@@ -386,7 +402,7 @@ class AsyncClient:
 
     async def _start(self, request: Mapping[str, Any], raw: bool = False) -> Call:
         conn = await self._usable_connection()
-        call = Call(request["id"], raw)
+        call = Call(request["id"], raw, request.get("op") in GENERATION_OPS)
         conn.send(call, request)
         await conn.drain(self.timeout)
         if call.error is not None:
@@ -399,12 +415,16 @@ class AsyncStream(Generic[T]):
 
     Leaving early cancels the generation (see the module doc). Use `async with` or
     `await stream.aclose()` to also wait (bounded) for its cancelled `result`.
+    `on_queued` is called with a QueuePosition, from the iteration, for each `queued` line
+    (a request waiting for a slot); `queue_position` is the last one read.
     """
 
-    def __init__(self, client: AsyncClient, request: dict[str, Any], raw: bool = False) -> None:
+    def __init__(self, client: AsyncClient, request: dict[str, Any], raw: bool = False, *,
+                 on_queued: Callable[[QueuePosition], object] | None = None) -> None:
         self._client = client
         self._request = request
         self._raw = raw
+        self._on_queued = on_queued
         self.id: str | int = request["id"]
         self._result: Result | None = None
         self._call: Call | None = None
@@ -428,7 +448,9 @@ class AsyncStream(Generic[T]):
             if self._closed:
                 return
             conn = await client._usable_connection()
-            call = self._call = Call(self._request["id"], self._raw)
+            generation = self._request.get("op") in GENERATION_OPS
+            call = self._call = Call(self._request["id"], self._raw, generation,
+                                     watch=generation and self._request.get("stream") is True)
             conn.send(call, self._request)
         conn = call.conn
         pieces = call.pieces
@@ -437,9 +459,15 @@ class AsyncStream(Generic[T]):
             await conn.drain(timeout)
             if self._closed:  # cancel() came while the request was being sent
                 self._send_cancel(call)
+            on_queued = self._on_queued
             while True:
                 while pieces:
-                    yield pieces.popleft()
+                    piece = pieces.popleft()
+                    if piece.__class__ is QueuePosition:
+                        if on_queued is not None:
+                            on_queued(piece)
+                        continue
+                    yield piece
                 if call.done:
                     break
                 await conn.wait(timeout)
@@ -447,6 +475,13 @@ class AsyncStream(Generic[T]):
             if not call.done:  # left early: no awaiting here (this may be a finalizer)
                 self._abandon(call)
         self._raise_error(call)
+
+    @property
+    def queue_position(self) -> QueuePosition | None:
+        """The last place in the daemon's wait queue reported for this request (a
+        `queued` line), or None: it never waited, or the daemon does not report it."""
+        call = self._call
+        return None if call is None else call.queued
 
     @property
     def result(self) -> Result | None:

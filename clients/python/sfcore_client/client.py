@@ -25,15 +25,17 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
 from ._common import (
     CANCEL_DRAIN_S,
     DEFAULT_TIMEOUT,
+    GENERATION_OPS,
     Call,
     OutOfStep,
+    QueuePosition,
     Result,
     SfcoreConnectionError,
     SfcoreError,
@@ -126,8 +128,8 @@ class Client:
     `socket_path`: the argument, else $SFCORE_SOCKET, else /tmp/sfcore-ai.sock.
     `timeout`: seconds to wait for the connection and for each reply line (None: forever).
     Generation options (max_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
-    seed, stop, cache_prompt, ...; chat also tools, tool_choice, parallel_tool_calls) are
-    keyword arguments; None leaves the daemon's default.
+    seed, stop, cache_prompt, priority, ...; chat also tools, tool_choice,
+    parallel_tool_calls) are keyword arguments; None leaves the daemon's default.
     """
 
     def __init__(self, socket_path: str | os.PathLike[str] | None = None, *,
@@ -201,18 +203,25 @@ class Client:
                                               False, options))
         return result_of(done, done["text"])
 
-    def stream_generate(self, prompt: str, **options: Any) -> Stream[str]:
-        """Iterate for text pieces as they are generated; `.result` once it has ended."""
-        return Stream(self, generation_request("generate", "prompt", prompt, True, options))
+    def stream_generate(self, prompt: str, *,
+                        on_queued: Callable[[QueuePosition], object] | None = None,
+                        **options: Any) -> Stream[str]:
+        """Iterate for text pieces as they are generated; `.result` once it has ended.
+        `on_queued(QueuePosition)` is called, from the iteration, each time the daemon
+        reports the request's place in its wait queue (before the first piece)."""
+        return Stream(self, generation_request("generate", "prompt", prompt, True, options),
+                      on_queued=on_queued)
 
-    def stream_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> Stream[str]:
+    def stream_chat(self, messages: Sequence[Mapping[str, Any]], *,
+                    on_queued: Callable[[QueuePosition], object] | None = None,
+                    **options: Any) -> Stream[str]:
         return Stream(self, generation_request("chat", "messages", chat_messages(messages),
-                                               True, options))
+                                               True, options), on_queued=on_queued)
 
     def request(self, message: Mapping[str, Any]) -> Stream[dict[str, Any]]:
         """Send one request object as it is (an `id` is added if it has none) and iterate
-        its reply lines as dicts, the final one included. An error line raises SfcoreError
-        (its `.reply` is the line)."""
+        its reply lines as dicts, the final one included (for generate and chat also any
+        `queued` line). An error line raises SfcoreError (its `.reply` is the line)."""
         request = dict(message)
         request.setdefault("id", new_id())
         return Stream(self, request, raw=True)
@@ -239,7 +248,10 @@ class Client:
     def _start(self, request: Mapping[str, Any], raw: bool = False) -> Call:
         """Send a request and register its call; it is answered after those before it."""
         data = _encode(request)
-        call = Call(request["id"], raw)
+        generation = request.get("op") in GENERATION_OPS
+        # A streamed generation's Stream takes the QueuePositions of `queued` lines too.
+        watch = generation and request.get("stream") is True
+        call = Call(request["id"], raw, generation, watch)
         with self._send_lock:
             conn = self._conn
             if conn is not None and (conn.doomed or conn.closed
@@ -255,7 +267,7 @@ class Client:
             if reused and idle and isinstance(call.error, SfcoreConnectionError):
                 # The daemon closed the idle connection just now, so it never read this
                 # request: send it once more on a new connection.
-                call = Call(request["id"], raw)
+                call = Call(request["id"], raw, generation, watch)
                 self._send_on(self._connect(), call, data)
         if call.error is not None:
             raise call.error
@@ -410,13 +422,17 @@ class Stream(Generic[T]):
     """One streamed generation (or, from `Client.request`, any request's reply lines).
 
     Iterate it for text pieces; `result` is the Result once the generation has ended
-    (also after leaving early, when the cancelled `done` could be read).
+    (also after leaving early, when the cancelled `done` could be read). `on_queued` is
+    called with a QueuePosition, from the iteration, for each `queued` line (a request
+    waiting for a slot); `queue_position` is the last one read.
     """
 
-    def __init__(self, client: Client, request: dict[str, Any], raw: bool = False) -> None:
+    def __init__(self, client: Client, request: dict[str, Any], raw: bool = False, *,
+                 on_queued: Callable[[QueuePosition], object] | None = None) -> None:
         self._client = client
         self._request = request
         self._raw = raw
+        self._on_queued = on_queued
         self.id: str | int = request["id"]
         self._result: Result | None = None
         self._call: Call | None = None
@@ -449,7 +465,11 @@ class Stream(Generic[T]):
         try:
             while True:
                 while pieces:
-                    yield pieces.popleft()
+                    piece = pieces.popleft()
+                    if piece.__class__ is QueuePosition:
+                        self._queued(piece)
+                        continue
+                    yield piece
                 if call.done:
                     break
                 if self._cancel_deferred:
@@ -459,6 +479,22 @@ class Stream(Generic[T]):
             self._leave()
             raise
         self._raise_error(call)
+
+    def _queued(self, position: QueuePosition) -> None:
+        on_queued = self._on_queued
+        if on_queued is not None:
+            try:
+                on_queued(position)
+            except BaseException:  # leaves the stream: stop the generation
+                self._leave()
+                raise
+
+    @property
+    def queue_position(self) -> QueuePosition | None:
+        """The last place in the daemon's wait queue reported for this request (a
+        `queued` line), or None: it never waited, or the daemon does not report it."""
+        call = self._call
+        return None if call is None else call.queued
 
     @property
     def result(self) -> Result | None:

@@ -313,6 +313,43 @@ pub struct Options {
     /// `Some(false)`: one call at most per answer (the daemon's default is several).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub parallel_tool_calls: Option<bool>,
+    /// Which waiting requests the daemon starts first; `None`: not sent (the daemon's
+    /// default, [`Priority::Interactive`]; a daemon without priorities refuses the field).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub priority: Option<Priority>,
+}
+
+/// A request's priority in the daemon's wait queue (`"interactive"` or `"background"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Priority {
+    /// The daemon's default.
+    Interactive,
+    /// Started after the interactive requests that wait.
+    Background,
+}
+
+/// A streamed request's place in the daemon's wait queue (a `queued` line): `position` 1
+/// is the next to start; `queue_depth` requests wait in all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct QueuePosition {
+    pub position: u32,
+    pub queue_depth: u32,
+}
+
+impl QueuePosition {
+    /// The place a `queued` line reports; `None` for any other line, or one without the
+    /// two numbers.
+    pub fn from_line(line: &Value) -> Option<QueuePosition> {
+        if line["type"] != "queued" {
+            return None;
+        }
+        let number = |key: &str| line[key].as_u64().and_then(|n| u32::try_from(n).ok());
+        Some(QueuePosition {
+            position: number("position")?,
+            queue_depth: number("queue_depth")?,
+        })
+    }
 }
 
 impl Options {
@@ -395,6 +432,10 @@ impl Options {
     }
     pub fn parallel_tool_calls(mut self, parallel: bool) -> Self {
         self.parallel_tool_calls = Some(parallel);
+        self
+    }
+    pub fn priority(mut self, priority: Priority) -> Self {
+        self.priority = Some(priority);
         self
     }
 }
@@ -792,7 +833,7 @@ pub enum Reply<'a> {
         message: String,
     },
     /// Any other line (`health`, `info`, `stats`, `cache`, `tokens`, `text`, `cancelled`,
-    /// ...), kept whole.
+    /// a streamed generation's `queued` ([`Reply::queue_position`]), ...), kept whole.
     Other {
         kind: String,
         id: Option<Id<'a>>,
@@ -810,9 +851,18 @@ impl Reply<'_> {
         }
     }
 
-    /// Whether this line ends a generation's reply (`done` or `error`).
+    /// Whether this line ends a generation's reply (`done` or `error`); a token, a
+    /// `queued` line or a line type newer than this client does not.
     pub fn is_final(&self) -> bool {
-        !matches!(self, Reply::Token { .. })
+        matches!(self, Reply::Done(_) | Reply::Error { .. })
+    }
+
+    /// The place a `queued` line reports (a streamed request waiting for a slot).
+    pub fn queue_position(&self) -> Option<QueuePosition> {
+        match self {
+            Reply::Other { kind, line, .. } if kind == "queued" => QueuePosition::from_line(line),
+            _ => None,
+        }
     }
 }
 
@@ -1137,10 +1187,14 @@ impl Client {
 
     fn whole(&mut self, input: Input<'_>, options: &Options) -> Result<Completion, Error> {
         let id = self.start(input, options, false)?;
-        let result = match self.conn.as_mut().ok_or(Error::Closed)?.read_for(&id) {
-            Ok(Reply::Done(completion)) => Ok(completion),
-            Ok(other) => Err(Error::Unexpected(format!("{other:?} instead of done"))),
-            Err(error) => Err(error),
+        let result = loop {
+            match self.conn.as_mut().ok_or(Error::Closed)?.read_for(&id) {
+                Ok(Reply::Done(completion)) => break Ok(completion),
+                // A line type newer than this client, before the `done`: skipped.
+                Ok(Reply::Other { .. }) => continue,
+                Ok(other) => break Err(Error::Unexpected(format!("{other:?} instead of done"))),
+                Err(error) => break Err(error),
+            }
         };
         if matches!(result, Err(Error::Unexpected(_))) {
             self.conn = None;
@@ -1223,7 +1277,7 @@ impl Client {
         loop {
             match stream.step(&mut |piece| on_piece(piece).keep_going())? {
                 Step::Piece(true) => {}
-                Step::Piece(false) => {
+                Step::Piece(false) | Step::Stop => {
                     stream.stop()?;
                     break;
                 }
@@ -1235,7 +1289,8 @@ impl Client {
 
     /// Streams the completion of `prompt` as an iterator of pieces. After the last piece,
     /// [`Stream::completion`] holds the `done` line. Dropping the stream before the end
-    /// cancels the generation.
+    /// cancels the generation. [`Stream::on_queued`] reports the request's place in the
+    /// daemon's wait queue while it waits.
     pub fn generate_iter(&mut self, prompt: &str, options: &Options) -> Result<Stream<'_>, Error> {
         self.open_stream(Input::Prompt(prompt), options)
     }
@@ -1258,6 +1313,8 @@ impl Client {
             entries: Vec::new(),
             completion: None,
             finished: false,
+            queued: None,
+            on_queued: None,
         })
     }
 
@@ -1335,6 +1392,8 @@ enum Step {
     Piece(bool),
     /// The `done` line arrived.
     Finished,
+    /// The `on_queued` callback asked to stop.
+    Stop,
 }
 
 /// A streamed generation in progress: an iterator over its text pieces.
@@ -1346,6 +1405,9 @@ pub struct Stream<'c> {
     entries: Vec<TokenLogprob>,
     completion: Option<Completion>,
     finished: bool,
+    /// The last place in the wait queue the daemon reported.
+    queued: Option<QueuePosition>,
+    on_queued: Option<Box<dyn FnMut(QueuePosition) -> bool + 'c>>,
 }
 
 impl fmt::Debug for Stream<'_> {
@@ -1353,6 +1415,7 @@ impl fmt::Debug for Stream<'_> {
         f.debug_struct("Stream")
             .field("id", &self.id)
             .field("finished", &self.finished)
+            .field("queue_position", &self.queued)
             .field("completion", &self.completion)
             .finish()
     }
@@ -1362,6 +1425,41 @@ impl<'c> Stream<'c> {
     /// The request's id.
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// Calls `on_queued` with the request's place in the daemon's wait queue each time a
+    /// `queued` line reports it (before the first piece, while the iteration waits for
+    /// it). Like a streaming callback it returns `()`, `true` or
+    /// `ControlFlow::Continue(())` to keep waiting, `false` or `ControlFlow::Break(())` to
+    /// cancel the generation (the iteration then ends, the completion `Cancelled`).
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), sfcore_client::Error> {
+    /// use sfcore_client::{Client, Options, Priority, QueuePosition};
+    /// let mut client = Client::connect(None)?;
+    /// let options = Options::new().priority(Priority::Background);
+    /// let stream = client.generate_iter("Summarise the log", &options)?.on_queued(
+    ///     |q: QueuePosition| eprintln!("[waiting: {} of {}]", q.position, q.queue_depth),
+    /// );
+    /// for piece in stream {
+    ///     print!("{}", piece?);
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn on_queued<F, C>(mut self, mut on_queued: F) -> Self
+    where
+        F: FnMut(QueuePosition) -> C + 'c,
+        C: StreamControl,
+    {
+        self.on_queued = Some(Box::new(move |place| on_queued(place).keep_going()));
+        self
+    }
+
+    /// The last place in the daemon's wait queue reported for the request (a `queued`
+    /// line), or `None`: it never waited, or the daemon does not report it.
+    pub fn queue_position(&self) -> Option<QueuePosition> {
+        self.queued
     }
 
     /// The `done` line, once the stream has ended with one (its `text` filled in with the
@@ -1384,10 +1482,21 @@ impl<'c> Stream<'c> {
         self.client.conn.as_mut().ok_or(Error::Closed)
     }
 
-    /// Reads one line of this request's reply.
+    /// Reads this request's reply up to its next piece or its end. A `queued` line goes to
+    /// `on_queued`; a line type newer than this client is skipped.
     fn step(&mut self, on_piece: &mut dyn FnMut(&str) -> bool) -> Result<Step, Error> {
+        loop {
+            if let Some(step) = self.step_line(on_piece)? {
+                return Ok(step);
+            }
+        }
+    }
+
+    /// Reads one line of this request's reply; `None` for a line that is neither a piece
+    /// nor the end.
+    fn step_line(&mut self, on_piece: &mut dyn FnMut(&str) -> bool) -> Result<Option<Step>, Error> {
         if self.finished {
-            return Ok(Step::Finished);
+            return Ok(Some(Step::Finished));
         }
         let id = &self.id;
         let reply = self
@@ -1400,7 +1509,7 @@ impl<'c> Stream<'c> {
             Ok(Reply::Token { text, logprobs, .. }) => {
                 self.text.push_str(&text);
                 self.entries.extend(logprobs);
-                Ok(Step::Piece(on_piece(&text)))
+                Ok(Some(Step::Piece(on_piece(&text))))
             }
             Ok(Reply::Done(mut completion)) => {
                 if completion.text.is_empty() {
@@ -1413,7 +1522,21 @@ impl<'c> Stream<'c> {
                 }
                 self.completion = Some(completion);
                 self.finished = true;
-                Ok(Step::Finished)
+                Ok(Some(Step::Finished))
+            }
+            // Not the end: the request's place in the wait queue, or a line of a type newer
+            // than this client (skipped).
+            Ok(Reply::Other { line, .. }) => {
+                let place = match QueuePosition::from_line(&line) {
+                    Some(place) => place,
+                    None => return Ok(None),
+                };
+                self.queued = Some(place);
+                let stop = match &mut self.on_queued {
+                    Some(on_queued) => !on_queued(place),
+                    None => false,
+                };
+                Ok(if stop { Some(Step::Stop) } else { None })
             }
             Ok(other) => {
                 let what = format!("{other:?} in a generation's reply");
@@ -1437,6 +1560,7 @@ impl<'c> Stream<'c> {
         if self.finished {
             return Ok(false);
         }
+        self.on_queued = None; // nothing to report about a request being stopped
         let cancel_id = self.client.new_id();
         let request = serde_json::json!({"op": "cancel", "id": cancel_id, "target": self.id});
         if let Err(error) = self.client.send(&request) {
@@ -1501,6 +1625,8 @@ impl Iterator for Stream<'_> {
         }) {
             Ok(Step::Piece(_)) => piece.map(Ok),
             Ok(Step::Finished) => None,
+            // on_queued asked to stop: cancel, drain, and end the iteration.
+            Ok(Step::Stop) => self.stop().err().map(Err),
             Err(error) => Some(Err(error)),
         }
     }
@@ -1794,6 +1920,133 @@ mod tests {
         assert_eq!(done.text, "t0 t1 t2 t3 t4 late");
         assert_eq!(client.health().unwrap()["status"], "ok");
         daemon.join().unwrap();
+    }
+
+    #[test]
+    fn priority_is_sent_only_when_given() {
+        let options = Options::new().priority(Priority::Background);
+        let request = GenerationRequest {
+            op: "chat",
+            id: "rs-1",
+            prompt: None,
+            messages: Some(&[]),
+            stream: true,
+            options: &options,
+        };
+        assert_eq!(
+            serde_json::to_string(&request).unwrap(),
+            r#"{"op":"chat","id":"rs-1","messages":[],"stream":true,"priority":"background"}"#
+        );
+        let interactive = Options::new().priority(Priority::Interactive);
+        let text = serde_json::to_string(&interactive).unwrap();
+        assert_eq!(text, r#"{"priority":"interactive"}"#);
+        assert!(!serde_json::to_string(&Options::new())
+            .unwrap()
+            .contains("priority"));
+    }
+
+    #[test]
+    fn queued_lines_report_the_place_and_unknown_lines_are_skipped() {
+        let waits = |id: &str| {
+            format!(
+                "{{\"type\":\"queued\",\"id\":\"{id}\",\"position\":2,\"queue_depth\":3}}\n\
+                 {{\"type\":\"queued\",\"id\":\"{id}\",\"position\":1,\"queue_depth\":2}}\n"
+            )
+        };
+        let rest = |id: &str| {
+            format!(
+                "{{\"type\":\"future_kind\",\"id\":\"{id}\",\"detail\":[1,2]}}\n\
+                 {{\"type\":\"token\",\"id\":\"{id}\",\"text\":\"Hi\"}}\n\
+                 {{\"type\":\"token\",\"id\":\"{id}\",\"text\":\"!\"}}\n\
+                 {{\"type\":\"done\",\"id\":\"{id}\",\"text\":\"\",\"finish_reason\":\"stop\"}}\n"
+            )
+        };
+        let script = vec![
+            (r#""priority":"background""#, waits("rs-1") + &rest("rs-1")),
+            (r#""op":"chat","id":"rs-2""#, waits("rs-2") + &rest("rs-2")),
+            (
+                r#""op":"generate","id":"rs-3""#,
+                "{\"type\":\"future_kind\",\"id\":\"rs-3\"}\n\
+                 {\"type\":\"done\",\"id\":\"rs-3\",\"text\":\"Hi!\",\"finish_reason\":\"stop\"}\n"
+                    .to_string(),
+            ),
+            // Still waiting when on_queued asks to stop: the cancel ends it.
+            (r#""op":"generate","id":"rs-4""#, waits("rs-4")),
+            (
+                r#""op":"cancel","id":"rs-5","target":"rs-4""#,
+                "{\"type\":\"done\",\"id\":\"rs-4\",\"text\":\"\",\"finish_reason\":\"cancelled\"}\n\
+                 {\"type\":\"cancelled\",\"id\":\"rs-5\",\"target\":\"rs-4\",\"found\":true}\n"
+                    .to_string(),
+            ),
+            (r#""op":"health""#, "{\"type\":\"health\",\"id\":\"rs-6\",\"status\":\"ok\"}\n".to_string()),
+        ];
+        let (mut client, daemon) = fake_daemon(script);
+        let first = QueuePosition {
+            position: 2,
+            queue_depth: 3,
+        };
+        let next = QueuePosition {
+            position: 1,
+            queue_depth: 2,
+        };
+
+        let mut places = Vec::new();
+        let options = Options::new().priority(Priority::Background);
+        let mut stream = client
+            .generate_iter("p", &options)
+            .unwrap()
+            .on_queued(|place: QueuePosition| places.push(place));
+        assert_eq!(stream.queue_position(), None);
+        let pieces: Vec<String> = (&mut stream).map(Result::unwrap).collect();
+        assert_eq!(pieces, ["Hi", "!"]);
+        assert_eq!(stream.queue_position(), Some(next));
+        let done = stream.into_completion().unwrap();
+        assert_eq!(
+            (done.text.as_str(), done.finish_reason),
+            ("Hi!", FinishReason::Stop)
+        );
+        assert_eq!(places, [first, next]);
+
+        // The callback form: the same pieces.
+        let mut seen = Vec::new();
+        let done = client
+            .stream_chat(&[Message::user("Hi")], &Options::new(), |piece: &str| {
+                seen.push(piece.to_owned())
+            })
+            .unwrap();
+        assert_eq!(
+            (seen.concat(), done.text.as_str()),
+            ("Hi!".to_string(), "Hi!")
+        );
+
+        // Not streamed: the unknown line before the done is skipped.
+        assert_eq!(client.generate("p", &Options::new()).unwrap().text, "Hi!");
+
+        // on_queued returning false cancels the request and ends the iteration.
+        let mut stream = client
+            .generate_iter("p", &Options::new())
+            .unwrap()
+            .on_queued(|place: QueuePosition| place.position > 1);
+        assert!(stream.next().is_none());
+        assert_eq!(stream.queue_position(), Some(next));
+        let done = stream.completion().unwrap();
+        assert_eq!(done.finish_reason, FinishReason::Cancelled);
+        drop(stream);
+        assert_eq!(client.health().unwrap()["status"], "ok");
+        daemon.join().unwrap();
+
+        let line = br#"{"type":"queued","id":"rs-9","position":3,"queue_depth":4}"#;
+        let reply = parse_reply(line).unwrap();
+        assert!(!reply.is_final());
+        assert_eq!(
+            reply.queue_position(),
+            Some(QueuePosition {
+                position: 3,
+                queue_depth: 4
+            })
+        );
+        let health = br#"{"type":"health","id":"rs-9","queue_depth":4}"#;
+        assert_eq!(parse_reply(health).unwrap().queue_position(), None);
     }
 
     #[test]

@@ -31,6 +31,7 @@ SECTIONS = {
     "agents": "benchkit.sections.agents",
     "contention": "benchkit.sections.contention",
     "versions": "benchkit.sections.versions",
+    "longctx": "benchkit.sections.longctx",
     "reproducible": "benchkit.sections.reproducible",
 }
 # What `scripts/bench.py` runs given no section.

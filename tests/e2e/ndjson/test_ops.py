@@ -125,7 +125,10 @@ async def test_cancel_a_queued_request_answers_it_at_once_and_leaves_the_running
         assert done_of(replies)["id"] == "running"
         assert done_of(replies)["finish_reason"] == "cancelled"
         queued = await client.reply()
-        assert queued == [queued[-1]] and queued[-1]["finish_reason"] == "cancelled"
+        # Streamed: where it waited, then its done (held behind the running reply).
+        assert [line["type"] for line in queued] == ["queued", "done"], queued
+        assert queued[0]["position"] == 1 and queued[0]["queue_depth"] == 1, queued
+        assert queued[-1]["finish_reason"] == "cancelled"
         assert queued[-1]["usage"]["completion_tokens"] == 0
         assert await client.reply() == [{"type": "cancelled", "id": "c1", "target": "queued",
                                          "found": True}]

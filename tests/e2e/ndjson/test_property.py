@@ -116,7 +116,7 @@ def check_exchange(background: BackgroundDaemon, blob: bytes, seen: Counter[str]
             groups.append(current)
             current = []
         else:
-            assert reply["type"] == "token", reply
+            assert reply["type"] in ("token", "queued"), reply
     assert not current, f"replies after the last final line: {current}"
     assert len(groups) == len(wanted), (len(groups), len(wanted), wanted, replies)
     for line, group in zip(wanted, groups, strict=True):
@@ -139,7 +139,7 @@ def check_exchange(background: BackgroundDaemon, blob: bytes, seen: Counter[str]
 
 FIELDS = ["op", "id", "prompt", "stream", "max_tokens", "temperature", "top_k", "top_p",
           "min_p", "repeat_penalty", "seed", "stop", "cache_prompt", "messages", "text",
-          "add_special", "tokens", "target", "action", "logprobs", "bogus"]
+          "add_special", "tokens", "target", "action", "logprobs", "priority", "bogus"]
 OPS = ["generate", "chat", "tokenize", "detokenize", "info", "stats", "health", "cancel",
        "cache", "list", "nope", "", "HEALTH"]
 
@@ -172,6 +172,10 @@ plausible_requests = st.one_of(
               ids, messages),
     st.builds(lambda i, p, n: {"id": i, "prompt": p, "max_tokens": 2, "logprobs": n},
               ids, st.text(max_size=20), st.integers(-2, 22) | json_leaves),
+    st.builds(lambda i, p, s: {"id": i, "prompt": "Hi", "max_tokens": 2, "priority": p,
+                               "stream": s},
+              ids, st.sampled_from(["interactive", "background", "urgent", ""]) | json_leaves,
+              st.booleans()),
     st.builds(lambda i, t: {"op": "cancel", "id": i, "target": t}, ids, ids),
     st.builds(lambda i, o: {"op": o, "id": i}, ids, st.sampled_from(OPS)),
 )

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sfcore_daemon.core import errors
-from sfcore_daemon.core.request import GenerateRequest
+from sfcore_daemon.core.request import ChatRequest, GenerateRequest
 from sfcore_daemon.ndjson import protocol
-from sfcore_daemon.ndjson.protocol import HealthRequest, RequestError
+from sfcore_daemon.ndjson.protocol import HealthRequest, QueuedReply, RequestError
+from tests.kit.mapping import FAST, json_values
 
 
 def decode_error(line: bytes) -> RequestError:
@@ -121,6 +124,35 @@ def test_stop_forms() -> None:
     assert isinstance(single, GenerateRequest) and isinstance(several, GenerateRequest)
     assert single.stop_sequences == ("END",)
     assert several.stop_sequences == ("a", "b")
+
+
+@FAST
+@given(st.sampled_from(["interactive", "background", "Background", "urgent", ""])
+       | json_values, st.sampled_from(["generate", "chat"]))
+def test_priority_is_one_of_the_two_classes_or_an_invalid_request_naming_it(
+        value: object, op: str) -> None:
+    body: dict[str, object] = {"op": op, "id": "p", "priority": value}
+    body.update({"prompt": "x"} if op == "generate" else
+                {"messages": [{"role": "user", "content": "x"}]})
+    line = json.dumps(body).encode()
+    if value in ("interactive", "background"):
+        request = protocol.decode_request(line)
+        assert isinstance(request, GenerateRequest | ChatRequest)
+        assert request.priority == value
+    else:
+        error = decode_error(line)
+        assert (error.code, error.request_id) == (errors.INVALID_REQUEST, "p")
+        assert "`$.priority`" in error.message, error.message
+
+
+def test_priority_defaults_to_interactive() -> None:
+    request = protocol.decode_request(b'{"prompt": "x"}')
+    assert isinstance(request, GenerateRequest) and request.priority == "interactive"
+
+
+def test_the_queued_line() -> None:
+    line = protocol.encode_line(QueuedReply(id="q", position=2, queue_depth=5))
+    assert json.loads(line) == {"type": "queued", "id": "q", "position": 2, "queue_depth": 5}
 
 
 def test_reply_lines_are_single_line_json() -> None:

@@ -22,7 +22,7 @@ CHAT_FIELDS = ["model", "messages", "stream", "stream_options", "max_tokens",
                "max_completion_tokens", "temperature", "top_p", "stop", "seed", "n",
                "frequency_penalty", "presence_penalty", "logit_bias", "response_format",
                "top_k", "min_p", "repeat_penalty", "logprobs", "top_logprobs", "tools",
-               "functions", "user"]
+               "functions", "user", "service_tier"]
 COMPLETION_FIELDS = [*[f for f in CHAT_FIELDS if f not in ("messages", "top_logprobs")],
                      "prompt", "echo", "suffix", "best_of"]
 
@@ -135,6 +135,9 @@ sampling = {
     "stop": st.none() | texts | st.lists(texts, max_size=8),
     "n": st.sampled_from([None, 1]),
     "response_format": response_formats,
+    # Any value is taken, as before it meant anything; only "flex" asks for background.
+    "service_tier": st.sampled_from([None, "auto", "default", "flex", "priority", "Flex"])
+    | json_values,
 }
 chat_bodies: st.SearchStrategy[dict[str, Any]] = st.fixed_dictionaries(
     {"messages": messages},
@@ -166,6 +169,8 @@ def check_sampling(body: dict[str, Any], mapped: ChatRequest | GenerateRequest) 
         assert mapped.json_schema == ({} if schema_given is True else schema_given)
     else:
         assert (mapped.format, mapped.json_schema) == (None, None)
+    flex = body.get("service_tier") == "flex"
+    assert mapped.priority == ("background" if flex else "interactive")
 
 
 @FAST

@@ -1,0 +1,174 @@
+"""A typed GGUF header reader and an F16 random-weight writer, numpy only (no gguf-py).
+
+The writer follows scripts/gpu/make_model.py: matrices N(0, std) in F16, 1-D tensors F32
+(norms ones, biases zeros), chosen rows of a matrix zero. KV pairs are (key, type, value)
+triples; a type is a scalar name ("u32", "f32", "str", ...) or "arr:" and an element type,
+numeric arrays as numpy arrays, string arrays as lists.
+"""
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GGML_F32, GGML_F16 = 0, 1
+TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
+              10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+VT = {"u8": 0, "i8": 1, "u16": 2, "i16": 3, "u32": 4, "i32": 5, "f32": 6, "bool": 7,
+      "str": 8, "arr": 9, "u64": 10, "i64": 11, "f64": 12}
+VT_NAMES = {v: k for k, v in VT.items()}
+FMT = {"u8": "<B", "i8": "<b", "u16": "<H", "i16": "<h", "u32": "<I", "i32": "<i",
+       "f32": "<f", "bool": "<?", "u64": "<Q", "i64": "<q", "f64": "<d"}
+NP = {"u8": "<u1", "i8": "<i1", "u16": "<u2", "i16": "<i2", "u32": "<u4", "i32": "<i4",
+      "f32": "<f4", "u64": "<u8", "i64": "<i8", "f64": "<f8", "bool": "<u1"}
+ALIGN = 32
+
+
+@dataclass
+class Tensor:
+    """One tensor to write: dims as GGUF stores them (row length first)."""
+
+    name: str
+    dims: list[int]
+    fill: str = "random"  # random (F16), ones or zeros (F32)
+    zero_rows: set[int] = field(default_factory=set)
+
+    @property
+    def count(self) -> int:
+        return int(np.prod(self.dims))
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * (2 if self.fill == "random" else 4)
+
+
+class _Reader:
+    def __init__(self, fh: Any) -> None:
+        self.fh = fh
+
+    def u(self, fmt: str) -> Any:
+        return struct.unpack(fmt, self.fh.read(struct.calcsize(fmt)))[0]
+
+    def s(self) -> str:
+        return self.fh.read(self.u("<Q")).decode("utf-8")
+
+    def value(self, vt: str) -> tuple[str, Any]:
+        if vt == "str":
+            return "str", self.s()
+        if vt != "arr":
+            return vt, self.u(FMT[vt])
+        et = VT_NAMES[self.u("<I")]
+        n = self.u("<Q")
+        if et == "str":
+            return "arr:str", [self.s() for _ in range(n)]
+        raw = self.fh.read(n * np.dtype(NP[et]).itemsize)
+        return "arr:" + et, np.frombuffer(raw, dtype=NP[et]).copy()
+
+
+def read_kv(path: str | Path, stop_at: str | None = None) -> list[tuple[str, str, Any]]:
+    """The KV pairs of a GGUF file in order; with `stop_at`, up to and including that key."""
+    out = []
+    with open(path, "rb") as fh:
+        r = _Reader(fh)
+        if fh.read(4) != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file")
+        _version, _nt, nkv = r.u("<I"), r.u("<Q"), r.u("<Q")
+        for _ in range(nkv):
+            key = r.s()
+            typ, val = r.value(VT_NAMES[r.u("<I")])
+            out.append((key, typ, val))
+            if key == stop_at:
+                break
+    return out
+
+
+def read_tensor_types(path: str | Path) -> dict[str, int]:
+    """How many tensors of each ggml type the file holds."""
+    counts: dict[str, int] = {}
+    with open(path, "rb") as fh:
+        r = _Reader(fh)
+        fh.read(4)
+        _version, nt, nkv = r.u("<I"), r.u("<Q"), r.u("<Q")
+        for _ in range(nkv):
+            r.s()
+            r.value(VT_NAMES[r.u("<I")])
+        for _ in range(nt):
+            r.s()
+            for _ in range(r.u("<I")):
+                r.u("<Q")
+            typ = r.u("<I")
+            r.u("<Q")
+            name = TYPE_NAMES.get(typ, str(typ))
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _s(b: bytes) -> bytes:
+    return struct.pack("<Q", len(b)) + b
+
+
+def _value(typ: str, val: Any) -> bytes:
+    if typ == "str":
+        return _s(val.encode("utf-8"))
+    if typ == "arr:str":
+        return struct.pack("<IQ", VT["str"], len(val)) + b"".join(
+            _s(x.encode("utf-8")) for x in val)
+    if typ.startswith("arr:"):
+        arr = np.asarray(val, dtype=NP[typ[4:]])
+        return struct.pack("<IQ", VT[typ[4:]], arr.size) + arr.tobytes()
+    return struct.pack(FMT[typ], val)
+
+
+class _Pool:
+    """Random F16 values cut from one pool at random offsets: generating every weight
+    afresh costs far more CPU, and a speed benchmark cannot tell the difference."""
+
+    def __init__(self, seed: int, std: float, size: int = 1 << 23) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.half = size // 2
+        self.values = (self.rng.standard_normal(size, dtype=np.float32) * std).astype("<f2")
+
+    def take(self, n: int) -> np.ndarray:
+        off = int(self.rng.integers(0, self.half))
+        return self.values[off:off + n]
+
+
+def write(path: str | Path, kv: Iterable[tuple[str, str, Any]], tensors: list[Tensor],
+          seed: int = 1234, std: float = 0.02) -> None:
+    kv = list(kv)
+    header = [b"GGUF", struct.pack("<IQQ", 3, len(tensors), len(kv))]
+    for key, typ, val in kv:
+        vt = VT["arr"] if typ.startswith("arr:") else VT[typ]
+        header += [_s(key.encode()), struct.pack("<I", vt), _value(typ, val)]
+    off = 0
+    for t in tensors:
+        ggml_type = GGML_F16 if t.fill == "random" else GGML_F32
+        header += [_s(t.name.encode()), struct.pack("<I", len(t.dims)),
+                   struct.pack(f"<{len(t.dims)}Q", *t.dims), struct.pack("<IQ", ggml_type, off)]
+        off += (t.nbytes + ALIGN - 1) // ALIGN * ALIGN
+    head = b"".join(header)
+    head += b"\0" * ((-len(head)) % ALIGN)
+    pool = _Pool(seed, std)
+    with open(path, "wb") as fh:
+        fh.write(head)
+        for t in tensors:
+            if t.fill != "random":
+                value = 1.0 if t.fill == "ones" else 0.0
+                fh.write(np.full(t.count, value, dtype="<f4").tobytes())
+            else:
+                row = t.dims[0]
+                rows = t.count // row
+                step = max(1, pool.half // row)
+                for r0 in range(0, rows, step):
+                    r1 = min(rows, r0 + step)
+                    chunk = pool.take((r1 - r0) * row)
+                    hit = [r - r0 for r in t.zero_rows if r0 <= r < r1]
+                    if hit:
+                        chunk = chunk.reshape(r1 - r0, row).copy()
+                        chunk[hit] = 0
+                    fh.write(chunk.tobytes())
+            fh.write(b"\0" * ((-t.nbytes) % ALIGN))
