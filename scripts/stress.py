@@ -58,9 +58,10 @@ def outcome(reply: dict[str, Any]) -> str:
 
 
 async def final(client: Client) -> dict[str, Any]:
-    """The first line that is not a token; {"type": "eof"} if the daemon hangs up first."""
+    """The first line that is not a token (nor a queue position); {"type": "eof"} if the
+    daemon hangs up first."""
     while (reply := await client.recv(STEP_TIMEOUT_S)) is not None:
-        if reply["type"] != "token":
+        if reply["type"] not in ("token", "queued"):
             return reply
     return {"type": "eof"}
 
@@ -79,10 +80,14 @@ async def abandon_after(path: str, request: dict[str, Any], tokens: int) -> str:
     client = await Client.open(path)
     try:
         client.write(request)
-        for _ in range(tokens):
+        read = 0
+        while read < tokens:
             reply = await client.recv(STEP_TIMEOUT_S)
+            if reply is not None and reply["type"] == "queued":
+                continue  # its place in the queue, while the slots are busy
             if reply is None or reply["type"] != "token":
                 raise RuntimeError(f"expected a token, got {reply}")
+            read += 1
         return "abandoned"
     finally:
         client.abort()

@@ -7,6 +7,7 @@ numeric arrays as numpy arrays, string arrays as lists.
 """
 from __future__ import annotations
 
+import importlib.util
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -15,16 +16,18 @@ from typing import Any
 
 import numpy as np
 
-GGML_F32, GGML_F16 = 0, 1
-TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
-              10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
-VT = {"u8": 0, "i8": 1, "u16": 2, "i16": 3, "u32": 4, "i32": 5, "f32": 6, "bool": 7,
-      "str": 8, "arr": 9, "u64": 10, "i64": 11, "f64": 12}
-VT_NAMES = {v: k for k, v in VT.items()}
-FMT = {"u8": "<B", "i8": "<b", "u16": "<H", "i16": "<h", "u32": "<I", "i32": "<i",
-       "f32": "<f", "bool": "<?", "u64": "<Q", "i64": "<q", "f64": "<d"}
-NP = {"u8": "<u1", "i8": "<i1", "u16": "<u2", "i16": "<i2", "u32": "<u4", "i32": "<i4",
-      "f32": "<f4", "u64": "<u8", "i64": "<i8", "f64": "<f8", "bool": "<u1"}
+# The GGUF format's tables, from the GPU kit's writer (a script of its own, loaded by path).
+_spec = importlib.util.spec_from_file_location(
+    "make_model", Path(__file__).resolve().parent.parent / "gpu" / "make_model.py")
+assert _spec is not None and _spec.loader is not None
+_make_model: Any = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_make_model)
+TYPE_NAMES: dict[int, str] = _make_model.TYPE_NAMES
+VT: dict[str, int] = _make_model.VT
+VT_NAMES: dict[int, str] = _make_model.VT_NAMES
+FMT: dict[str, str] = _make_model.FMT
+NP: dict[str, str] = _make_model.NP
+GGML_F32, GGML_F16 = _make_model.GGML_TYPES["F32"], _make_model.GGML_TYPES["F16"]
 ALIGN = 32
 
 

@@ -74,13 +74,8 @@ def measure_step_costs(model: Model, sizes: tuple[int, ...] = SIZES,
             order = list(sizes)
             shuffle(order)
             for size in order:
-                batch.n_tokens = size
-                started = time.perf_counter_ns()
-                status = C.llama_decode(model.ctx, batch)
-                C.llama_synchronize(model.ctx)
-                elapsed = time.perf_counter_ns() - started
-                C.llama_memory_seq_rm(model.memory, 0, prompt_only, -1)
-                if status != 0:
+                elapsed = _timed_step(model, batch, size, prompt_only)
+                if elapsed is None:
                     return {}
                 best[size] = min(best.get(size, elapsed), elapsed)
     finally:
@@ -117,18 +112,26 @@ def _depth_cost(model: Model, batch: object, sizes: tuple[int, ...], rounds: int
             for index, size in enumerate((1, rows)):
                 for row in range(size):
                     _put(batch, row, row * 104729 % (n_vocab - 1) + 1, DEPTH + row, 1)
-                batch.n_tokens = size  # type: ignore[attr-defined]
-                started = time.perf_counter_ns()
-                status = C.llama_decode(model.ctx, batch)
-                C.llama_synchronize(model.ctx)
-                elapsed = time.perf_counter_ns() - started
-                C.llama_memory_seq_rm(model.memory, 0, DEPTH, -1)
-                if status != 0:
+                elapsed = _timed_step(model, batch, size, DEPTH)
+                if elapsed is None:
                     return None
                 times[index] = min(times[index], elapsed)
     finally:
         C.llama_memory_clear(model.memory, False)
     return times[0], times[1]
+
+
+def _timed_step(model: Model, batch: object, rows: int, kept: int) -> int | None:
+    """The ns of one llama_decode of the batch's first `rows` rows, whose cells are then
+    dropped (the context keeps its first `kept`); None if the decode failed."""
+    b: Any = batch
+    b.n_tokens = rows
+    started = time.perf_counter_ns()
+    status = C.llama_decode(model.ctx, batch)
+    C.llama_synchronize(model.ctx)
+    elapsed = time.perf_counter_ns() - started
+    C.llama_memory_seq_rm(model.memory, 0, kept, -1)
+    return elapsed if status == 0 else None
 
 
 def _put(batch: object, row: int, token: int, pos: int, logits: int) -> None:

@@ -296,6 +296,8 @@ def exchange(path: str, request: dict[str, Any], timeout: float = REPLY_TIMEOUT_
         for line in lines:
             now = time.perf_counter()
             reply = _decode_line(line)
+            if reply["type"] == "queued":  # waiting for a slot: not a token
+                continue
             if reply["type"] != "token":
                 return Timed(started, arrivals, now, "".join(parts) + reply.get("text", ""),
                              reply)

@@ -363,6 +363,10 @@ class Worker:
             assert first is not None and first["id"] == request_id, first
         finally:
             await client.close()
+        if first["type"] == "queued":
+            # Gone while it waited for a slot: it may still have started, or never.
+            self.ledger.maybe_generate += 1
+            return
         self.ledger.read("generate")
         if first["type"] == "done":  # ended before a token: an ordinary, counted request
             self.ledger.ended(first)

@@ -52,6 +52,8 @@ async def stream_gaps(path: str, tokens: int) -> list[float]:
         while True:
             reply = decode_reply(await reader.readline())
             now = time.perf_counter()
+            if reply["type"] == "queued":
+                continue
             if reply["type"] != "token":
                 break
             if last:
