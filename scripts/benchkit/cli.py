@@ -16,6 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from benchkit import corpus
 from benchkit.common import log
 from benchkit.context import Bench
 from benchkit.sections import DEFAULT, SECTIONS
@@ -60,6 +61,10 @@ def parser_of(modules: dict[str, ModuleType]) -> argparse.ArgumentParser:
                         help="skip llama-cpp-python's Llama (figures, structured)")
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
                         help="path of llama.cpp's llama-server (default: $LLAMA_SERVER)")
+    parser.add_argument("--corpus-split", choices=corpus.CHOICES, default="held-out",
+                        help="speculative, concurrency: the prompt corpus's half the prompts "
+                             "come from (benchkit/corpus; default held-out), both (all), or "
+                             "the sections' own few prompts (builtin)")
     parser.add_argument("--ceiling-worker", help=argparse.SUPPRESS)
     for name, module in modules.items():
         if hasattr(module, "add_arguments"):

@@ -160,7 +160,7 @@ class AcceptanceBook:
     __slots__ = ("_hits", "_misses")
 
     def __init__(self) -> None:
-        size = 2 * 2 * _RUN_BUCKETS
+        size = 2 * 2 * RUN_BUCKETS
         self._hits = [0.0] * size  # accepted draft tokens, decaying
         self._misses = [0.0] * size  # drafts cut short, decaying
 
@@ -178,16 +178,20 @@ class AcceptanceBook:
         self._misses[index] = self._misses[index] * _BOOK_DECAY + (accepted < drafted)
 
 
-_RUN_BUCKETS = 8  # runs by bit length: 2-3, 4-7, 8-15, ..., 128 and more
+RUN_BUCKETS = 8  # runs by bit length: 2-3, 4-7, 8-15, ..., 128 and more
 # The fixed prior counts as this many drafts cut short; each bucket's counts decay by
 # this each draft recorded in it (about the last 100 drafts of a bucket count).
 _BOOK_PRIOR_WEIGHT = 4.0
 _BOOK_DECAY = 0.99
 
 
+def run_bucket(run: int) -> int:
+    """`run`'s bucket, by bit length (2-3, 4-7, ..., 128 and more): 0 to RUN_BUCKETS - 1."""
+    return min(max(run.bit_length() - 2, 0), RUN_BUCKETS - 1)
+
+
 def _book_index(source: int, sampled: bool, run: int) -> int:
-    bucket = min(max(run.bit_length() - 2, 0), _RUN_BUCKETS - 1)
-    return (source * 2 + sampled) * _RUN_BUCKETS + bucket
+    return (source * 2 + sampled) * RUN_BUCKETS + run_bucket(run)
 
 
 def expected_tokens(p: float, k: int) -> float:

@@ -20,7 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sfcore_daemon.config import SpeculativeConfig
-from sfcore_daemon.engine.draftgate import AcceptanceBook, prior_acceptance
+from sfcore_daemon.engine.draftgate import (
+    RUN_BUCKETS,
+    AcceptanceBook,
+    prior_acceptance,
+    run_bucket,
+)
 
 # A sequence whose drafts keep failing stops drafting for this many of its tokens at
 # first, twice as many after each further failure, at most _MAX_PAUSE.
@@ -223,10 +228,10 @@ class NgramDrafter:
         # How drafts fared lately across requests (draftgate.AcceptanceBook); None for a
         # request with a seed, judged by the fixed prior alone.
         self._book = book
-        # By source (0: its own text, 1: the store): its accepted draft tokens and its
-        # drafts cut short, decaying (draftgate.py judges drafts by them).
-        self._hits = [0.0, 0.0]
-        self._misses = [0.0, 0.0]
+        # By source (0: own text, 1: store) and run (a short match's miss says nothing of a
+        # loop's): accepted draft tokens and drafts cut short, decaying (draftgate.py).
+        self._hits = [0.0] * (2 * RUN_BUCKETS)
+        self._misses = [0.0] * (2 * RUN_BUCKETS)
         self.source = 0  # where the latest proposal came from
         self.run = 0  # how far its match ran back (draftgate.prior_acceptance)
         self.sampled = False  # its request samples (temperature > 0): set by the step loop
@@ -371,10 +376,11 @@ class NgramDrafter:
         book = self._book
         fixed = prior_acceptance(self.run, self.sampled)
         prior = book.chance(source, self.sampled, self.run) if book is not None else fixed
-        hits, misses = self._hits[source], self._misses[source]
+        key = source * RUN_BUCKETS + run_bucket(self.run)
+        hits, misses = self._hits[key], self._misses[key]
         if not hits and not misses:
-            # Its first draft from this source: other requests' drafts may lower what its
-            # match promises, never raise it; a real copy's match grows as it copies.
+            # Its first draft from this source and run: other requests' drafts may lower what
+            # its match promises, never raise it; a real copy's match grows as it copies.
             return min(prior, fixed)
         return (hits + _PRIOR_WEIGHT * prior) / (hits + misses + _PRIOR_WEIGHT)
 
@@ -385,8 +391,9 @@ class NgramDrafter:
         source = self.source
         if self._book is not None:
             self._book.record(source, self.sampled, self.run, drafted, accepted)
-        self._hits[source] = self._hits[source] * _OWN_DECAY + accepted
-        self._misses[source] = self._misses[source] * _OWN_DECAY + (accepted < drafted)
+        key = source * RUN_BUCKETS + run_bucket(self.run)
+        self._hits[key] = self._hits[key] * _OWN_DECAY + accepted
+        self._misses[key] = self._misses[key] * _OWN_DECAY + (accepted < drafted)
         settings = self._settings
         if accepted == drafted:
             self._limit = min(self._limit * 2, settings.draft_max)

@@ -30,6 +30,17 @@ def _rest(seq: Seq) -> int:
     return len(job.spec.prompt) - seq.next_prompt
 
 
+def _burst(seq: Seq, streams: list[tuple[int, int]], most: int) -> bool:
+    """Whether `seq`'s prompt began while each of `streams` (their jobs' start and first
+    token times) was still waiting for its first token, and has at most `most` tokens
+    left."""
+    job = seq.job
+    if job is None or _rest(seq) > most:
+        return False
+    began = job.t_start
+    return all(start <= began < first for start, first in streams)
+
+
 def _background(seq: Seq) -> bool:
     job = seq.job
     return job is not None and job.spec.priority == "background"
@@ -89,41 +100,48 @@ class StepBatch:
         if self.costs is not None and stepping:
             # Each draft row attends over its sequence's context (draftgate.StepCosts).
             self.costs.depth = sum(len(seq.cached) for seq in stepping) // len(stepping)
+        # A prompt begun while every interactive stream waited for its first token came with
+        # them (a burst): its last n_batch rows are read whole (docs/performance/slots.md).
+        streams = [(seq.job.t_start, seq.job.t_first) for seq in stepping
+                   if seq.job is not None and not _background(seq)]
+        chunk = self._n_batch
+        bursting = {seq.id for seq in reading if _burst(seq, streams, chunk)} if streams else ()
         plan = (DraftPlan(self._drafts, self._draft_rows, stepping, self.costs,
                           shared=len(active) > 1,
                           first_token=any(_rest(seq) <= self._prefill_per_step
-                                          for seq in reading))
+                                          or seq.id in bursting for seq in reading))
                 if self._drafts is not None and stepping else None)
         n = len(stepping) + (plan.rows if plan is not None else 0)
         # Then prompts, short rests first, then oldest first; beside interactive streams at
         # most prefill_per_step, so a long prompt never holds them up (docs/performance/slots.md).
-        interactive = any(not _background(seq) for seq in stepping)
-        budget = (min(self._prefill_per_step, self._n_batch - n) if interactive
-                  else self._n_batch - n)
-        chunk = self._n_batch
+        spare = self._n_batch - n
+        budget = min(self._prefill_per_step, spare) if streams else spare
         if len(reading) > 1:
             reading.sort(key=_reading_order)
             first_rest = _rest(reading[0])
             if first_rest <= _SHORT_REST:
-                budget = min(budget, max(_SHORT_STEP_ROWS, first_rest))
+                spare = min(spare, max(_SHORT_STEP_ROWS, first_rest))
+                budget = min(budget, spare)
         # Alone, a prompt is also cut at its cuts (storepolicy.PromptStates.cuts) for the
         # cold run's bytes; beside other rows a cut would only delay its rest by a step.
         alone = n == 0 and len(reading) == 1
         ends = 0  # prompts read to their end in this step
         for seq in reading:
-            if budget <= 0:
+            if spare <= 0:
                 break
+            room = spare if seq.id in bursting else budget
             job = seq.job
             assert job is not None
             prompt, pos = job.spec.prompt, seq.next_prompt
-            if prefilling and budget < len(prompt) - pos <= _SHORT_REST:
+            if room <= 0 or (prefilling and room < len(prompt) - pos <= _SHORT_REST):
                 continue  # a short rest is read whole
-            end = min(pos - pos % chunk + chunk, len(prompt), pos + budget)
+            end = min(pos - pos % chunk + chunk, len(prompt), pos + room)
             for cut in seq.cuts if alone else ():
                 if pos < cut < end:
                     end = cut
                     break
             budget -= end - pos
+            spare -= end - pos
             seq.chunk_end = end
             prefilling.append(seq)
             ends += end == len(prompt)

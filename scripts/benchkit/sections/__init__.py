@@ -33,6 +33,7 @@ SECTIONS = {
     "versions": "benchkit.sections.versions",
     "longctx": "benchkit.sections.longctx",
     "reproducible": "benchkit.sections.reproducible",
+    "zoo": "benchkit.sections.zoo",
 }
 # What `scripts/bench.py` runs given no section.
 DEFAULT = ("figures", "structured", "concurrency")

@@ -1,7 +1,7 @@
 """The concurrency section of scripts/bench.py: many clients at once (issue 9).
 
-For 1, 2, 4 and 8 concurrent clients (one connection each, distinct short prompts,
-`--tokens` greedy tokens, no streaming), the aggregate rate is the completion tokens of all
+For 1, 2, 4 and 8 concurrent clients (one connection each, distinct prompts, `--tokens`
+greedy tokens, no streaming), the aggregate rate is the completion tokens of all
 clients divided by the time from the first send to the last reply. It is measured, in
 each run and one right after the other, on:
 
@@ -20,6 +20,12 @@ And, on the daemon only:
 - the gaps between the token lines of a streaming client while another client's
   ~2000-token prompt is evaluated (p50/p99), and that prompt's first token.
 
+The clients of those rows ask chat questions of the prompt corpus (benchkit/corpus,
+`--corpus-split`, by default its held-out half), as chat turns in the model's template,
+new ones for every row of every run (both servers get the row's same prompts);
+`--corpus-split builtin` sends CLIENT_PROMPTS, raw openings, as before the corpus. The
+warm-ups, the streaming clients and the probes keep their own prompts.
+
 Run only this section with `scripts/bench.py concurrency`.
 """
 
@@ -36,7 +42,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchkit.common import SHORT_PROMPT, TIMEOUT_S, decode_reply, log
+from benchkit import corpus
+from benchkit.common import SHORT_PROMPT, TIMEOUT_S, chat_turn_renderer, decode_reply, log
 from benchkit.context import Bench
 from benchkit.daemon import Daemon, Stream, fit_prompt
 from benchkit.peers import BATCHED_CLIENTS, LlamaServer, peer_paths, run_batched_bench
@@ -67,9 +74,39 @@ GAP_WARM_TOKENS = 32  # tokens streamed before the long prompt is sent
 # --- the daemon ---------------------------------------------------------------------------
 
 
-async def daemon_aggregate(path: str, clients: int, tokens: int) -> float:
-    """Tokens/s of `clients` requests sent at once, one connection each, no streaming."""
-    streams = [await Stream.open(path) for _ in range(clients)]
+class ClientPrompts:
+    """The rows' prompts: CLIENT_PROMPTS (`builtin`), or the chat questions of a corpus
+    split as chat turns, each handed out once in the sitting while they last (then from
+    the first again)."""
+
+    def __init__(self, split: str, turn: Callable[[str], str] | None = None) -> None:
+        self.split, self.turn, self.handed = split, turn, 0
+        self.texts = [] if split == "builtin" else [
+            prompt.text for prompt in corpus.load(["chat"], split)]
+        if split != "builtin" and not self.texts:
+            raise ValueError(f"the corpus's {split} split has no chat prompts")
+
+    def take(self, clients: int) -> list[str]:
+        if self.split == "builtin":
+            return CLIENT_PROMPTS[:clients]
+        assert self.turn is not None
+        texts = [self.texts[(self.handed + i) % len(self.texts)] for i in range(clients)]
+        self.handed += clients
+        return [self.turn(text) for text in texts]
+
+    def describe(self) -> str:
+        if self.split == "builtin":
+            return "built-in prompts"
+        drawn = min(self.handed, len(self.texts))
+        again = f", {self.handed - drawn} sent again" if self.handed > drawn else ""
+        return (f"corpus split {self.split}: drew {drawn} of its {len(self.texts)} chat "
+                f"prompts{again}")
+
+
+async def daemon_aggregate(path: str, prompts: list[str], tokens: int) -> float:
+    """Tokens/s of one request per prompt sent at once, one connection each, no
+    streaming."""
+    streams = [await Stream.open(path) for _ in prompts]
 
     async def one(stream: Stream, prompt: str) -> tuple[int, float]:
         run = await stream.figures({"prompt": prompt, "max_tokens": tokens, "temperature": 0.0,
@@ -79,7 +116,7 @@ async def daemon_aggregate(path: str, clients: int, tokens: int) -> float:
     try:
         started = time.perf_counter()
         runs = await asyncio.gather(*(one(stream, prompt) for stream, prompt
-                                      in zip(streams, CLIENT_PROMPTS, strict=False)))
+                                      in zip(streams, prompts, strict=True)))
     finally:
         for stream in streams:
             await stream.close()
@@ -260,28 +297,33 @@ async def daemon_gaps_under_prefill(path: str, long_prompt: str, tokens: int) ->
 
 
 async def one_run(params: dict[str, Any], llama_server: str | None, batched_bench: str | None,
-                  daemon_first: bool) -> dict[str, dict[str, Any]]:
-    """Every concurrency figure once, daemon and peers back to back."""
+                  daemon_first: bool,
+                  prompts: ClientPrompts | None = None) -> dict[str, dict[str, Any]]:
+    """Every concurrency figure once, daemon and peers back to back; the rows' prompts
+    from `prompts` (by default CLIENT_PROMPTS)."""
+    prompts = prompts or ClientPrompts("builtin")
     result: dict[str, dict[str, Any]] = {"daemon": {}, "llama-server": {}, "batched-bench": {}}
     daemon = await Daemon.start(params)
     try:
         path = daemon.socket_path
         result["daemon"]["slots"] = (await wait_idle(path)).get("slots", 1)
         long_prompt = await fit_prompt(path, LONG_PROMPT_TOKENS - 4, seed=4)  # + a tag
-        await daemon_aggregate(path, 1, 8)  # warm-up (first-touch pages of a first request)
+        # A warm-up (first-touch pages of a first request).
+        await daemon_aggregate(path, CLIENT_PROMPTS[:1], 8)
         for clients in CLIENT_COUNTS:
             key = f"clients_{clients}_tok_s"
+            row = prompts.take(clients)
 
-            async def measure_daemon(clients: int = clients, key: str = key) -> None:
-                result["daemon"][key] = await daemon_aggregate(path, clients, params["tokens"])
+            async def measure_daemon(key: str = key, row: list[str] = row) -> None:
+                result["daemon"][key] = await daemon_aggregate(path, row, params["tokens"])
 
-            def measure_server(clients: int = clients, key: str = key) -> None:
+            def measure_server(clients: int = clients, key: str = key,
+                               row: list[str] = row) -> None:
                 assert llama_server is not None
                 server = LlamaServer.start(llama_server, params, clients)
                 try:
                     server.completion(CLIENT_PROMPTS[-1], 8)  # warm-up, as for the daemon
-                    result["llama-server"][key] = server.aggregate(CLIENT_PROMPTS[:clients],
-                                                                        params["tokens"])
+                    result["llama-server"][key] = server.aggregate(row, params["tokens"])
                 finally:
                     server.stop()
 
@@ -404,8 +446,10 @@ def check(args: argparse.Namespace) -> list[str]:
 
 
 def measure(params: dict[str, Any], runs: int, llama_server: str | None,
-            batched_bench: str | None, runner: Callable[[Any], Any]) -> Samples:
-    """All runs of the section; `runner` runs a coroutine to completion (uvloop.run)."""
+            batched_bench: str | None, runner: Callable[[Any], Any], *,
+            prompts: ClientPrompts | None = None) -> Samples:
+    """All runs of the section; `runner` runs a coroutine to completion (uvloop.run);
+    `prompts`: the rows' (by default CLIENT_PROMPTS)."""
     samples: dict[str, list[dict[str, Any]]] = {"daemon": [], "llama-server": [],
                                                 "batched-bench": []}
     for index in range(runs):
@@ -414,7 +458,7 @@ def measure(params: dict[str, Any], runs: int, llama_server: str | None,
             + (", llama-server" if llama_server else "")
             + (", llama-batched-bench" if batched_bench else "") + " ...")
         result = runner(one_run(params, llama_server, batched_bench,
-                                daemon_first=index % 2 == 1))
+                                daemon_first=index % 2 == 1, prompts=prompts))
         for side, figures in result.items():
             if figures:
                 samples[side].append(figures)
@@ -422,10 +466,14 @@ def measure(params: dict[str, Any], runs: int, llama_server: str | None,
 
 
 def run(bench: Bench) -> dict[str, Any]:
+    split = bench.args.corpus_split
+    prompts = ClientPrompts(split, None if split == "builtin"
+                            else chat_turn_renderer(bench.params["model"]))
     samples = measure(bench.params, bench.runs, bench.llama_server,
-                      bench.args.llama_batched_bench, bench.runner)
+                      bench.args.llama_batched_bench, bench.runner, prompts=prompts)
     checks = print_table(samples, f"Concurrent clients: {bench.header}; llama-server -np = "
-                                  f"clients, KV {bench.params['llama_server_kv']}")
-    return {"samples": samples,
+                                  f"clients, KV {bench.params['llama_server_kv']}; "
+                                  f"{prompts.describe()}")
+    return {"samples": samples, "prompts": {"split": split, "sent": prompts.handed},
             "stats": {side: stats_of(runs) for side, runs in samples.items()},
             "targets": targets_json(checks)}

@@ -8,8 +8,9 @@ driven directly in one process:
 
 1. The cost of one `llama_decode` of R rows, every row asking for logits, for R = 1 .. 65
    (median of 5, the sizes in a shuffled order each round).
-2. Greedy references, one token a step, for the bench's edit and free prompts
-   (the speculative section), 256 tokens each.
+2. Greedy references, one token a step, for the speculative section's edit and free
+   prompts (from the prompt corpus's `--corpus-split`, by default its held-out half),
+   256 tokens each.
 3. Each reference replayed step by step: a drafter proposes, the draft is accepted up to
    the first token that differs from the reference, the step costs what step 1 measured
    for its rows. Drafters: the daemon's (`sfcore_daemon.engine.speculative`, with and without
@@ -37,7 +38,7 @@ import numpy
 from benchkit.common import chat_turn_renderer
 from benchkit.context import Bench
 from benchkit.sections.spec_rows import Context
-from benchkit.sections.speculative import FREE_STARTS, edit_prompt
+from benchkit.sections.speculative import FREE_STARTS, Texts
 from sfcore_daemon.engine.speculative import (
     DraftSettings,
     NgramDrafter,
@@ -78,7 +79,7 @@ def greedy(context: Context, prompt: list[int]) -> list[int]:
         return int(logits.argmax())
 
     context.fresh(prompt)
-    tokens = [top(len(prompt) - 1)]
+    tokens = [top(-1)]
     while len(tokens) < TOKENS:
         context.decode([tokens[-1]], len(prompt) + len(tokens) - 1, True)
         tokens.append(top(0))
@@ -172,12 +173,13 @@ def run(bench: Bench) -> dict[str, Any]:
     cost = step_costs(context, context.tokenize(FREE_STARTS[0]))
     texts: list[tuple[str, list[int], list[int]]] = []
     turn = chat_turn_renderer(bench.params["model"])
+    texts_of = Texts(args.corpus_split)
     # The bench's order: an edit and a free prompt, then the edit prompts its edit x4 row
     # sends (replayed too, unmeasured: what the tables learn from them counts).
     for variant in range(args.prompts):
-        for kind, text in (("edit", edit_prompt(variant, turn)),
-                           ("free", FREE_STARTS[variant % len(FREE_STARTS)]),
-                           ("other edit", edit_prompt(args.prompts + variant, turn))):
+        for kind, text in (("edit", turn(texts_of.edit(variant))),
+                           ("free", texts_of.free(variant)),
+                           ("other edit", turn(texts_of.edit(args.prompts + variant)))):
             prompt = context.tokenize(text)
             texts.append((kind, prompt, greedy(context, prompt)))
     mod = NgramMod()
@@ -197,6 +199,7 @@ def run(bench: Bench) -> dict[str, Any]:
         rates[f"daemon, store_tokens {STORE_TOKENS}"][kind].append(
             replay(prompt, output, cost, 4, store))
         rates["llama.cpp ngram-mod"][kind].append(mod.replay(prompt, output, cost))
+    print(f"Prompts: {texts_of.describe()}")
     print(f"Replayed over {args.prompts} greedy references per workload, {TOKENS} tokens, step "
           f"costs measured in this run (1 row {cost[1] * 1e3:.1f} ms, 4 rows "
           f"{cost[4] * 1e3:.1f}, 5 rows {cost[5] * 1e3:.1f}, 64 rows {cost[64] * 1e3:.1f})")

@@ -36,6 +36,7 @@ PROMPTS = {
 }
 DRAFTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 15, 16, 23, 24, 31, 32, 63, 64)
 ROUNDS = 9
+BATCH = 512  # the daemon's n_batch: a longer prompt is read in batches of it (Context.fresh)
 
 
 class Context:
@@ -49,8 +50,8 @@ class Context:
         self.vocab = C.llama_model_get_vocab(self.model)
         self.n_vocab = C.llama_vocab_n_tokens(self.vocab)
         self.memory = C.llama_get_memory(self.ctx)
-        self.batch: Any = C.llama_batch_init(512, 0, 1)
-        for row in range(512):
+        self.batch: Any = C.llama_batch_init(BATCH, 0, 1)
+        for row in range(BATCH):
             self.batch.n_seq_id[row] = 1
 
     def tokenize(self, text: str) -> list[int]:
@@ -80,8 +81,11 @@ class Context:
         return C.llama_get_logits_ith(self.ctx, index)
 
     def fresh(self, prompt: list[int]) -> None:
+        """An empty cache, then `prompt` read in batches of the batch's size; its last
+        row's logits are row -1."""
         C.llama_memory_clear(self.memory, False)
-        self.decode(prompt, 0, False)
+        for start in range(0, len(prompt), BATCH):
+            self.decode(prompt[start:start + BATCH], start, False)
 
 
 def argmax(values: list[float]) -> int:
@@ -90,7 +94,7 @@ def argmax(values: list[float]) -> int:
 
 def reference(context: Context, prompt: list[int], count: int) -> list[int]:
     context.fresh(prompt)
-    tokens = [argmax(context.row(len(prompt) - 1))]
+    tokens = [argmax(context.row(-1))]
     for index in range(count - 1):
         context.decode([tokens[-1]], len(prompt) + index, True)
         tokens.append(argmax(context.row(0)))

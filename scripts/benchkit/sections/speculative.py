@@ -1,21 +1,29 @@
 """The speculative-decoding section of scripts/bench.py (`scripts/bench.py speculative`).
 
-Workloads, each request greedy unless said otherwise, `--tokens` tokens:
+Workloads, each request greedy unless said otherwise, `--tokens` tokens, their prompts
+from the prompt corpus (benchkit/corpus, `--corpus-split`, by default its held-out half):
 
-- edit: a Python module in the prompt, asked for again with one function renamed, so
-  most of the answer can copy the prompt (what editors and agents send all day);
-- free: a short prompt continued (a small model repeats itself, so n-grams pay there);
-- sampled: temperature 0.8 on a prompt with nothing to copy (drafting must not cost);
+- edit: code, prose or JSON in the prompt, asked for again with an edit (a rename, a
+  typo fixed, a key renamed...), so most of the answer can copy the prompt (what editors
+  and agents send all day); the corpus's four edit kinds in turn;
+- free: a raw opening (prose, code, a story) continued (a small model repeats itself, so
+  n-grams pay there);
+- sampled: temperature 0.8 on a chat question, with nothing to copy (drafting must not
+  cost);
 - edit x4: four different edit requests at once, aggregate tokens/s.
+
+`--corpus-split builtin` sends the bench's own few prompts instead, as before the corpus:
+one Python module with a function renamed, FREE_STARTS and stories about SAMPLED_TOPICS.
 
 Sides, all up together, measured one right after the other in each run (the order
 rotates by run): the daemon with speculation (requests as sent) and without it
 (`"speculative": false`), each its own process, so both have seen the same requests and
 hold the same cells when their first tokens are timed; llama-server (`--llama-server
 PATH` or LLAMA_SERVER) plain and with each `--spec-type ngram-*`, each its own process
-with `-np 4`. No edit request is made twice in a sitting (each side sees the same ones; every
-edit prompt renames a function to a name of its own), nor a free or sampled one up to
-`--runs 4` (16 of each), so no side drafts the answer it gave the same request before.
+with `-np 4`. No edit request is made twice in a sitting while the split has edit prompts
+left (each side sees the same ones; a built-in edit prompt renames a function to a name of
+its own), nor a free or sampled one while the split has them (built-in: up to `--runs 4`,
+16 of each), so no side drafts the answer it gave the same request before.
 
 Single-client rates are the generation rate each server reports for itself (the daemon:
 `timings.decode_tok_s`, first to last token; llama-server: `timings.predicted_per_second`),
@@ -36,6 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchkit import corpus
 from benchkit.common import TIMEOUT_S, chat_turn_renderer, log, run_together
 from benchkit.context import Bench
 from benchkit.daemon import Daemon
@@ -130,21 +139,79 @@ def rename(variant: int) -> tuple[str, str]:
     return old, names[index] + (str(lap + 1) if lap else "")
 
 
-def edit_prompt(variant: int, turn: Turn) -> str:
+def builtin_edit(variant: int) -> str:
     old, new = rename(variant)
-    return turn(f"Here is a Python module:\n```python\n{MODULE}```\nRewrite this module with "
-                f"the function `{old}` renamed to `{new}`. Output the whole module.")
+    return (f"Here is a Python module:\n```python\n{MODULE}```\nRewrite this module with "
+            f"the function `{old}` renamed to `{new}`. Output the whole module.")
 
 
-def workloads(variant: int, turn: Turn) -> dict[str, tuple[str, dict[str, Any]]]:
-    """The requests of one variant, in the order sent. regenerate: the variant's edit
-    prompt sent again (a user's "regenerate"), after the free and sampled requests."""
-    topic = SAMPLED_TOPICS[variant % len(SAMPLED_TOPICS)]
-    edit = edit_prompt(variant, turn)
+def edit_prompt(variant: int, turn: Turn) -> str:
+    """The built-in edit prompt `variant` as a chat turn (spec-replay's edit prompts)."""
+    return turn(builtin_edit(variant))
+
+
+class Texts:
+    """The workloads' texts of variant v, the built-in ones or a corpus split's, and what
+    a sitting drew: edit v takes the v // 4-th prompt of edit kind v % 4 (corpus.EDIT_KINDS),
+    free v the v-th `free` opening, sampled v the v-th `chat` question, each list taken
+    from its start again past its end."""
+
+    def __init__(self, split: str) -> None:
+        self.split = split
+        self.drawn: dict[str, set[str]] = {"edit": set(), "free": set(), "sampled": set()}
+        self.draws = dict.fromkeys(self.drawn, 0)
+        self.kinds = {} if split == "builtin" else corpus.texts_by_kind(split)
+        empty = [kind for kind in (*corpus.EDIT_KINDS, "free", "chat") if split != "builtin"
+                 and not self.kinds[kind]]
+        if empty:
+            raise ValueError(f"the corpus's {split} split has no {', '.join(empty)} prompts")
+
+    def _draw(self, workload: str, text: str) -> str:
+        self.drawn[workload].add(text)
+        self.draws[workload] += 1
+        return text
+
+    def edit(self, variant: int) -> str:
+        if self.split == "builtin":
+            return self._draw("edit", builtin_edit(variant))
+        texts = self.kinds[corpus.EDIT_KINDS[variant % len(corpus.EDIT_KINDS)]]
+        return self._draw("edit", texts[variant // len(corpus.EDIT_KINDS) % len(texts)])
+
+    def free(self, variant: int) -> str:
+        texts = FREE_STARTS if self.split == "builtin" else self.kinds["free"]
+        return self._draw("free", texts[variant % len(texts)])
+
+    def sampled(self, variant: int) -> str:
+        if self.split == "builtin":
+            topic = SAMPLED_TOPICS[variant % len(SAMPLED_TOPICS)]
+            return self._draw("sampled", f"Write a short story about {topic}.")
+        texts = self.kinds["chat"]
+        return self._draw("sampled", texts[variant % len(texts)])
+
+    def describe(self) -> str:
+        """Where the sitting's prompts came from, and how many of each it drew."""
+        drawn = ", ".join(f"{len(texts)} {workload}" for workload, texts in self.drawn.items())
+        again = sum(self.draws.values()) - sum(len(texts) for texts in self.drawn.values())
+        repeated = f"; {again} requests repeated an earlier prompt" if again else ""
+        if self.split == "builtin":
+            return f"built-in prompts: drew {drawn}{repeated}"
+        edit_kinds = sum(len(self.kinds[kind]) for kind in corpus.EDIT_KINDS)
+        return (f"corpus split {self.split}: drew {drawn} of its {edit_kinds} edit "
+                f"({', '.join(corpus.EDIT_KINDS)}), {len(self.kinds['free'])} free and "
+                f"{len(self.kinds['chat'])} chat prompts{repeated}")
+
+
+def workloads(variant: int, turn: Turn,
+              texts: Texts | None = None) -> dict[str, tuple[str, dict[str, Any]]]:
+    """The requests of one variant, in the order sent (`texts`: by default the built-in
+    ones). regenerate: the variant's edit prompt sent again (a user's "regenerate"),
+    after the free and sampled requests. free is a raw opening, the others chat turns."""
+    texts = texts or Texts("builtin")
+    edit = turn(texts.edit(variant))
     return {
         "edit": (edit, {"temperature": 0.0}),
-        "free": (FREE_STARTS[variant % len(FREE_STARTS)], {"temperature": 0.0}),
-        "sampled": (turn(f"Write a short story about {topic}."), {**SAMPLED, "seed": variant}),
+        "free": (texts.free(variant), {"temperature": 0.0}),
+        "sampled": (turn(texts.sampled(variant)), {**SAMPLED, "seed": variant}),
         "regenerate": (edit, {"temperature": 0.0}),
     }
 
@@ -211,7 +278,7 @@ FIRST_TOKEN_PAIRS = 10
 
 
 def first_token_pairs(sides: dict[str, DaemonSide | ServerSide], first_variant: int,
-                      figures: dict[str, dict[str, Any]], turn: Turn) -> None:
+                      figures: dict[str, dict[str, Any]], turn: Turn, texts: Texts) -> None:
     """Cold edit prompts of one token, to the daemon with and without speculation in
     pairs, one right after the other (on, off, then off, on, ...): the two processes have
     had the same requests, so they hold the same cells, and a pair's two requests meet
@@ -219,7 +286,7 @@ def first_token_pairs(sides: dict[str, DaemonSide | ServerSide], first_variant: 
     pair = ("daemon", "daemon, speculation off")
     samples: dict[str, list[float]] = {name: [] for name in pair}
     for index in range(FIRST_TOKEN_PAIRS):
-        prompt = edit_prompt(first_variant + index, turn)
+        prompt = turn(texts.edit(first_variant + index))
         for name in (pair if index % 2 == 0 else pair[::-1]):
             reply = sides[name].generate(prompt, 1, {"temperature": 0.0,
                                                      "cache_prompt": False})
@@ -232,9 +299,12 @@ def first_token_pairs(sides: dict[str, DaemonSide | ServerSide], first_variant: 
 
 
 def measure_sides(params: dict[str, Any], daemon_paths: tuple[str, str], runs: int,
-                  llama_server: str | None) -> dict[str, list[dict[str, Any]]]:
+                  llama_server: str | None,
+                  texts: Texts | None = None) -> dict[str, list[dict[str, Any]]]:
     """Every run's figures, per side. `daemon_paths`: the sockets of the daemon that gets
-    the requests with speculation and of the one that gets them without."""
+    the requests with speculation and of the one that gets them without; `texts`: the
+    prompts (by default the built-in ones)."""
+    texts = texts or Texts("builtin")
     sides: dict[str, DaemonSide | ServerSide] = {
         "daemon": DaemonSide(daemon_paths[0], True), "daemon, speculation off":
         DaemonSide(daemon_paths[1], False)}
@@ -257,15 +327,15 @@ def measure_sides(params: dict[str, Any], daemon_paths: tuple[str, str], runs: i
         probes_first = x4_first + (runs + 1) * EDIT_CLIENTS
         for index in range(runs + 1):
             order = names[index % len(names):] + names[:index % len(names)]
-            edit_prompts = [edit_prompt(x4_first + index * EDIT_CLIENTS + i, turn)
+            edit_prompts = [turn(texts.edit(x4_first + index * EDIT_CLIENTS + i))
                             for i in range(EDIT_CLIENTS)]
             figures: dict[str, dict[str, Any]] = {name: {} for name in names}
             replies: dict[tuple[str, str], list[dict[str, Any]]] = {}
             for variant in range(index * SINGLE_PROMPTS, (index + 1) * SINGLE_PROMPTS):
-                for workload, (prompt, sampling) in workloads(variant, turn).items():
+                for workload, (prompt, sampling) in workloads(variant, turn, texts).items():
                     for name in order:
-                        # Cold prompts for every side: every variant's edit prompt starts
-                        # with the same module, which a slot would otherwise have cached.
+                        # Cold prompts for every side: edit prompts share their openings
+                        # (built-in: the same module), which a slot would otherwise cache.
                         replies.setdefault((name, workload), []).append(sides[name].generate(
                             prompt, tokens, {**sampling, "cache_prompt": False}))
             for (name, workload), answers in replies.items():
@@ -282,7 +352,8 @@ def measure_sides(params: dict[str, Any], daemon_paths: tuple[str, str], runs: i
                     figures[name]["edit x4"] = aggregate(sides[name], edit_prompts, tokens)
                 except RuntimeError as error:
                     raise RuntimeError(f"{name}, edit x4: {error}") from error
-            first_token_pairs(sides, probes_first + index * FIRST_TOKEN_PAIRS, figures, turn)
+            first_token_pairs(sides, probes_first + index * FIRST_TOKEN_PAIRS, figures, turn,
+                              texts)
             if index == 0:
                 continue
             for name in names:
@@ -399,6 +470,7 @@ def run(bench: Bench) -> dict[str, Any]:
     """The sides against two daemons started here: one takes the requests with
     speculation, the other the same requests without it."""
     params, runs, llama_server = bench.params, bench.runs, bench.llama_server
+    texts = Texts(bench.args.corpus_split)
 
     async def measure() -> dict[str, list[dict[str, Any]]]:
         # One event loop for the daemons' whole life: a process belongs to the loop that
@@ -409,14 +481,16 @@ def run(bench: Bench) -> dict[str, Any]:
             try:
                 return await asyncio.to_thread(
                     measure_sides, params,
-                    (with_speculation.socket_path, without.socket_path), runs, llama_server)
+                    (with_speculation.socket_path, without.socket_path), runs, llama_server,
+                    texts)
             finally:
                 await without.stop()
         finally:
             await with_speculation.stop()
 
     samples = bench.runner(measure())
-    spec_header = f"{bench.header}; llama-server -np {EDIT_CLIENTS}"
+    spec_header = f"{bench.header}; llama-server -np {EDIT_CLIENTS}; {texts.describe()}"
     targets = print_table(samples, spec_header)
-    return {"samples": samples, "medians": medians(samples),
-            "targets": targets}
+    return {"samples": samples, "medians": medians(samples), "targets": targets,
+            "prompts": {"split": texts.split,
+                        **{workload: len(drawn) for workload, drawn in texts.drawn.items()}}}

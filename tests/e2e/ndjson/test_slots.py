@@ -6,6 +6,8 @@ Every test runs the real daemon with `slots > 1` and talks to it over its socket
 from __future__ import annotations
 
 import asyncio
+import random
+import re
 from typing import Any
 
 import pytest
@@ -335,3 +337,31 @@ async def test_of_two_prompts_that_arrive_together_the_shorter_gets_its_first_to
     assert rests[0] < rests[1] <= 64 and sum(rests) > 32, rests
     assert first["timings"]["first_token_ms"] < second["timings"]["first_token_ms"], (
         first["timings"], second["timings"])
+
+
+async def decode_steps(client: Client) -> int:
+    text = (await client.final({"op": "metrics"}))["text"]
+    found = re.search(r"^sfcore_decode_steps_total (\S+)$", text, re.MULTILINE)
+    assert found is not None, text
+    return int(float(found.group(1)))
+
+
+async def test_a_burst_of_prompts_is_read_together_not_a_few_rows_a_step() -> None:
+    # Four 301-token prompts in one write: each begins while the others wait for their first
+    # token, so they are one burst, read in whole n_batch chunks beside the burst's streams
+    # (25 steps in all), not 4 rows a step beside the first streams (49 steps before).
+    words = ["harbor", "lantern", "orchard", "meadow", "copper", "violin", "thunder"]
+    requests = [{"id": f"b{index}", "max_tokens": 24, "temperature": 0, "cache_prompt": False,
+                 "grammar": ENDLESS_GRAMMAR,
+                 "prompt": " ".join(random.Random(index).choices(words, k=300))}
+                for index in range(4)]
+    config = {"server": {"slots": 4, "prefill_per_step": 4}}
+    async with running_daemon(config) as daemon, daemon.client() as client:
+        before = await decode_steps(client)
+        async with daemon.client() as sender:
+            await sender.send(*requests)
+            dones = [done_of(await sender.reply(180)) for _ in requests]
+        steps = await decode_steps(client) - before
+    assert all(done["usage"]["completion_tokens"] == 24 for done in dones), dones
+    assert sum(done["usage"]["prompt_tokens"] for done in dones) > 1000
+    assert steps <= 36, steps

@@ -273,3 +273,23 @@ def test_the_store_takes_the_memory_it_says_and_no_more() -> None:
         tracemalloc.stop()
     assert used <= store.nbytes + 64 * 1024, (used, store.nbytes)
     assert store.match(texts[-1][:60], 4, store.n)[0] == texts[-1][60:64]
+
+
+def test_a_short_match_that_failed_does_not_lower_a_loops_acceptance() -> None:
+    # Early in free text a 2-gram match drafts wrong; later the text loops and a match
+    # runs back over the whole loop. The miss was a short run's: the loop's chance is
+    # its prior's, not the miss's (one early miss kept a loop undrafted for a request).
+    drafter = NgramDrafter(SETTINGS, [5, 6, 7, 8, 9, 5, 6])
+    assert drafter.draft(16)[:2] == [7, 8]
+    short = drafter.run
+    drafter.verified(4, 0)
+    failed_short = drafter.acceptance()
+    loop = list(range(20, 40))
+    for token in [1, *loop, *loop[:10]]:
+        drafter.append(token)
+    assert drafter.draft(16)[:4] == loop[10:14]
+    assert drafter.run > short
+    fresh = NgramDrafter(SETTINGS, [5, 6, 7, 8, 9, 5, 6, 1, *loop, *loop[:10]])
+    fresh.draft(16)
+    assert fresh.run == drafter.run
+    assert drafter.acceptance() == fresh.acceptance() > failed_short
