@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import importlib
 import json
 import os
 import signal
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 
 from tests.kit import REPO
+from tests.kit.benchkit import benchkit_module
 
 # Hang bounds, not speed limits: the run takes about a minute on an idle 2-core machine,
 # and over 12 beside a process that keeps one core busy (llama.cpp's threads spin while
@@ -64,15 +64,6 @@ async def test_bench_prints_every_figure_and_writes_json() -> None:
     assert not concurrency["samples"]["llama-server"]
     assert concurrency["samples"]["daemon"][0]["clients_8_tok_s"] > 0
     assert concurrency["samples"]["daemon"][0]["gap_prefill_count"] >= 1
-
-
-def benchkit_module(name: str) -> Any:
-    """A module of scripts/benchkit, loaded the way scripts/bench.py loads it."""
-    sys.path[:0] = [str(REPO / "scripts"), str(REPO)]
-    try:
-        return importlib.import_module(name)
-    finally:
-        del sys.path[:2]
 
 
 def test_batched_bench_output_is_parsed_in_both_formats() -> None:

@@ -6,7 +6,6 @@ speculative and concurrency sections draw their prompts from it."""
 from __future__ import annotations
 
 import hashlib
-import importlib
 import random
 import subprocess
 import sys
@@ -18,16 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.kit.benchkit import benchkit_module
+
 REPO = Path(__file__).resolve().parents[3]
-
-
-def benchkit_module(name: str) -> Any:
-    """A module of scripts/benchkit, loaded the way scripts/bench.py loads it."""
-    sys.path[:0] = [str(REPO / "scripts"), str(REPO)]
-    try:
-        return importlib.import_module(name)
-    finally:
-        del sys.path[:2]
 
 
 corpus: Any = benchkit_module("benchkit.corpus")
