@@ -10,4 +10,5 @@
     context.py   `Bench`: what a section is given (options, params, header, runner)
     cli.py       `scripts/bench.py SECTION... [--model PATH]`
     sections/    one module a section, and `SECTIONS`, the registry (sections/__init__.py)
+    corpus/      the prompt corpus: prompts.jsonl in tuning and held-out halves, its builder
 """
