@@ -96,57 +96,23 @@ def greedy(context: Context, prompt: list[int]) -> list[int]:
 
 
 def replay(prompt: list[int], output: list[int], cost: dict[int, float], multiple: int,
-           store: NgramStore | None = None) -> float:
+           store: NgramStore | None = None, *, gate: tuple[AcceptanceBook, StepCosts] | None = None
+           ) -> float:
     """The daemon's drafter (one request, the step loop's rules) over a reference; with
-    `store`, also drafting from (and then adding to) earlier requests' outputs."""
-    drafter = NgramDrafter(DAEMON, prompt, store)
-    drafter.append(output[0])
-    done, seconds = 1, 0.0
-    while done < len(output):
-        share = DAEMON.draft_max
-        continuation, length = drafter.propose(min(len(output) - done - 1, share + multiple - 1))
-        length = min(length, share)
-        if length:
-            length = aligned_lengths(1, [length], [len(continuation)], multiple, share - length)[0]
-        draft = continuation[:length]
-        accepted = 0
-        while accepted < len(draft) and draft[accepted] == output[done + accepted]:
-            accepted += 1
-        seconds += cost[1 + len(draft)]
-        if draft:
-            drafter.verified(len(draft), accepted)
-        for token in output[done:done + accepted + 1]:
-            drafter.append(token)
-        done += accepted + 1
-    drafter.learn()
-    return len(output) / seconds
-
-
-def replay_gated(prompt: list[int], output: list[int], cost: dict[int, float], *,
-                 store: NgramStore | None, book: AcceptanceBook, costs: StepCosts) -> float:
-    """The daemon's drafter as its default config runs it alone: each draft cut to the
-    length that pays by the step costs (`costs`) and its chance (the run, the request's
-    own record and `book`, shared across requests), rounded to fours where that pays."""
-    settings = GATED
-    drafter = NgramDrafter(settings, prompt, store, book)
+    `store`, also drafting from (and then adding to) earlier requests' outputs. With
+    `gate` (the acceptance book shared across requests and the step costs), as the
+    daemon's defaults run it: each draft cut to the length that pays by the costs and its
+    chance, rounded to `multiple` rows only where that pays; without, every draft taken
+    and rounded."""
+    settings = DAEMON if gate is None else GATED
+    drafter = NgramDrafter(settings, prompt, store, gate[0] if gate is not None else None)
     drafter.append(output[0])
     done, seconds = 1, 0.0
     while done < len(output):
         share = settings.draft_max
-        continuation, length = drafter.propose(min(len(output) - done - 1, share + 3))
-        length = min(length, share)
-        if length >= MIN_DRAFT:
-            chance = drafter.acceptance()
-            length, _ = best_length(costs, 1, 1.0, chance, longest=length,
-                                    shortest=MIN_DRAFT, multiple=settings.row_multiple)
-            if length:
-                aligned = aligned_lengths(1, [length], [len(continuation)],
-                                          settings.row_multiple, share - length)[0]
-                if (1 + expected_tokens(chance, aligned)) / costs.cost(1 + aligned) >= (
-                        1 + expected_tokens(chance, length)) / costs.cost(1 + length):
-                    length = aligned
-        else:
-            length = 0
+        continuation, length = drafter.propose(min(len(output) - done - 1, share + multiple - 1))
+        length = draft_length(drafter, continuation, min(length, share), share,
+                              multiple=multiple, costs=gate[1] if gate is not None else None)
         draft = continuation[:length]
         accepted = 0
         while accepted < len(draft) and draft[accepted] == output[done + accepted]:
@@ -159,6 +125,25 @@ def replay_gated(prompt: list[int], output: list[int], cost: dict[int, float], *
         done += accepted + 1
     drafter.learn()
     return len(output) / seconds
+
+
+def draft_length(drafter: NgramDrafter, continuation: list[int], length: int, share: int, *,
+                 multiple: int, costs: StepCosts | None) -> int:
+    """The proposed draft's length as the step loop settles it (drafting.DraftPlan): with
+    `costs`, first cut to the length that pays most (draftgate.best_length)."""
+    if length < MIN_DRAFT:
+        return 0
+    chance = drafter.acceptance() if costs is not None else 1.0
+    if costs is not None:
+        length, _ = best_length(costs, 1, 1.0, chance, longest=length, shortest=MIN_DRAFT,
+                                multiple=multiple)
+        if not length:
+            return 0
+    aligned = aligned_lengths(1, [length], [len(continuation)], multiple, share - length)[0]
+    if costs is None or (1 + expected_tokens(chance, aligned)) / costs.cost(1 + aligned) >= (
+            1 + expected_tokens(chance, length)) / costs.cost(1 + length):
+        return aligned
+    return length
 
 
 class NgramMod:
@@ -243,12 +228,11 @@ def run(bench: Bench) -> dict[str, Any]:
     for kind, prompt, output in texts:
         if kind not in ("edit", "free"):
             replay(prompt, output, cost, 4, store)
-            replay_gated(prompt, output, cost, store=gated_store, book=book, costs=costs)
+            replay(prompt, output, cost, 4, gated_store, gate=(book, costs))
             mod.replay(prompt, output, cost)
             continue
         rates["one token a step"][kind].append(len(output) / (cost[1] * len(output)))
-        rates[gated][kind].append(
-            replay_gated(prompt, output, cost, store=gated_store, book=book, costs=costs))
+        rates[gated][kind].append(replay(prompt, output, cost, 4, gated_store, gate=(book, costs)))
         rates["daemon, every draft"][kind].append(replay(prompt, output, cost, 4))
         rates["daemon, every draft, row_multiple 1"][kind].append(
             replay(prompt, output, cost, 1))
