@@ -71,6 +71,39 @@ class _Reader:
         raw = self.fh.read(n * np.dtype(NP[et]).itemsize)
         return "arr:" + et, np.frombuffer(raw, dtype=NP[et]).copy()
 
+    def skim(self, vt: str) -> Any:
+        """A value as `value` reads it, but an array as its length, its items skipped."""
+        if vt != "arr":
+            return self.value(vt)[1]
+        et = VT_NAMES[self.u("<I")]
+        n = self.u("<Q")
+        if et == "str":
+            for _ in range(n):
+                self.fh.seek(self.u("<Q"), 1)
+        else:
+            self.fh.seek(n * np.dtype(NP[et]).itemsize, 1)
+        return n
+
+    def skim_header(self) -> tuple[int, dict[str, Any]]:
+        """The tensor count and the KV pairs (arrays as their lengths), the file left at
+        the first tensor's info."""
+        if self.fh.read(4) != b"GGUF":
+            raise ValueError(f"{getattr(self.fh, 'name', 'file')}: not a GGUF file")
+        _version, nt, nkv = self.u("<I"), self.u("<Q"), self.u("<Q")
+        kv = {}
+        for _ in range(nkv):
+            key = self.s()
+            kv[key] = self.skim(VT_NAMES[self.u("<I")])
+        return nt, kv
+
+    def tensor_info(self) -> tuple[list[int], int]:
+        """The next tensor's dims and ggml type (its name and data offset skipped)."""
+        self.fh.seek(self.u("<Q"), 1)
+        dims = [self.u("<Q") for _ in range(self.u("<I"))]
+        typ = self.u("<I")
+        self.u("<Q")
+        return dims, typ
+
 
 def read_kv(path: str | Path, stop_at: str | None = None) -> list[tuple[str, str, Any]]:
     """The KV pairs of a GGUF file in order; with `stop_at`, up to and including that key."""
@@ -94,20 +127,21 @@ def read_tensor_types(path: str | Path) -> dict[str, int]:
     counts: dict[str, int] = {}
     with open(path, "rb") as fh:
         r = _Reader(fh)
-        fh.read(4)
-        _version, nt, nkv = r.u("<I"), r.u("<Q"), r.u("<Q")
-        for _ in range(nkv):
-            r.s()
-            r.value(VT_NAMES[r.u("<I")])
+        nt, _ = r.skim_header()
         for _ in range(nt):
-            r.s()
-            for _ in range(r.u("<I")):
-                r.u("<Q")
-            typ = r.u("<I")
-            r.u("<Q")
+            typ = r.tensor_info()[1]
             name = TYPE_NAMES.get(typ, str(typ))
             counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+def read_summary(path: str | Path) -> tuple[dict[str, Any], int]:
+    """The KV pairs (an array as its length) and how many elements the tensors hold."""
+    with open(path, "rb") as fh:
+        r = _Reader(fh)
+        nt, kv = r.skim_header()
+        elements = sum(int(np.prod(r.tensor_info()[0])) for _ in range(nt))
+    return kv, elements
 
 
 def _s(b: bytes) -> bytes:

@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from zoo import ggufio  # scripts/zoo: the zoo's GGUF reader and writer
+
 from benchkit import corpus
 from benchkit.common import TIMEOUT_S, chat_turn_renderer, log
 from benchkit.context import Bench
@@ -71,10 +73,6 @@ FIGURES = (("first_token_ms", "first token", "ms", False),
 FTYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1",
           10: "Q2_K", 11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M",
           16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 25: "IQ4_NL", 30: "IQ4_XS", 32: "BF16"}
-# GGUF's scalar value types (the header's type ids) as struct formats.
-GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                10: "<Q", 11: "<q", 12: "<d"}
-GGUF_STRING, GGUF_ARRAY = 8, 9
 
 
 def add_arguments(parser: argparse._ArgumentGroup) -> None:
@@ -112,46 +110,11 @@ def model_paths(zoo_models: str | None, zoo_real: str | None, bench_model: str
     return list(found.values())
 
 
-def read_gguf_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The header's KV pairs (an array as its length) and the tensors' element count,
-    read as scripts/zoo/ggufio.py reads it but skipping arrays' contents."""
-    with path.open("rb") as fh:
-        def unpack(fmt: str) -> Any:
-            return struct.unpack(fmt, fh.read(struct.calcsize(fmt)))[0]
-
-        def string() -> str:
-            return fh.read(unpack("<Q")).decode("utf-8", "replace")
-
-        def value(kind: int) -> Any:
-            if kind == GGUF_STRING:
-                return string()
-            if kind != GGUF_ARRAY:
-                return unpack(GGUF_SCALARS[kind])
-            item, count = unpack("<I"), unpack("<Q")
-            if item == GGUF_STRING:
-                for _ in range(count):
-                    fh.seek(unpack("<Q"), 1)
-            else:
-                fh.seek(count * struct.calcsize(GGUF_SCALARS[item]), 1)
-            return count
-
-        if fh.read(4) != b"GGUF":
-            raise ValueError(f"{path}: not a GGUF file")
-        _version, n_tensors, n_kv = unpack("<I"), unpack("<Q"), unpack("<Q")
-        kv = {string(): value(unpack("<I")) for _ in range(n_kv)}
-        elements = 0
-        for _ in range(n_tensors):
-            fh.seek(unpack("<Q"), 1)  # the tensor's name
-            elements += math.prod(unpack("<Q") for _ in range(unpack("<I")))
-            fh.seek(12, 1)  # its type (u32) and data offset (u64)
-    return kv, elements
-
-
 def model_facts(path: Path) -> str:
     """The table's "arch, params, vocab, quant" of a model, from its GGUF header, else
     guessed from its file name."""
     try:
-        kv, elements = read_gguf_header(path)
+        kv, elements = ggufio.read_summary(path)
         shape = json.loads(kv["zoo.shape"]) if "zoo.shape" in kv else {}
         ftype = int(kv.get("general.file_type", -1))
         quant = shape.get("quant") or FTYPES.get(ftype, f"ftype {ftype}" if ftype >= 0 else "?")
