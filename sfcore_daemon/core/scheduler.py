@@ -39,7 +39,8 @@ class Scheduler:
     may come to need (its prompt plus max_tokens) beside what running requests may
     need; idle slots' cached prefixes are dropped, least recently used first, to make
     that room. So a running request never fails for lack of cells, and a waiting one
-    only waits.
+    only waits. Before a prompt longer than one physical batch, idle slots' cells go
+    into the prompt store whether or not room is needed (`_stored_aside`).
 
     Requests start in the queue's order (interactive ones first, waitqueue.py), with
     one bounded exception (`_overtake`): while a slot is free but the head cannot
@@ -165,7 +166,9 @@ class Scheduler:
         idle = sorted((s for s in free if s != slot and self._slot_tokens[s]),
                       key=self._slot_used.__getitem__)
         held += sum(len(self._slot_tokens[s]) for s in idle)
-        evict = []
+        evict = self._stored_aside(idle, slot, job.prompt, job.cache_prompt)
+        held -= sum(len(self._slot_tokens[s]) for s in evict)
+        idle = [s for s in idle if s not in evict]
         # Alone and reusing nothing (cache_prompt: false), a request gets an empty cache too,
         # for a fresh daemon's bytes (docs/protocol.md, "Reproducibility and the prompt cache").
         empty = not job.cache_prompt and not self.running
@@ -191,6 +194,23 @@ class Scheduler:
         generation.on_released = self.release
         self._engine.submit(job, placement, generation.channel)
         return True
+
+    def _stored_aside(self, idle: list[int], slot: int, prompt: list[int], reuse: bool
+                      ) -> list[int]:
+        """The idle slots to move into the prompt store before a prompt that takes more
+        than one physical batch to read: attention in every one of its batches passes
+        over all the pool's cells, other sequences' too, and a long prompt read beside
+        another conversation's cells took up to a third longer than on its own
+        (docs/performance/slots.md, "Idle caches are not free"). Their states are
+        mostly stored already, and come back by a copy; a slot too short for the store
+        stays."""
+        store = self._engine.store
+        if store is None:
+            return []
+        reading = len(prompt) - (shared_prefix(self._slot_tokens[slot], prompt) if reuse else 0)
+        if reading <= self._engine.n_ubatch:
+            return []
+        return [other for other in idle if len(self._slot_tokens[other]) >= store.min_tokens]
 
     def _pick_slot(self, free: list[int], prompt: list[int], key: str | None = None) -> int:
         """The free slot whose cache shares the longest worthwhile prefix with `prompt`,

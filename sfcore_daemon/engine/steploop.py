@@ -41,9 +41,6 @@ from sfcore_daemon.structured.forced import ForcedDrafts
 _DECODE_ABORTED = 2
 # Prompt tokens in one step from which the step can be aborted (about 0.25 s of work).
 _ABORTABLE_PREFILL = 128
-# An interactive request with at most this many prompt tokens, submitted while a step reads
-# only prompts, stops that step (its whole ubatches are kept): its first token is near.
-PREEMPTING_PROMPT = 512
 # When every active sequence waits for a wide grammar pass: how long to wait for one
 # before looking at the inbox again.
 _PARKED_WAIT_S = 0.005
@@ -113,7 +110,9 @@ class StepLoop:
         """A job was put in the inbox (event loop): an interactive one may stop a step
         that only reads prompts (`_should_abort`)."""
         if spec.priority != "background":
-            if len(spec.prompt) <= PREEMPTING_PROMPT:
+            # A prompt of one physical batch stops a step that only reads prompts (its
+            # whole ubatches are kept): its first token is near.
+            if len(spec.prompt) <= self.model.n_ubatch:
                 self.short_submits += 1
             self.interactive_submits += 1
 

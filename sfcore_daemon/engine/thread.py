@@ -130,7 +130,8 @@ class Engine:
 
     @property
     def preempted_steps(self) -> int:
-        """Prompt-only steps stopped for a newer interactive job (steploop.PREEMPTING_PROMPT)."""
+        """Prompt-only steps stopped for a newer interactive job with a prompt of at most
+        n_ubatch tokens (steploop.py)."""
         loop = self._loop
         return loop.preempted_steps if loop is not None else 0
 

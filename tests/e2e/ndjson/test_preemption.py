@@ -1,5 +1,5 @@
 """A short request beside a long prompt: a step that only reads prompts stops as soon as a
-short interactive request arrives (sfcore_daemon/engine/steploop.py, PREEMPTING_PROMPT),
+short interactive request (one physical batch: n_ubatch tokens) arrives (steploop.py),
 keeps the whole ubatches it read, and the long prompt reads on after the short request's
 prompt. Checked on a real daemon: the short request finishes before the long one's first
 token, the stop is counted, and the long reply keeps the bytes it has alone (reproducible

@@ -223,6 +223,32 @@ async def test_info_shows_the_effective_store(cache_dir: Path) -> None:
             "min_tokens": 64}
 
 
+async def test_a_long_prompt_is_read_after_idle_slots_move_into_the_store(
+        cache_dir: Path) -> None:
+    """An idle slot's cells would stay in the pool beside a new prompt, and attention
+    would pass over them in every batch of it: before a prompt longer than one batch
+    (n_ubatch 512) they go to the store, and come back from there. A short one leaves
+    them where they are."""
+    config = store_config(cache_dir)
+    config["server"]["slots"] = 2
+    long_other = SHORT_PREFIXES[2] + SHORT_PREFIXES[3]  # 899 tokens
+    async with running_daemon(config) as daemon, daemon.client() as client:
+        first = await generate(client, LONG + QUESTION_1)
+        await generate(client, SHORT_PREFIXES[0])  # 450 tokens: the other slot
+        slots = (await client.final({"op": "stats"}))["slots"]
+        held = [slot["cached_tokens"] for slot in slots]
+        assert min(held) > 400, slots  # the short prompt left the long one's cells
+        again = await generate(client, LONG + QUESTION_2)
+        assert again["timings"]["cache_source"] == "slot", again
+        await generate(client, long_other)  # to the short prompt's slot, the LRU one
+        slots = (await client.final({"op": "stats"}))["slots"]
+        assert sorted(slot["cached_tokens"] for slot in slots)[0] == 0, slots
+        back = await generate(client, LONG + QUESTION_1)
+        assert back["timings"]["cache_source"] == "ram", back
+        assert back["usage"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 16, back
+        assert back["text"] == first["text"]
+
+
 async def test_a_conversation_finds_its_earlier_turn_after_an_eviction(cache_dir: Path) -> None:
     system = "You answer from these records only. " + SHORT_PREFIXES[1]
     turn_1 = [{"role": "system", "content": system},
