@@ -201,16 +201,18 @@ class Scheduler:
         than one physical batch to read: attention in every one of its batches passes
         over all the pool's cells, other sequences' too, and a long prompt read beside
         another conversation's cells took up to a third longer than on its own
-        (docs/performance/slots.md, "Idle caches are not free"). Their states are
-        mostly stored already, and come back by a copy; a slot too short for the store
-        stays."""
-        store = self._engine.store
+        (docs/performance/slots.md, "Idle caches are not free"). Only slots the store
+        holds already (all but fewer than min_tokens of their tokens) move: a state
+        copied and written to disk now would slow this prompt about as much."""
+        store = self._engine.store if idle else None
         if store is None:
             return []
         reading = len(prompt) - (shared_prefix(self._slot_tokens[slot], prompt) if reuse else 0)
         if reading <= self._engine.n_ubatch:
             return []
-        return [other for other in idle if len(self._slot_tokens[other]) >= store.min_tokens]
+        least = store.min_tokens
+        return [other for other in idle if len(held := self._slot_tokens[other]) >= least
+                and len(held) - store.stored_prefix(held) < least]
 
     def _pick_slot(self, free: list[int], prompt: list[int], key: str | None = None) -> int:
         """The free slot whose cache shares the longest worthwhile prefix with `prompt`,

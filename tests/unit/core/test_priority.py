@@ -30,6 +30,8 @@ class _Engine:
     """What the scheduler asks of the engine: the pool's size, and jobs to run."""
 
     n_ctx: int = 4096
+    n_ubatch: int = 512
+    store: Any = None
     started: list[JobSpec] = field(default_factory=list)
 
     def submit(self, job: JobSpec, *_args: Any) -> None:
