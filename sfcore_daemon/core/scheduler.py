@@ -210,9 +210,8 @@ class Scheduler:
         reading = len(prompt) - (shared_prefix(self._slot_tokens[slot], prompt) if reuse else 0)
         if reading <= self._engine.n_ubatch:
             return []
-        least = store.min_tokens
-        return [other for other in idle if len(held := self._slot_tokens[other]) >= least
-                and len(held) - store.stored_prefix(held) < least]
+        return [other for other in idle if len(held := self._slot_tokens[other])
+                >= store.min_tokens and store.stored_already(held)]
 
     def _pick_slot(self, free: list[int], prompt: list[int], key: str | None = None) -> int:
         """The free slot whose cache shares the longest worthwhile prefix with `prompt`,

@@ -200,7 +200,7 @@ class PromptStates:
         if store is None or not seq.keep_state or n < store.min_tokens or n > len(seq.cached):
             return
         tokens = seq.cached[:n]
-        if n - store.stored_prefix(tokens) < (_RESTORE_GAIN if exact else store.min_tokens):
+        if store.stored_already(tokens, _RESTORE_GAIN if exact else None):
             return
         data = self._cells.state(seq, n)
         if data is not None:

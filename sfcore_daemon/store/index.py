@@ -169,6 +169,12 @@ class PromptIndex:
             best.use(self.clock())
             return len(best.tokens)
 
+    def stored_already(self, tokens: list[int], gain: int | None = None) -> bool:
+        """Whether a state of `tokens` would add too little to keep: a stored text they
+        start with ends fewer than `gain` (min_tokens) tokens before them."""
+        return len(tokens) - self.stored_prefix(tokens) < (
+            self.min_tokens if gain is None else gain)
+
     def put(self, tokens: list[int], data: bytearray, pin_s: float = 0.0) -> bool:
         """Keep the state `data` of `tokens`: in RAM if it fits the budget, and on disk;
         pinned for `pin_s` seconds if given. Whether it was kept.

@@ -18,6 +18,7 @@ from sfcore_daemon.core.scheduler import Scheduler
 from sfcore_daemon.core.stats import Stats
 from sfcore_daemon.engine.crossing import JobEnd, JobSpec, Placement
 from sfcore_daemon.llama.sampling import Sampling
+from sfcore_daemon.store.index import PromptIndex
 
 pytestmark = pytest.mark.asyncio
 
@@ -34,6 +35,8 @@ class _Store:
 
     def stored_prefix(self, tokens: list[int]) -> int:
         return max((len(text) for text in self.stored if tokens[:len(text)] == text), default=0)
+
+    stored_already = PromptIndex.stored_already  # the real rule, over these texts
 
 
 @dataclass
