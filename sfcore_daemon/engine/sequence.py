@@ -72,8 +72,8 @@ class Seq(SeqCells):
         # state is stored once the prompt is read, to be restored for the next one.
         self.keep_prefix = 0
         self.prompt_kept = False  # its prompt's states were taken (or were not worth it)
-        # The turn or line starts whose states are taken once the prompt is read, and the
-        # first row those states need kept meanwhile (storepolicy.PromptStates.protect).
+        # Where the states taken once the prompt is read end (its end, turn or line
+        # starts), and the first row they need kept meanwhile (PromptStates.protect).
         self.boundaries: list[int] = []
         self.protect_from = -1  # -1: none
         # Where its prompt's chunks end besides n_batch multiples, ascending: the turn

@@ -128,9 +128,9 @@ class PromptStates:
         self.protect(seq, job)
 
     def keep_prompt(self, seq: Seq, job: Job) -> None:
-        """The states worth keeping of a prompt just read: the whole prompt and its last
-        turn or line starts if it took long to evaluate, and a prefix it shares with an
-        earlier text."""
+        """The states worth keeping of a prompt just read: those `protect` planned (its
+        last turn or line starts and the whole prompt, if it took long to evaluate), and
+        a prefix it shares with an earlier text."""
         store = self._store
         seq.prompt_kept = True
         if store is None:
@@ -138,10 +138,8 @@ class PromptStates:
         try:
             # First: a turn start at a mark is then the pinned state, not a copy of it.
             self.pin(seq, job)
-            if len(job.spec.prompt) - job.n_cached >= store.min_tokens:
-                self.keep(seq, len(job.spec.prompt))
-                for boundary in seq.boundaries:
-                    self.keep(seq, boundary)
+            for boundary in seq.boundaries:
+                self.keep(seq, boundary)
             if seq.keep_prefix:
                 self.keep(seq, seq.keep_prefix, exact=True)
         finally:
@@ -175,7 +173,8 @@ class PromptStates:
         if store is None or not seq.keep_state:
             return
         if len(job.spec.prompt) - job.n_cached >= store.min_tokens:
-            seq.boundaries = seq.cuts[::-1]
+            # The longest first: keep() lets a state go that a stored prefix nearly holds.
+            seq.boundaries = _spaced([*seq.cuts, len(job.spec.prompt)])[::-1]
         pins = (n for n, _ in job.spec.pins)
         marks = [b for b in (*seq.boundaries, seq.keep_prefix, *pins) if b > 0]
         if marks and self._n_swa:
@@ -257,6 +256,19 @@ class PromptStates:
         """A failed restore or keep, counted in the store's `errors` (the stats op)."""
         if self._store is not None:
             self._store.counters.errors += 1
+
+
+def _spaced(ends: list[int]) -> list[int]:
+    """Of a prompt's ascending cuts and its end, the states worth taking: each at least
+    _EXACT_SLACK tokens past the last one taken. A closer one saves less than that over
+    a state at a cut, which `find` prefers anyway where a restore can give the cold
+    run's bytes; and every state of a long prompt is a copy of all its rows (a chat's
+    turn starts and its end: three, all but equal, each slowing the answer's decode)."""
+    taken: list[int] = []
+    for end in ends:
+        if not taken or end - taken[-1] >= _EXACT_SLACK:
+            taken.append(end)
+    return taken
 
 
 def store_fingerprint(sha256: concurrent.futures.Future[str], config: ModelConfig) -> str:

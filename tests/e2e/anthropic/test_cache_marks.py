@@ -150,9 +150,10 @@ async def test_the_stream_splits_the_prompt_in_message_delta(daemon: Endpoint) -
 
 async def test_a_marked_prefix_outlives_pressure_that_evicts_an_unmarked_one(
         cache_dir: Path) -> None:
-    # RAM for a few states of these prompts (each some 9 MB on the test model):
-    # another prompt's states evict the ones before them, least recently used first.
-    async with endpoint(config(cache_dir, ram_mb=48)) as found, sdk(found) as client:
+    # RAM for three states of these prompts (each some 9.7 MB on the test model, one
+    # a prompt): another prompt's states evict the ones before them, least recently
+    # used first.
+    async with endpoint(config(cache_dir, ram_mb=30)) as found, sdk(found) as client:
         question = [{"role": "user", "content": "Which rule is the heaviest?"}]
         _, first = await turn(client, system=[marked(A)], messages=question)
         pinned = first.usage.cache_creation_input_tokens + first.usage.cache_read_input_tokens
