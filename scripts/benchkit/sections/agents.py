@@ -446,6 +446,7 @@ def print_table(samples: dict[str, list[list[dict[str, Any]]]], header: str, sha
     print("| whole conversation, ms | " + " | ".join(f"{cell(totals(samples[name]))} |"
                                                     for name in names) + " | | |")
     print()
+    cold = print_cold(samples, names)
     ratios = print_ratios(samples, names)
     rows = targets(samples)
     print("| target | measured | met |")
@@ -453,7 +454,47 @@ def print_table(samples: dict[str, list[list[dict[str, Any]]]], header: str, sha
     for row in rows:
         value = "nan" if math.isnan(row["measured"]) else f"{row['measured']:.3f}"
         print(f"| {row['target']} | {value} | {'yes' if row['met'] else 'NO'} |")
-    return rows, ratios
+    return rows, {**ratios, "cold_turn": cold}
+
+
+def cold_first_ms(turn: dict[str, Any]) -> float:
+    """The cold turn's first output event, or its end when it answered with a call."""
+    first = float(turn["first_token_ms"])
+    return float(turn["turn_ms"]) if math.isnan(first) else first
+
+
+def print_cold(samples: dict[str, list[list[dict[str, Any]]]], names: list[str]
+               ) -> dict[str, Any]:
+    """The cold first turn per side: the prompt tokens each server read (a template that
+    takes no tools, such as Gemma 3's under llama-server --jinja, drops them) and how fast
+    it read them; the paired ratio of time per prompt token, daemon / llama-server."""
+    print("The cold first turn: prompt tokens read, first output event, prompt tokens a "
+          "second to it (medians of the runs)")
+    print()
+    print("| side | prompt tokens | first output, ms | prompt tokens/s |")
+    print("|---|---|---|---|")
+    figures: dict[str, Any] = {}
+    for name in names:
+        tokens = statistics.median(run[0]["input_tokens"] for run in samples[name])
+        first = statistics.median(cold_first_ms(run[0]) for run in samples[name])
+        rate = tokens / first * 1e3 if first > 0 else math.nan
+        figures[name] = {"input_tokens": tokens, "first_ms": first, "tokens_per_s": rate}
+        print(f"| {LABELS[name]} | {tokens:.0f} | {first:.1f} | {rate:.1f} |")
+    print()
+    if "llama-server" in names:
+        for name in ("chained", "whole"):
+            per_token = [(cold_first_ms(ours[0]) / max(1, ours[0]["input_tokens"]))
+                         / (cold_first_ms(theirs[0]) / max(1, theirs[0]["input_tokens"]))
+                         for ours, theirs in zip(samples[name], samples["llama-server"],
+                                                 strict=True)]
+            figures[name]["per_token_vs_llama_server"] = statistics.median(per_token)
+        print("| cold turn, time per prompt token, daemon / llama-server (paired) | ratio |")
+        print("|---|---|")
+        for name in ("chained", "whole"):
+            print(f"| {LABELS[name]} / llama-server | "
+                  f"{figures[name]['per_token_vs_llama_server']:.3f} |")
+        print()
+    return figures
 
 
 def run(bench: Bench) -> dict[str, Any]:
