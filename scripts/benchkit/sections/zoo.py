@@ -9,9 +9,10 @@ file is skipped with a line on stderr.
 On each model, in each of `--runs` rounds (sides one right after the other, their order
 alternating by round):
 
-- first token: FIRST_TOKEN_PROMPTS short prompts (new ones every round), one token,
-  greedy, `cache_prompt: false`, no streaming, timed client-side from the request's send
-  to its reply; the round's figure is their median.
+- first token: FIRST_TOKEN_PROMPTS short prompts (new ones every round), each after
+  FIRST_TOKEN_PAUSE_S of idle time, one token, greedy, `cache_prompt: false`, no
+  streaming, timed client-side from the request's send to its reply; the round's figure
+  is their median.
 - decode, one client: a raw opening of the prompt corpus's `free` kind (new every round)
   continued for `--tokens` tokens, greedy: the daemon's `timings.decode_tok_s`,
   llama-server's `timings.predicted_per_second`.
@@ -58,6 +59,9 @@ HELP = ("several GGUF models (the zoo) in one table: first token, decode, 4 and 
 DEFAULTS = {"runs": 2, "tokens": 128, "n_ctx": 0}
 ZOO_DIR = Path.home() / ".cache" / "sfcore-ai" / "zoo"
 FIRST_TOKEN_PROMPTS = 3
+# Idle time before each first-token request, as a person reading the last answer leaves:
+# a request after a pause pays what a busy one does not (sharing-the-machine.md).
+FIRST_TOKEN_PAUSE_S = 1.0
 TOPICS = ("rivers", "bridges", "lanterns", "gardens", "winter", "harbors", "compasses",
           "libraries", "orbits", "deserts", "forests", "markets")
 CLIENT_ROWS = (4, 8)
@@ -201,6 +205,7 @@ async def single_client(params: dict[str, Any], binary: str | None, openings: li
             for side in order(index, sides):
                 times = []
                 for prompt in first_token_prompts(index):
+                    await asyncio.sleep(FIRST_TOKEN_PAUSE_S)
                     if side == "daemon":
                         ms, _ = await daemon_request(stream, prompt, 1)
                     else:
