@@ -79,7 +79,8 @@ async def test_states_of_another_build_or_layout_are_never_loaded(cache_dir: Pat
         _, _, cold_2 = await warm_answer(daemon)
         async with daemon.client() as client:
             await generate(client, OTHER)  # a state of another prompt: the one forged
-    # The one writer thread writes the states in the order they were kept.
+    # The one writer thread writes the states in the order they were kept: the newest
+    # file is OTHER's (its prompt's, or its slot's, kept as the daemon stopped).
     files = sorted(state_files(cache_dir), key=lambda path: path.stat().st_mtime_ns)
     assert len(files) >= 2, files
     # A file that claims another fingerprint (another model, llama.cpp build or context
@@ -114,8 +115,9 @@ async def test_damaged_and_truncated_files_are_skipped_with_one_warning_each(
         cold, _, _ = await warm_answer(daemon)
         async with daemon.client() as client:
             await generate(client, OTHER)  # a state of another prompt: the one truncated
-    # The one writer thread writes the states in the order they were kept: the damaged
-    # ones are LONG's, read (and found damaged) when LONG + QUESTION_1 comes again.
+    # The one writer thread writes the states in the order they were kept: the newest
+    # file is OTHER's (its prompt's, or its slot's, kept as the daemon stopped); the
+    # damaged ones include LONG's, read (and found damaged) when LONG + QUESTION_1 comes.
     files = sorted(state_files(cache_dir), key=lambda path: path.stat().st_mtime_ns)
     assert len(files) >= 2, files
     truncated, damaged = files[-1], files[:-1]
