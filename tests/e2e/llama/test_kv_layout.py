@@ -36,7 +36,7 @@ IDLE = (200, 150)  # two idle sequences' cells, decoded after it
 @pytest.fixture(scope="module")
 def model() -> Iterator[Model]:
     loaded = Model.load(str(smollm2_path()), ModelConfig(n_ctx=2048, flash_attn=True), 2, 2,
-                        slots=1 + len(IDLE))
+                        slots=1 + len(IDLE), draft_rows=3)
     try:
         yield loaded
     finally:
@@ -113,6 +113,40 @@ def test_a_row_s_logits_do_not_depend_on_the_other_rows_of_its_batch(model: Mode
     # sequence 0's new ones, other rows beside its row in every step.
     assert _batched_logits(model, (40, 310), 3000) == first
     assert _batched_logits(model, IDLE, 2000) == first
+
+
+def _verified_logits(model: Model, others: tuple[int, int], base: int) -> list[bytes]:
+    """Sequence 0's logits rows for 4 rows of its own (a draft's verification) beside one
+    row of each of two other sequences with `others` cells and tokens from `base`."""
+    C.llama_memory_clear(model.memory, True)
+    _decode(model, 0, [1000 + index % 700 for index in range(CONTEXT)], 0, logits=False)
+    for seq, cells in enumerate(others, start=1):
+        _decode(model, seq, [base + (index * 7) % 900 for index in range(cells)], 0,
+                logits=False)
+    rows = [(0, 4242 + step, CONTEXT + step) for step in range(4)] + [
+        (seq, base + seq, cells) for seq, cells in enumerate(others, start=1)]
+    batch = C.llama_batch_init(len(rows), 0, 1)
+    try:
+        for row, (seq, token, position) in enumerate(rows):
+            batch.token[row], batch.pos[row] = token, position
+            batch.n_seq_id[row], batch.seq_id[row][0] = 1, seq
+            batch.logits[row] = int(seq == 0)
+        batch.n_tokens = len(rows)
+        assert C.llama_decode(model.ctx, batch) == 0
+    finally:
+        C.llama_batch_free(batch)
+    size = model.info.n_vocab * ctypes.sizeof(ctypes.c_float)
+    return [ctypes.string_at(C.llama_get_logits_ith(model.ctx, row), size) for row in range(4)]
+
+
+def test_a_verification_s_rows_do_not_depend_on_other_sequences_rows(model: Model) -> None:
+    """Rows of one sequence whose masks show nearly the same cells are attended together
+    (scripts/llama-patches/fa-units-ops.patch), a KV cell read once for all of them; rows
+    of other sequences, whose cells are others, must not join them."""
+    first = _verified_logits(model, IDLE, 2000)
+    assert len(set(first)) == 4  # four positions, four rows
+    assert _verified_logits(model, (40, 310), 3000) == first
+    assert _verified_logits(model, IDLE, 2000) == first
 
 
 def test_the_kept_row_view_reads_the_row_llama_cpp_gives(model: Model) -> None:

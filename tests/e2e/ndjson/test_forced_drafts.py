@@ -49,8 +49,9 @@ PROMPT = ("Contacts as JSON.\n"
           "known for 12 years, new.\n"
           "JSON: ")
 ONE_SLOT = {"server": {"slots": 1}}
-# Drafts of at most 2 tokens (3 rows a step): each row is computed as a lone row.
-EXACT = merge(ONE_SLOT, {"speculative": {"draft_max": 2, "draft_start": 2}})
+# The row-invariant kernels: each row of a step is computed as a lone row.
+EXACT = merge(ONE_SLOT, {"speculative": {"draft_max": 2, "draft_start": 2},
+                         "model": {"reproducible": True}})
 SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 11}
 
 

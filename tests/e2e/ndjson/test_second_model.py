@@ -164,7 +164,7 @@ async def openai_cold_answer(daemon: Daemon) -> str:
     finally:
         await sdk.close()
     text = whole.choices[0].message.content
-    assert text and whole.usage is not None and whole.usage.completion_tokens == 24
+    assert text and whole.usage is not None and 0 < whole.usage.completion_tokens <= 24
     return text
 
 

@@ -54,12 +54,13 @@ async def stats(daemon: Daemon) -> dict[str, Any]:
 @pytest_asyncio_mark
 async def test_greedy_with_speculation_equals_greedy_without() -> None:
     # One slot: every request's cells land where the one before it had them, so
-    # only speculation differs between the runs (see ONE_SLOT). Drafts of at most 2
-    # tokens: up to 3 rows a step llama.cpp computes each row bit for bit as a lone
-    # row, so any difference is a wrong acceptance or a wrong cell, not numerics.
-    # (From 4 rows on its matrix kernels round otherwise, and a near-tie such as
-    # "dataclasses" in COPY_CODE can go the other way: docs/performance.md, Numerics.)
-    exact = merge(ONE_SLOT, {"speculative": {"draft_max": 2, "draft_start": 2}})
+    # only speculation differs between the runs (see ONE_SLOT). The row-invariant
+    # kernels compute a verified row bit for bit as a lone row, so any difference is a
+    # wrong acceptance or a wrong cell, not numerics. (Without them a step of several
+    # rows rounds otherwise, and a near-tie such as "dataclasses" in COPY_CODE can go
+    # the other way: docs/performance/speculative.md, Numerics.)
+    exact = merge(ONE_SLOT, {"speculative": {"draft_max": 2, "draft_start": 2},
+                             "model": {"reproducible": True}})
     async with running_daemon(exact) as daemon:
         drafted = accepted = 0
         for request, tokens in ((COPY_CODE, 96), (COPY_JSON, 48), (FREE, 64)):
