@@ -20,8 +20,10 @@ driven directly in one process:
    `common/ngram-mod.cpp` and `common/speculative.cpp` build it (a table of 24-gram ->
    next token shared by all requests and kept across them, drafts of 48 to 64 tokens),
    fed the requests in the bench's order (with an edit prompt of the bench's edit x4 row
-   after each edit and free one, learned from but not timed); and the daemon's taking
-   every draft with the store of earlier answers (`store_tokens`), fed the same way.
+   after each edit and free one, learned from but not timed); the daemon's taking
+   every draft with the store of earlier answers (`store_tokens`), fed the same way;
+   and llama.cpp's ngram-simple (`common_ngram_simple_draft`: the last 12 tokens' latest
+   earlier place in the text, and up to 48 tokens after it), which keeps nothing.
    Replayed tok/s = 256 / the summed step costs. Beside each median: the median of the
    prompts' ratios to ngram-mod on the same reference, and the worst free prompt's.
 
@@ -62,6 +64,8 @@ MOD_MATCH, MOD_MAX, MOD_MIN = 24, 64, 48
 # drafts in a row with less than a quarter accepted (common/speculative.cpp).
 MOD_CHUNK = 32
 MOD_LOW, MOD_LOW_STREAK = 0.25, 5
+# llama.cpp's defaults for --spec-type ngram-simple (common/common.h: size_n, size_m).
+SIMPLE_MATCH, SIMPLE_MAX = 12, 48
 DAEMON = DraftSettings(draft_max=64, draft_start=4, ngram_max=4, ngram_min=2)
 STORE_TOKENS = 65536  # for the side with [speculative] store_tokens
 # The daemon's defaults ([speculative] in server_config.toml): the gated side.
@@ -196,6 +200,39 @@ class NgramMod:
         return len(output) / seconds
 
 
+def simple_draft(tokens: list[int], sampled: int) -> list[int]:
+    """llama.cpp's ngram-simple (common/ngram-map.cpp, common_ngram_simple_draft): the
+    latest earlier place where the last SIMPLE_MATCH tokens (`sampled` the last of them)
+    occurred in `tokens`, and the up to SIMPLE_MAX tokens after it; none where fewer than
+    SIMPLE_MATCH follow it."""
+    length = len(tokens)
+    if length <= SIMPLE_MATCH + SIMPLE_MAX + 1:
+        return []
+    pattern = [*tokens[length - SIMPLE_MATCH + 1:], sampled]
+    for start in range(length - SIMPLE_MATCH - 1, 0, -1):
+        if tokens[start:start + SIMPLE_MATCH] == pattern:
+            copy = min(SIMPLE_MAX, length - (start + SIMPLE_MATCH))
+            if copy < SIMPLE_MATCH:
+                return []
+            return tokens[start + SIMPLE_MATCH:start + SIMPLE_MATCH + copy]
+    return []
+
+
+def simple_replay(prompt: list[int], output: list[int], cost: dict[int, float]) -> float:
+    """llama-server's ngram-simple over a reference: it keeps nothing across requests."""
+    text = [*prompt, output[0]]
+    done, seconds = 1, 0.0
+    while done < len(output):
+        draft = simple_draft(text[:-1], text[-1])[:len(output) - done - 1]
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == output[done + accepted]:
+            accepted += 1
+        seconds += cost[1 + len(draft)]
+        text.extend(output[done:done + accepted + 1])
+        done += accepted + 1
+    return len(output) / seconds
+
+
 def add_arguments(parser: argparse._ArgumentGroup) -> None:
     parser.add_argument("--prompts", type=int, default=12, help="edit and free prompts each")
 
@@ -224,7 +261,8 @@ def run(bench: Bench) -> dict[str, Any]:
     rates: dict[str, dict[str, list[float]]] = {
         side: {"edit": [], "free": []} for side in
         ("one token a step", gated, "daemon, every draft", "daemon, every draft, row_multiple 1",
-         f"daemon, every draft, store_tokens {STORE_TOKENS}", "llama.cpp ngram-mod")}
+         f"daemon, every draft, store_tokens {STORE_TOKENS}", "llama.cpp ngram-mod",
+         "llama.cpp ngram-simple")}
     for kind, prompt, output in texts:
         if kind not in ("edit", "free"):
             replay(prompt, output, cost, 4, store)
@@ -239,6 +277,7 @@ def run(bench: Bench) -> dict[str, Any]:
         rates[f"daemon, every draft, store_tokens {STORE_TOKENS}"][kind].append(
             replay(prompt, output, cost, 4, store))
         rates["llama.cpp ngram-mod"][kind].append(mod.replay(prompt, output, cost))
+        rates["llama.cpp ngram-simple"][kind].append(simple_replay(prompt, output, cost))
     print(f"Prompts: {texts_of.describe()}")
     print(f"Replayed over {args.prompts} greedy references per workload, {TOKENS} tokens, step "
           f"costs measured in this run (1 row {cost[1] * 1e3:.1f} ms, 4 rows "
@@ -255,15 +294,21 @@ def run(bench: Bench) -> dict[str, Any]:
     bound = TOKENS / best[TOKENS]
     print(f"| every token drafted and accepted (a bound) | {bound:.1f} | {bound:.1f} | - | - "
           "| - |")
-    mod = rates["llama.cpp ngram-mod"]
+    mod_rates = rates["llama.cpp ngram-mod"]
     for side, by_kind in rates.items():
         # Each prompt against ngram-mod on the same reference: the median, and the worst.
-        ratios = {kind: [mine / theirs for mine, theirs in zip(by_kind[kind], mod[kind],
+        ratios = {kind: [mine / theirs for mine, theirs in zip(by_kind[kind], mod_rates[kind],
                                                                strict=True)]
                   for kind in ("edit", "free")}
         print(f"| {side} | {statistics.median(by_kind['edit']):.1f} | "
               f"{statistics.median(by_kind['free']):.1f} | "
               f"{statistics.median(ratios['edit']):.3f} | "
               f"{statistics.median(ratios['free']):.3f} | {min(ratios['free']):.2f} |")
+    simple = rates["llama.cpp ngram-simple"]
+    for kind in ("edit", "free"):
+        ratios_simple = [mine / theirs for mine, theirs in zip(rates[gated][kind], simple[kind],
+                                                               strict=True)]
+        print(f"{gated} / llama.cpp ngram-simple, {kind}: median of the prompts' ratios "
+              f"{statistics.median(ratios_simple):.3f}, worst {min(ratios_simple):.2f}")
     return {"step_ms": {rows: value * 1e3 for rows, value in cost.items()}, "rates": rates}
 
