@@ -99,6 +99,14 @@ def greedy(context: Context, prompt: list[int]) -> list[int]:
     return tokens
 
 
+def accepted_length(draft: list[int], output: list[int], done: int) -> int:
+    """How many of `draft`'s tokens the reference has next, after its first `done`."""
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == output[done + accepted]:
+        accepted += 1
+    return accepted
+
+
 def replay(prompt: list[int], output: list[int], cost: dict[int, float], multiple: int,
            store: NgramStore | None = None, *, gate: tuple[AcceptanceBook, StepCosts] | None = None
            ) -> float:
@@ -118,9 +126,7 @@ def replay(prompt: list[int], output: list[int], cost: dict[int, float], multipl
         length = draft_length(drafter, continuation, min(length, share), share,
                               multiple=multiple, costs=gate[1] if gate is not None else None)
         draft = continuation[:length]
-        accepted = 0
-        while accepted < len(draft) and draft[accepted] == output[done + accepted]:
-            accepted += 1
+        accepted = accepted_length(draft, output, done)
         seconds += cost[1 + len(draft)]
         if draft:
             drafter.verified(len(draft), accepted)
@@ -186,9 +192,7 @@ class NgramMod:
                 window.append(token)
             if len(draft) < min(MOD_MIN, room):
                 draft = []
-            accepted = 0
-            while accepted < len(draft) and draft[accepted] == output[done + accepted]:
-                accepted += 1
+            accepted = accepted_length(draft, output, done)
             seconds += cost[1 + len(draft)]
             if draft:
                 self.low = self.low + 1 if accepted < MOD_LOW * len(draft) else 0
@@ -224,9 +228,7 @@ def simple_replay(prompt: list[int], output: list[int], cost: dict[int, float]) 
     done, seconds = 1, 0.0
     while done < len(output):
         draft = simple_draft(text[:-1], text[-1])[:len(output) - done - 1]
-        accepted = 0
-        while accepted < len(draft) and draft[accepted] == output[done + accepted]:
-            accepted += 1
+        accepted = accepted_length(draft, output, done)
         seconds += cost[1 + len(draft)]
         text.extend(output[done:done + accepted + 1])
         done += accepted + 1
