@@ -293,3 +293,32 @@ def test_a_short_match_that_failed_does_not_lower_a_loops_acceptance() -> None:
     fresh.draft(16)
     assert fresh.run == drafter.run
     assert drafter.acceptance() == fresh.acceptance() > failed_short
+
+
+def test_a_copy_keeps_its_evidence_when_its_run_reaches_a_longer_bucket() -> None:
+    # A copy's drafts were accepted whole while its match ran back 8-15 tokens; once the
+    # run passes 16 its chance starts from that evidence, not from the fixed prior again
+    # (each doubling of the run cut the next draft short on the default model's edits).
+    settings = DraftSettings(draft_max=64, draft_start=4, ngram_max=3, ngram_min=2)
+    source = list(range(100, 160))
+    drafter = NgramDrafter(settings, [*source, 1, *source[:12]])
+    assert drafter.draft(8) == source[12:20] and 8 <= drafter.run < 16
+    prior = drafter.acceptance()
+    drafter.verified(8, 8)
+    copied = drafter.acceptance()
+    assert copied > prior
+    for token in source[12:21]:
+        drafter.append(token)
+    assert drafter.draft(8) == source[21:29] and drafter.run >= 16
+    fresh = NgramDrafter(settings, [*source, 1, *source[:21]])
+    fresh.draft(8)
+    assert fresh.run == drafter.run
+    assert drafter.acceptance() >= copied > fresh.acceptance()
+    # A miss at the shorter run never lowers the longer run's first chance.
+    failed = NgramDrafter(settings, [*source, 1, *source[:12]])
+    failed.draft(8)
+    failed.verified(8, 0)
+    for token in source[12:21]:
+        failed.append(token)
+    failed.draft(8)
+    assert failed.acceptance() == fresh.acceptance()
