@@ -377,19 +377,16 @@ class NgramDrafter:
         fixed = prior_acceptance(self.run, self.sampled)
         prior = book.chance(source, self.sampled, self.run) if book is not None else fixed
         key = source * RUN_BUCKETS + run_bucket(self.run)
-        hits, misses = self._hits[key], self._misses[key]
-        if hits or misses:
-            return (hits + _PRIOR_WEIGHT * prior) / (hits + misses + _PRIOR_WEIGHT)
         # Its first draft from this source and run: other requests' drafts may lower what
         # its match promises, never raise it; a real copy's match grows as it copies.
         first = min(prior, fixed)
-        # Its own drafts at the nearest shorter run may raise it: a longer match of the same
-        # text continues no less often (else each doubling of a copy's run started over).
-        for shorter in range(key - 1, source * RUN_BUCKETS - 1, -1):
-            hits, misses = self._hits[shorter], self._misses[shorter]
+        # Its own drafts at this run, else at the nearest shorter one, which may only raise
+        # `first`: a longer match of the same text continues no less often.
+        for index in range(key, source * RUN_BUCKETS - 1, -1):
+            hits, misses = self._hits[index], self._misses[index]
             if hits or misses:
-                return max(first, (hits + _PRIOR_WEIGHT * prior) / (
-                    hits + misses + _PRIOR_WEIGHT))
+                own = (hits + _PRIOR_WEIGHT * prior) / (hits + misses + _PRIOR_WEIGHT)
+                return own if index == key else max(first, own)
         return first
 
     def verified(self, drafted: int, accepted: int) -> None:
