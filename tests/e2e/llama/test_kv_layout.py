@@ -159,3 +159,46 @@ def test_the_kept_row_view_reads_the_row_llama_cpp_gives(model: Model) -> None:
     assert row_view(model.ctx, -1, n_vocab // 2).size == n_vocab // 2
     second = _next_logits(model, IDLE[:1])  # another step writes the same buffer again
     assert row_view(model.ctx, -1, n_vocab) is view and view.tobytes() == second
+
+
+# A tile's first row, the first past a cut at 33 rows, its last: no more outputs than a
+# step of the daemon's may ask for.
+KEPT = (0, 33, 63)
+
+
+def _chunk_logits(model: Model, own: int, beside: int) -> dict[int, bytes]:
+    """Sequence 0's logits rows (those of KEPT) for `own` prompt rows of its own after
+    CONTEXT cells, read in one batch with `beside` rows of sequence 1 (a stream's, a short
+    prompt's) after it."""
+    C.llama_memory_clear(model.memory, True)
+    _decode(model, 0, [1000 + index % 700 for index in range(CONTEXT)], 0, logits=False)
+    _decode(model, 1, [2000 + (index * 7) % 900 for index in range(IDLE[0])], 0,
+            logits=False)
+    rows = [(0, 3000 + index, CONTEXT + index) for index in range(own)] + [
+        (1, 2500 + index, IDLE[0] + index) for index in range(beside)]
+    batch = C.llama_batch_init(len(rows), 0, 1)
+    try:
+        for row, (seq, token, position) in enumerate(rows):
+            batch.token[row], batch.pos[row] = token, position
+            batch.n_seq_id[row], batch.seq_id[row][0] = 1, seq
+            batch.logits[row] = int(seq == 0 and row in KEPT)
+        batch.n_tokens = len(rows)
+        assert C.llama_decode(model.ctx, batch) == 0
+    finally:
+        C.llama_batch_free(batch)
+    size = model.info.n_vocab * ctypes.sizeof(ctypes.c_float)
+    return {row: ctypes.string_at(C.llama_get_logits_ith(model.ctx, row), size)
+            for row in KEPT}
+
+
+def test_a_tiled_chunk_s_rows_do_not_depend_on_how_the_batch_is_cut(model: Model) -> None:
+    """From 64 rows a batch takes flash attention's tiled path, in tiles of 64 rows of one
+    head handed whole to the threads (scripts/llama-patches/fa-whole-tiles.patch). A
+    prompt chunk's row is the same whether its tile is full or cut short, whatever else
+    the batch holds: one decode row beside it, a few rows, or more of its own rows."""
+    alone = _chunk_logits(model, 64, 0)
+    assert len(set(alone.values())) == len(KEPT)
+    assert _chunk_logits(model, 64, 1) == alone  # 65 rows: each head's 65th row a tile
+    assert _chunk_logits(model, 64, 9) == alone
+    assert _chunk_logits(model, 72, 0) == alone  # each head's second tile holds 8 rows
+    assert _chunk_logits(model, 72, 1) == alone
