@@ -32,6 +32,7 @@ SECTIONS = {
     "contention": "benchkit.sections.contention",
     "versions": "benchkit.sections.versions",
     "longctx": "benchkit.sections.longctx",
+    "beside": "benchkit.sections.beside",
     "reproducible": "benchkit.sections.reproducible",
     "zoo": "benchkit.sections.zoo",
 }
