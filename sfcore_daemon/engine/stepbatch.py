@@ -116,19 +116,23 @@ class StepBatch:
         # most prefill_per_step, so a long prompt never holds them up (docs/performance/slots.md).
         spare = self._n_batch - n
         budget = min(self._prefill_per_step, spare) if streams else spare
+        long_rows = True
         if len(reading) > 1:
             reading.sort(key=_reading_order)
             first_rest = _rest(reading[0])
             if first_rest <= _SHORT_REST:
                 spare = min(spare, max(_SHORT_STEP_ROWS, first_rest))
                 budget = min(budget, spare)
+                # A long prompt's rows attend over its context read so far: at depth a few
+                # of them cost the step more than the short rest that waits for them.
+                long_rows = _background(reading[0])
         # Alone, a prompt is also cut at its cuts (storepolicy.PromptStates.cuts) for the
         # cold run's bytes; beside other rows a cut would only delay its rest by a step.
         alone = n == 0 and len(reading) == 1
         ends = 0  # prompts read to their end in this step
         for seq in reading:
-            if spare <= 0:
-                break
+            if spare <= 0 or (not long_rows and _rest(seq) > _SHORT_REST):
+                break  # short rests come first
             room = spare if seq.id in bursting else budget
             job = seq.job
             assert job is not None
