@@ -3,7 +3,9 @@ short interactive request (one physical batch: n_ubatch tokens) arrives (steploo
 keeps the whole ubatches it read, and the long prompt reads on after the short request's
 prompt. Checked on a real daemon: the short request finishes before the long one's first
 token, the stop is counted, and the long reply keeps the bytes it has alone (reproducible
-mode: row-invariant kernels, so the batch shapes do not move a byte).
+mode: row-invariant kernels, so the batch shapes do not move a byte). Without that mode
+flash attention's tiled path asks the callback between its tiles too, so a stop lands
+inside a node; that the long prompt reads on as it would alone is checked there as well.
 """
 
 from __future__ import annotations
@@ -82,6 +84,61 @@ async def test_a_short_request_stops_a_long_prompt_step_and_both_keep_their_byte
     assert preempted >= 1
     assert _text(long_lines) == alone
     assert done_of(long_lines)["usage"]["prompt_tokens"] > 1024
+
+
+# The daemon's defaults (row bits may follow the batch shapes), its callback asked
+# between flash attention's tiles at every chance: a stop lands inside a node as often.
+FAST_CONFIG: dict[str, Any] = {"server": {"slots": 2}, "cache": {"enabled": False}}
+ASK_EVERY_TILE = {"GGML_CPU_ABORT_ASK_US": "0"}
+# Another sequence's cells in the pool reorder flash attention's sums (f16 partials): a
+# logprob drifts by a tenth at most here; a step's rows lost or left half-written, far more.
+LOGPROB_DRIFT = 0.5
+
+
+@pytest.mark.asyncio
+async def test_a_stop_inside_a_step_leaves_the_long_prompt_its_exact_context() -> None:
+    """Without reproducible mode: a 512-row step at depth stopped for a short request
+    (inside an attention node, as often as not), the long prompt read on from the cells
+    kept. Its first token's distribution is the one it has alone, to the noise of the
+    cells' layout; the bits themselves are checked in tests/e2e/llama/test_abort_in_node.py
+    (a stopped step leaves the cache as it was)."""
+    request = {"op": "generate", "prompt": long_prompt(23, words=2500), "max_tokens": 2,
+               "temperature": 0.0, "stream": True, "logprobs": 5, "cache_prompt": False}
+    async with running_daemon(FAST_CONFIG, env=ASK_EVERY_TILE) as daemon:
+        async with daemon.client() as client:
+            alone = await client.request({**request, "id": "alone"}, timeout=WAIT_S)
+        async with daemon.client() as long_client, daemon.client() as short_client, \
+                daemon.client() as probe:
+            steps = await metric(probe, "sfcore_decode_steps_total")
+            await long_client.send({**request, "id": "long"})
+            # Two 512-row steps done: the third, at depth, is being read.
+            await poll_until(lambda: metric(probe, "sfcore_decode_steps_total"),
+                             lambda value: value >= steps + 2, timeout=WAIT_S,
+                             what="the long prompt's second step")
+            order: list[str] = []
+            await short_client.send({"op": "generate", "id": "short", "stream": True,
+                                     "prompt": "The capital of France is", "max_tokens": 2,
+                                     "temperature": 0.0})
+            long_lines, short_lines = await asyncio.wait_for(asyncio.gather(
+                read_stream(long_client, order, "long"),
+                read_stream(short_client, order, "short")), WAIT_S)
+            preempted = await metric(probe, "sfcore_preempted_steps_total")
+    assert preempted >= 1
+    assert order.index("short done") < order.index("long first token"), order
+    assert done_of(short_lines)["usage"]["completion_tokens"] >= 1
+    assert done_of(long_lines)["usage"]["prompt_tokens"] == \
+        done_of(alone)["usage"]["prompt_tokens"] > 3 * 512
+    first_alone = _first_entry(alone)
+    beside = {entry["token"]: entry["logprob"]
+              for entry in _first_entry(long_lines)["top_logprobs"]}
+    assert first_alone["token"] in beside, (first_alone, beside)
+    assert abs(beside[first_alone["token"]] - first_alone["logprob"]) < LOGPROB_DRIFT
+
+
+def _first_entry(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    entries = [entry for line in lines if line["type"] == "token" for entry in line["logprobs"]]
+    assert entries, lines
+    return entries[0]
 
 
 async def _alone(daemon: Daemon, request: dict[str, Any]) -> str:
