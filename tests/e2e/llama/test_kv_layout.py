@@ -202,3 +202,26 @@ def test_a_tiled_chunk_s_rows_do_not_depend_on_how_the_batch_is_cut(model: Model
     assert _chunk_logits(model, 64, 9) == alone
     assert _chunk_logits(model, 72, 0) == alone  # each head's second tile holds 8 rows
     assert _chunk_logits(model, 72, 1) == alone
+
+
+def _chunk_after(model: Model, idle: tuple[int, ...]) -> bytes:
+    """The last row's logits of a CONTEXT-token prompt read as one chunk (the tiled
+    path) after `idle` sequences' cells were put into the pool."""
+    C.llama_memory_clear(model.memory, True)
+    for seq, cells in enumerate(idle, start=1):
+        _decode(model, seq, [2000 + (index * 7) % 900 for index in range(cells)], 0,
+                logits=False)
+    _decode(model, 0, [1000 + index % 700 for index in range(CONTEXT)], 0, logits=True)
+    row = C.llama_get_logits_ith(model.ctx, -1)
+    return ctypes.string_at(row, model.info.n_vocab * ctypes.sizeof(ctypes.c_float))
+
+
+def test_a_prompt_chunk_reads_the_same_beside_other_sequences_cells(model: Model) -> None:
+    """A prompt chunk's tiles of cells hidden from all its rows (other sequences' cells,
+    its own later positions) are passed over on the mask's bits alone
+    (scripts/llama-patches/fa-tiled-hidden-tiles.patch): after whole tiles of idle cells
+    the chunk reads what it reads with the pool to itself. (Idle cells that end inside a
+    tile regroup the chunk's own cells into tiles: another float sum, patched or not.)"""
+    alone = _chunk_after(model, ())
+    assert _chunk_after(model, (256,)) == alone
+    assert _chunk_after(model, (128, 64)) == alone
