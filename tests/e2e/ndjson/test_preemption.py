@@ -63,22 +63,9 @@ async def test_a_short_request_stops_a_long_prompt_step_and_both_keep_their_byte
                     "stream": True, "cache_prompt": False}
     async with running_daemon(CONFIG) as daemon:
         alone = await _alone(daemon, long_request)
-        async with daemon.client() as long_client, daemon.client() as short_client, \
-                daemon.client() as probe:
-            steps = await metric(probe, "sfcore_decode_steps_total")
-            await long_client.send({**long_request, "id": "long"})
-            # The long prompt's first 1024-row step is done: its second is being read.
-            await poll_until(lambda: metric(probe, "sfcore_decode_steps_total"),
-                             lambda value: value >= steps + 1, timeout=WAIT_S,
-                             what="the long prompt's first step")
-            order: list[str] = []
-            await short_client.send({"op": "generate", "id": "short", "stream": True,
-                                     "prompt": "The capital of France is", "max_tokens": 4,
-                                     "temperature": 0.0})
-            long_lines, short_lines = await asyncio.wait_for(asyncio.gather(
-                read_stream(long_client, order, "long"),
-                read_stream(short_client, order, "short")), WAIT_S)
-            preempted = await metric(probe, "sfcore_preempted_steps_total")
+        # The long prompt's first 1024-row step is done: its second is being read.
+        long_lines, short_lines, order, preempted = await _short_beside_long(
+            daemon, long_request, steps_before=1, short_tokens=4)
     assert done_of(short_lines)["usage"]["completion_tokens"] >= 1
     assert order.index("short done") < order.index("long first token"), order
     assert preempted >= 1
@@ -107,22 +94,9 @@ async def test_a_stop_inside_a_step_leaves_the_long_prompt_its_exact_context() -
     async with running_daemon(FAST_CONFIG, env=ASK_EVERY_TILE) as daemon:
         async with daemon.client() as client:
             alone = await client.request({**request, "id": "alone"}, timeout=WAIT_S)
-        async with daemon.client() as long_client, daemon.client() as short_client, \
-                daemon.client() as probe:
-            steps = await metric(probe, "sfcore_decode_steps_total")
-            await long_client.send({**request, "id": "long"})
-            # Two 512-row steps done: the third, at depth, is being read.
-            await poll_until(lambda: metric(probe, "sfcore_decode_steps_total"),
-                             lambda value: value >= steps + 2, timeout=WAIT_S,
-                             what="the long prompt's second step")
-            order: list[str] = []
-            await short_client.send({"op": "generate", "id": "short", "stream": True,
-                                     "prompt": "The capital of France is", "max_tokens": 2,
-                                     "temperature": 0.0})
-            long_lines, short_lines = await asyncio.wait_for(asyncio.gather(
-                read_stream(long_client, order, "long"),
-                read_stream(short_client, order, "short")), WAIT_S)
-            preempted = await metric(probe, "sfcore_preempted_steps_total")
+        # Two 512-row steps done: the third, at depth, is being read.
+        long_lines, short_lines, order, preempted = await _short_beside_long(
+            daemon, request, steps_before=2, short_tokens=2)
     assert preempted >= 1
     assert order.index("short done") < order.index("long first token"), order
     assert done_of(short_lines)["usage"]["completion_tokens"] >= 1
@@ -133,6 +107,30 @@ async def test_a_stop_inside_a_step_leaves_the_long_prompt_its_exact_context() -
               for entry in _first_entry(long_lines)["top_logprobs"]}
     assert first_alone["token"] in beside, (first_alone, beside)
     assert abs(beside[first_alone["token"]] - first_alone["logprob"]) < LOGPROB_DRIFT
+
+
+async def _short_beside_long(daemon: Daemon, long_request: dict[str, Any], *,
+                             steps_before: int, short_tokens: int
+                             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str],
+                                        float]:
+    """The long request sent, a short one once `steps_before` of its steps are done: both
+    replies, the order of their first tokens and ends, and the stops counted."""
+    async with daemon.client() as long_client, daemon.client() as short_client, \
+            daemon.client() as probe:
+        steps = await metric(probe, "sfcore_decode_steps_total")
+        await long_client.send({**long_request, "id": "long"})
+        await poll_until(lambda: metric(probe, "sfcore_decode_steps_total"),
+                         lambda value: value >= steps + steps_before, timeout=WAIT_S,
+                         what="the long prompt's first steps")
+        order: list[str] = []
+        await short_client.send({"op": "generate", "id": "short", "stream": True,
+                                 "prompt": "The capital of France is",
+                                 "max_tokens": short_tokens, "temperature": 0.0})
+        long_lines, short_lines = await asyncio.wait_for(asyncio.gather(
+            read_stream(long_client, order, "long"),
+            read_stream(short_client, order, "short")), WAIT_S)
+        preempted = await metric(probe, "sfcore_preempted_steps_total")
+    return long_lines, short_lines, order, preempted
 
 
 def _first_entry(lines: list[dict[str, Any]]) -> dict[str, Any]:
