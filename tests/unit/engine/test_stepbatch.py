@@ -150,9 +150,8 @@ def test_every_plan_fits_the_batch_and_a_short_interactive_rest_reads_without_lo
             if rest <= _SHORT_REST and steps.prefilling[0] is seq:
                 # Read whole, but for a chunk's end: chunks end at n_batch multiples.
                 assert seq.chunk_end == len(seq.job.spec.prompt) or seq.chunk_end % N_BATCH == 0
-        rests = [len(seq.job.spec.prompt) - seq.next_prompt
-                 for seq in steps.prefilling if seq.job is not None]
-        first = steps.prefilling[0] if steps.prefilling else None
-        if (first is not None and first.job is not None and rests[0] <= _SHORT_REST
-                and first.job.spec.priority == "interactive" and len(rests) > 1):
+        rests = [len(seq.job.spec.prompt) - seq.next_prompt  # type: ignore[union-attr]
+                 for seq in steps.prefilling]
+        if rests and rests[0] <= _SHORT_REST and \
+                steps.prefilling[0].job.spec.priority == "interactive":  # type: ignore[union-attr]
             assert all(rest <= _SHORT_REST for rest in rests), rests
