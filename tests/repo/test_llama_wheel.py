@@ -91,8 +91,8 @@ def test_a_portable_key_does_not_depend_on_the_cpu(tmp_path: Path) -> None:
     assert [name for name, _ in native.patches] == [
         "amx-tile-config.patch", "cpu-abort-in-node.patch", "cpu-row-invariant.patch",
         "fa-split-kv-balance.patch", "fa-tiled-hidden-tiles.patch", "fa-units-ops.patch",
-        "fa-units-plan.patch", "fa-whole-tiles.patch", "kv-position-order.patch",
-        "repack-row-invariant.patch", "swa-window-cells-cpp.patch",
+        "fa-units-plan.patch", "fa-units-tls.patch", "fa-whole-tiles.patch",
+        "kv-position-order.patch", "repack-row-invariant.patch", "swa-window-cells-cpp.patch",
         "swa-window-cells-graph.patch", "swa-window-cells-h.patch"]
 
 
