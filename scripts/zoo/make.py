@@ -6,9 +6,10 @@
   make.py --check [--daemon]                                      load each, generate
 
 Each shape (scripts/zoo/shapes.py) is written once as F16 (random weights, norms one, the
-end-of-generation tokens' output rows zero) with a real tokenizer (SmolLM2's for llama and
-qwen2, padded or cut to the shape's vocabulary; the default model's for gemma3), then
-llama-quantize makes it the shape's type. A file whose zoo.shape_hash matches is kept.
+end-of-generation tokens' output rows zero) with a real tokenizer (SmolLM2's for llama,
+qwen2 and qwen3, padded or cut to the shape's vocabulary; the default model's for gemma2
+and gemma3), then llama-quantize makes it the shape's type. A file whose zoo.shape_hash
+matches is kept.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ sys.path[:0] = [str(HERE), str(REPO / "scripts" / "gpu"), str(REPO)]
 
 import ggufio as gguf  # noqa: E402
 from make_model import EOG_TEXTS  # noqa: E402
-from shapes import BY_NAME, SHAPES, params, shape_hash, tensor_dims  # noqa: E402
+from shapes import BY_NAME, SHAPES, params, shape_hash, swa_pattern, tensor_dims  # noqa: E402
 
 DEFAULT_OUT = Path.home() / ".cache" / "sfcore-ai" / "zoo"
 PAD = "\u0120zoo_pad{}"  # a byte-level BPE word: decodes to " zoo_padN"
@@ -49,7 +50,7 @@ def source_paths(args: argparse.Namespace) -> dict[str, Path]:
 def tokenizer_kv(shape: dict[str, Any], sources: dict[str, Path],
                  cache: dict[str, list]) -> tuple[list[tuple[str, str, Any]], set[int]]:
     """The shape's tokenizer.* pairs and its end-of-generation token ids."""
-    src = "gemma" if shape["arch"] == "gemma3" else "smollm2"
+    src = "gemma" if shape["arch"] in ("gemma2", "gemma3") else "smollm2"
     if src not in cache:
         cache[src] = [x for x in gguf.read_kv(sources[src]) if x[0].startswith("tokenizer.")]
     kv = {k: (t, v) for k, t, v in cache[src]}
@@ -57,7 +58,7 @@ def tokenizer_kv(shape: dict[str, Any], sources: dict[str, Path],
     tokens = kv["tokenizer.ggml.tokens"][1]
     if src == "gemma":
         if n != len(tokens):
-            raise SystemExit(f"{shape['name']}: gemma3 shapes keep the real vocabulary "
+            raise SystemExit(f"{shape['name']}: gemma shapes keep the real vocabulary "
                              f"({len(tokens)} tokens), not {n}")
         out = list(cache[src])
     else:
@@ -103,13 +104,16 @@ def model_kv(shape: dict[str, Any]) -> list[tuple[str, str, Any]]:
           (f"{a}.attention.value_length", "u32", shape["head_dim"]),
           (f"{a}.rope.freq_base", "f32", shape["rope_base"]),
           (f"{a}.attention.layer_norm_rms_epsilon", "f32", shape["rms_eps"])]
-    if a in ("llama", "qwen2"):
+    if a in ("llama", "qwen2", "qwen3"):
         kv.append((f"{a}.rope.dimension_count", "u32", shape["head_dim"]))
     if a == "llama":
         kv.append(("llama.vocab_size", "u32", shape["n_vocab"]))
     if shape["swa"]:
         kv += [(f"{a}.attention.sliding_window", "u32", shape["swa"]),
-               (f"{a}.attention.sliding_window_pattern", "u32", 6)]
+               (f"{a}.attention.sliding_window_pattern", "u32", swa_pattern(shape))]
+    if "softcap" in shape:
+        kv += [(f"{a}.attn_logit_softcapping", "f32", shape["softcap"][0]),
+               (f"{a}.final_logit_softcapping", "f32", shape["softcap"][1])]
     return kv
 
 
@@ -178,7 +182,7 @@ def table(shapes: list[dict[str, Any]], out: Path) -> str:
         rows.append([s["name"], s["arch"], f"{params(s) / 1e9:.2f}B", f"{s['n_vocab']:,}",
                      str(s["n_embd"]), str(s["n_layer"]), str(s["n_ff"]),
                      f"{s['n_head']}/{s['n_head_kv']}", str(s["head_dim"]),
-                     f"{s['swa']} on 5/6" if s["swa"] else "-",
+                     f"{s['swa']} on {swa_pattern(s) - 1}/{swa_pattern(s)}" if s["swa"] else "-",
                      s["quant"] + ("" if s["tied"] else " untied"), size])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
