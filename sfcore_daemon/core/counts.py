@@ -122,6 +122,11 @@ class SpeculativeCounts(Struct, kw_only=True):
     # Of drafted and accepted: the tokens a json_schema's grammar forced.
     forced_drafted: int = 0
     forced_accepted: int = 0
+    # Steps of several rows against one-row steps, live time over what the step costs
+    # say (engine/costdrift.py); None until enough of both were seen or without costs.
+    step_costs_drift: float | None = None
+    # That ratio left the band: the kept costs are measured again at the next start.
+    step_costs_drifted: bool = False
 
 
 class ThreadCounts(Struct, kw_only=True):

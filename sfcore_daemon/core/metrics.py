@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 
 from sfcore_daemon.core.histogram import Histogram
 from sfcore_daemon.core.state import ServerState
+from sfcore_daemon.engine.costdrift import DRIFT
 
 if TYPE_CHECKING:
     import psutil
@@ -175,6 +176,12 @@ def _engine(out: Exposition, state: ServerState) -> None:
     out.one("preempted_steps_total", "counter", "Prompt-only steps stopped so that a newer "
             "interactive request starts (what they had read is kept).",
             engine.preempted_steps if engine is not None else 0)
+    drift = engine.cost_drift if engine is not None else None
+    ratio = drift.ratio() if drift is not None else None
+    out.one("step_costs_drift", "gauge", "Steps of several rows against one-row steps: "
+            "their time over what the measured step costs say (1: as measured; 0 until "
+            f"enough steps were seen). Past {DRIFT} either way the costs are measured again "
+            "at the next start.", round(ratio, 3) if ratio is not None else 0)
     threads = engine.threads if engine is not None else None
     out.one("decode_threads", "gauge", "Decode threads in force now (fewer than "
             "configured while other processes hold the cores; runtime.adaptive_threads).",

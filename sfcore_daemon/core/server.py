@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from sfcore_daemon.config import Config
 from sfcore_daemon.core import errors
 from sfcore_daemon.core.chat import ChatTemplateError, TemplateBudgetError, resolve_template
+from sfcore_daemon.core.costwatch import CostWatch
 from sfcore_daemon.core.scheduler import Scheduler
 from sfcore_daemon.core.state import ServerState
 from sfcore_daemon.core.threads import ThreadMonitor
@@ -85,6 +86,7 @@ class Server:
         self._stop_count = 0
         self._watchdog: asyncio.Task[None] | None = None
         self._thread_monitor: asyncio.Task[None] | None = None
+        self._cost_watch: asyncio.Task[None] | None = None
         # Set when the decode thread died while serving: the daemon answers everything
         # with an error and exits with EXIT_DECODE_FAILED.
         self.failed = False
@@ -105,7 +107,7 @@ class Server:
                 await self._stop.wait()
             await self._shutdown()
         finally:
-            for task in (self._watchdog, self._thread_monitor):
+            for task in (self._watchdog, self._thread_monitor, self._cost_watch):
                 if task is not None:
                     task.cancel()
         return EXIT_DECODE_FAILED if self.failed else 0
@@ -156,6 +158,10 @@ class Server:
         if engine.threads.adaptive:
             self._thread_monitor = asyncio.ensure_future(
                 ThreadMonitor(engine.threads, state.scheduler, state.cpus).run())
+        drift = engine.cost_drift
+        if drift is not None:
+            self._cost_watch = asyncio.ensure_future(
+                CostWatch(drift, state.scheduler, engine.discard_step_costs).run())
         loop = asyncio.get_running_loop()
 
         def decode_stopped(future: concurrent.futures.Future[None]) -> None:

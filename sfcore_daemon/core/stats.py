@@ -24,6 +24,7 @@ from sfcore_daemon.core.counts import (
 from sfcore_daemon.core.errors import ERROR_CODES
 from sfcore_daemon.core.histogram import Histogram
 from sfcore_daemon.core.result import FINISH_REASONS
+from sfcore_daemon.engine.costdrift import CostDrift
 from sfcore_daemon.store.promptstore import PromptStore
 
 OUTCOMES = (*FINISH_REASONS, "error")
@@ -137,7 +138,7 @@ class Stats:
             errors=counters.errors)
 
     def snapshot(self, slots: list[SlotUse], store: PromptStore | None,
-                 threads: ThreadCounts) -> StatsSnapshot:
+                 threads: ThreadCounts, drift: CostDrift | None = None) -> StatsSnapshot:
         rate = self._decode_tokens * 1e9 / self._decode_ns if self._decode_ns else 0.0
         return StatsSnapshot(
             uptime_s=round(time.monotonic() - self.started, 3),
@@ -162,7 +163,15 @@ class Stats:
                                           aligned_steps=self.aligned_steps,
                                           logit_rows=self.logit_rows,
                                           forced_drafted=self.forced_drafted,
-                                          forced_accepted=self.forced_accepted),
+                                          forced_accepted=self.forced_accepted,
+                                          step_costs_drift=_rounded(drift),
+                                          step_costs_drifted=drift is not None
+                                          and drift.drifted()),
             cache=self.cache_counts(store),
             threads=threads,
         )
+
+
+def _rounded(drift: CostDrift | None) -> float | None:
+    ratio = drift.ratio() if drift is not None else None
+    return round(ratio, 3) if ratio is not None else None

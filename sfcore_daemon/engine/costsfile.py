@@ -67,3 +67,16 @@ def save(path: Path, ns: dict[int, float]) -> None:
         os.replace(temp.name, path)
     except OSError as exc:
         log.warning("could not keep the measured step costs in %s: %s", path, exc)
+
+
+def discard(path: Path) -> bool:
+    """Remove a kept file whose costs no longer describe the machine, so that the next
+    start measures again; False if there was none or it would not go (logged)."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        log.warning("could not remove the step costs in %s: %s", path, exc)
+        return False
+    return True

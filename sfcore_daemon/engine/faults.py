@@ -16,6 +16,10 @@ so a test picks the one request it breaks. The points:
 "warmup_trap" (read by llama/selfcheck.py): the warm-up decode dies of SIGILL, as a
 llama.cpp build that cannot run on this CPU does.
 
+"cheap_wide_steps": the step costs the drafts are judged by say that a step of any width
+costs what a one-row step does, as a bad measurement kept from an earlier start would
+(the drift check's tests: engine/costdrift.py).
+
 Unset (as in production) every check is one comparison with an empty dict.
 """
 
@@ -32,18 +36,27 @@ class InjectedFault(MemoryError):
     index of n-grams may really meet."""
 
 
-def _parse(spec: str) -> tuple[bool, dict[str, int]]:
-    hang, armed = False, {}
+def _parse(spec: str) -> tuple[set[str], dict[str, int]]:
+    flags, armed = set(), {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         point, _, value = item.partition("@")
-        if point == "decode_hang":
-            hang = True
+        if point in {"decode_hang", "cheap_wide_steps"}:
+            flags.add(point)
         elif value.isdigit():
             armed[point] = int(value)
-    return hang, armed
+    return flags, armed
 
 
-DECODE_HANG, _ARMED = _parse(os.environ.get("SFCORE_FAILPOINT", ""))
+_FLAGS, _ARMED = _parse(os.environ.get("SFCORE_FAILPOINT", ""))
+DECODE_HANG = "decode_hang" in _FLAGS
+
+
+def step_costs(measured: dict[int, float]) -> dict[int, float]:
+    """The step costs as "cheap_wide_steps" leaves them (else as they are): every width
+    at the one-row step's time, the cost per cell of context (key 0) kept."""
+    if "cheap_wide_steps" not in _FLAGS or 1 not in measured:
+        return measured
+    return {rows: ns if rows <= 1 else measured[1] for rows, ns in measured.items()}
 
 
 def armed(point: str, job: Job | None) -> bool:

@@ -23,6 +23,7 @@ from typing import Any
 
 from sfcore_daemon.engine import faults
 from sfcore_daemon.engine.containment import ContainedStates, drop_after
+from sfcore_daemon.engine.costdrift import CostDrift
 from sfcore_daemon.engine.crossing import Channel, EndReason, JobSpec, Placement
 from sfcore_daemon.engine.draftgate import AcceptanceBook, StepCosts
 from sfcore_daemon.engine.job import Job
@@ -67,6 +68,8 @@ class StepLoop:
         self.decode_steps = 0
         self.step_tokens = 0
         self.preempted_steps = 0  # prompt-only steps stopped for a newer job
+        # Live steps against the step costs, read on the event loop (costdrift.py).
+        self.cost_drift = CostDrift()
         self._ctx = model.ctx
         self.n_ctx = model.n_ctx
         self._drafts = drafts
@@ -297,10 +300,14 @@ class StepLoop:
         rows.read(outputs, woken)
         rows.wake(woken)
         threads = self._threads
+        costs = steps.costs
+        if (costs is not None and not steps.prefilling and len(steps.stepping) == 1
+                and (threads is None or threads.threads == threads.limits.full)):
+            # The shape the costs were measured in: are they still this machine's?
+            self.cost_drift.observe(n, now - started, costs.cost(n))
         if threads is not None and not steps.prefilling:
             # Each step as a one-row step's time: a step of drafts is a wide one, not one
             # stretched by load (docs/performance/sharing-the-machine.md).
-            costs = steps.costs
             elapsed = now - started if costs is None else costs.as_one_row(now - started, n)
             if threads.step(elapsed, now):
                 # Between two steps: the next graph runs with the new team size.

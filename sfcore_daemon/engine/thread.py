@@ -18,7 +18,8 @@ from pathlib import Path
 import msgspec
 
 from sfcore_daemon.config import ModelConfig
-from sfcore_daemon.engine import costsfile
+from sfcore_daemon.engine import costsfile, faults
+from sfcore_daemon.engine.costdrift import CostDrift
 from sfcore_daemon.engine.crossing import Channel, JobSpec, Placement
 from sfcore_daemon.engine.draftgate import StepCosts
 from sfcore_daemon.engine.speculative import DraftSettings
@@ -297,6 +298,7 @@ class Engine:
             self.step_costs_busy = busy.share()
             self.step_costs_measured = self.step_costs is not None
         if self.step_costs is not None:
+            self.step_costs = faults.step_costs(self.step_costs)
             assert self._loop is not None
             self._loop.use_step_costs(self.step_costs)
 
@@ -306,6 +308,18 @@ class Engine:
         if (self.step_costs_measured and self.step_costs and self._costs_path is not None
                 and self.step_costs_busy <= BUSY_SHARE):
             costsfile.save(self._costs_path, self.step_costs)
+
+    @property
+    def cost_drift(self) -> CostDrift | None:
+        """Live steps against the step costs the drafts are judged by (costdrift.py);
+        None before the model is loaded or where drafts are not judged by them."""
+        loop = self._loop
+        return loop.cost_drift if loop is not None and loop.step_costs is not None else None
+
+    def discard_step_costs(self) -> bool:
+        """Remove the kept step costs, so that the next start measures them again (the
+        event loop, once they drifted); False if no file was removed."""
+        return self._costs_path is not None and costsfile.discard(self._costs_path)
 
     def step_cost_ratios(self) -> dict[int, float] | None:
         """Each size's cost in one-row steps, as the drafts are judged by; None when

@@ -138,7 +138,8 @@ class Ops:
                     engine = self.state.engine
                     snapshot = self.stats.snapshot(
                         self.slot_uses(), engine.store if engine else None,
-                        thread_counts(engine.threads if engine else None))
+                        thread_counts(engine.threads if engine else None),
+                        engine.cost_drift if engine else None)
                     connection.reply(protocol.encode_line(
                         StatsReply(id=request_id, **msgspec.structs.asdict(snapshot))))
                 case MetricsRequest():

@@ -210,14 +210,16 @@ def test_no_private_name_is_used_across_packages() -> None:
 # --- the two threads and the one crossing (docs/architecture.md) -----------------------
 
 # What engine/ shows the packages above it: the Engine, the crossing's frozen records and
-# its channel (whose loop side they use), and what start-up and adaptive threads' loop
-# side need. The decode thread's own objects (its Job, Seq, the step loop, the rows...)
+# its channel (whose loop side they use), and what start-up, adaptive threads' loop side
+# and the step costs' drift check (plain figures the decode thread writes) need. The
+# decode thread's own objects (its Job, Seq, the step loop, the rows...)
 # are imported by no module outside engine/.
 ENGINE_PUBLIC: dict[str, set[str]] = {
     "engine.thread": {"Engine"},
     "engine.crossing": {"JobSpec", "Placement", "Channel", "JobEnd", "NOT_RUN", "EndReason",
                         "CacheSource"},
     "engine.threadpolicy": {"ThreadPolicy", "ThreadLimits"},
+    "engine.costdrift": {"CostDrift", "DRIFT"},
     "engine.speculative": {"draft_settings"},
 }
 CROSSING = "engine.crossing"

@@ -84,6 +84,56 @@ async def test_no_step_wider_than_the_daemon_makes_is_measured(tmp_path: Path) -
     assert 10 <= max(map(int, ratios)) < 32, ratios
 
 
+# Pairs of requests (one plain, one drafting) at most, until the daemon has seen enough
+# steps of each kind to say whether its step costs still fit (engine/costdrift.py): each
+# pair adds about 40 one-row steps and, drafts of at most 8 priced as one row, about 6
+# wide ones (11 pairs on the machine the test was written on).
+_DRIFT_PAIRS = 40
+
+
+@pytest_asyncio_mark
+async def test_kept_step_costs_that_no_longer_fit_are_measured_again_at_the_next_start(
+        tmp_path: Path) -> None:
+    # The failpoint prices a step of any width as a one-row step, as a bad measurement
+    # kept from an earlier start would: every draft then seems to pay, and the wide steps
+    # the daemon serves run several times dearer than it was told.
+    config = merge({}, {"speculative": {"policy": "measured", "draft_max": 8},
+                        "cache": {"dir": str(tmp_path / "prompts")},
+                        "server": {"slots": 1}, "runtime": {"adaptive_threads": False},
+                        "generation": {"max_tokens": 48}})
+    async with running_daemon(config, env={"SFCORE_FAILPOINT": "cheap_wide_steps"}) as daemon:
+        ratios = (await info(daemon))["config"]["speculative"]["step_costs"]
+        assert set(ratios.values()) == {1.0}, ratios
+        async with daemon.client() as client:
+            fresh = (await client.final({"op": "stats"}))["speculative"]
+            assert fresh["step_costs_drift"] is None and not fresh["step_costs_drifted"]
+            for pair in range(_DRIFT_PAIRS):
+                for speculative in (False, True):
+                    done = done_of(await client.request(
+                        {**COPY, "prompt": f"{pair}. {COPY['prompt']}", "temperature": 0,
+                         "speculative": speculative, "cache_prompt": False}))
+                    assert done["usage"]["completion_tokens"] > 0
+                stats = (await client.final({"op": "stats"}))["speculative"]
+                if stats["step_costs_drift"] is not None:
+                    break
+            assert stats["drafted"] > 0
+            assert stats["step_costs_drifted"] and stats["step_costs_drift"] > 1.25, stats
+            log = await daemon.log_with("no longer fit this machine")
+            # It still serves, with the costs it started with.
+            assert done_of(await client.request({**COPY, "temperature": 0}))["usage"][
+                "completion_tokens"] > 0
+    if "kept for later starts" in log:
+        assert "the kept costs were removed" in log
+    else:  # measured while the machine was busy: nothing was kept
+        assert "no kept costs to remove" in log
+    assert list((tmp_path / "step-costs").glob("*.json")) == []
+    async with running_daemon(config) as again:
+        assert "as measured before" not in again.log
+        ratios = (await info(again))["config"]["speculative"]["step_costs"]
+        # Measured anew: the widest step costs more than one row.
+        assert ratios[max(ratios, key=int)] > 1.0, ratios
+
+
 def test_the_busy_meter_sees_another_process_on_the_cpus() -> None:
     busy = BusyMeter()
     child = subprocess.Popen([sys.executable, "-c",
