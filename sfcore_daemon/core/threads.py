@@ -4,8 +4,9 @@ While the scheduler runs a generation, a task reads the other processes' CPU loa
 every `SAMPLE_S` (system/cpuload.py) into the engine's `ThreadPolicy.others_cpus`,
 a plain float the decode thread reads at the end of each of its windows: the decode
 thread itself never reads /proc, logs or waits. Idle, the task sleeps until the next
-generation starts (no wake-ups on an idle machine); its first reading then covers the
-idle time. Each change the decode thread made is logged here, once.
+generation starts (no wake-ups on an idle machine); its first reading, `SAMPLE_S` into
+the generation (never on its first step), then covers the idle time. Each change the
+decode thread made is logged here, once.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ class ThreadMonitor:
         try:
             while True:
                 await scheduler.wait_busy()
-                # The others' load since the last reading (the idle time included): the
-                # decode thread's first window of this generation has it.
-                policy.others_cpus = load.sample()
+                # Not read now: a reading on the first step delays a short prompt's first
+                # token (docs/performance/sharing-the-machine.md); nothing stale meanwhile.
+                policy.others_cpus = None
                 busy = True
                 while busy:  # (one sleep at least per turn: never a busy loop)
                     await asyncio.sleep(SAMPLE_S)
