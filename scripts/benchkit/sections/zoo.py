@@ -9,8 +9,9 @@ file is skipped with a line on stderr.
 On each model, in each of `--runs` rounds (sides one right after the other, their order
 alternating by round):
 
-- first token: FIRST_TOKEN_PROMPTS short prompts (new ones every round), each after
-  FIRST_TOKEN_PAUSE_S of idle time, one token, greedy, `cache_prompt: false`, no
+- first token: FIRST_TOKEN_PROMPTS short prompts (new ones every round), each sent to
+  both sides in turn (which goes first alternating), each after FIRST_TOKEN_PAUSE_S of
+  idle time, one token, greedy, `cache_prompt: false`, no
   streaming, timed client-side from the request's send to its reply; the round's figure
   is their median.
 - decode, one client: a raw opening of the prompt corpus's `free` kind (new every round)
@@ -58,7 +59,8 @@ HELP = ("several GGUF models (the zoo) in one table: first token, decode, 4 and 
         "daemon against llama-server (both at their defaults)")
 DEFAULTS = {"runs": 2, "tokens": 128, "n_ctx": 0}
 ZOO_DIR = Path.home() / ".cache" / "sfcore-ai" / "zoo"
-FIRST_TOKEN_PROMPTS = 3
+# Six a side a round: with three, one slow reply moved a round's median by a tenth.
+FIRST_TOKEN_PROMPTS = 6
 # Idle time before each first-token request, as a person reading the last answer leaves:
 # a request after a pause pays what a busy one does not (sharing-the-machine.md).
 FIRST_TOKEN_PAUSE_S = 1.0
@@ -202,18 +204,21 @@ async def single_client(params: dict[str, Any], binary: str | None, openings: li
             await asyncio.to_thread(server_request, server, WARM_UP_PROMPT, WARM_UP_TOKENS)
         sides = [*SIDES] if server is not None else ["daemon"]
         for index in range(rounds):
-            for side in order(index, sides):
-                times = []
-                for prompt in first_token_prompts(index):
+            times: dict[str, list[float]] = {side: [] for side in sides}
+            # Prompt by prompt, the sides alternating: a drift of the machine's pace over
+            # the round falls on both alike.
+            for number, prompt in enumerate(first_token_prompts(index)):
+                for side in order(index + number, sides):
                     await asyncio.sleep(FIRST_TOKEN_PAUSE_S)
                     if side == "daemon":
                         ms, _ = await daemon_request(stream, prompt, 1)
                     else:
                         assert server is not None
                         ms, _ = await asyncio.to_thread(server_request, server, prompt, 1)
-                    times.append(ms)
-                samples["first_token_all_ms"][side].append(times)
-                samples["first_token_ms"][side].append(statistics.median(times))
+                    times[side].append(ms)
+            for side in sides:
+                samples["first_token_all_ms"][side].append(times[side])
+                samples["first_token_ms"][side].append(statistics.median(times[side]))
             log(f"[zoo] {name}, round {index + 1}/{rounds}, first token: " + ", ".join(
                 f"{side} {samples['first_token_ms'][side][-1]:.1f} ms" for side in sides))
             opening = openings[index % len(openings)]
