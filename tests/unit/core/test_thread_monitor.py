@@ -5,6 +5,7 @@ real daemon tests/e2e/ndjson/test_adaptive_threads.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -16,7 +17,7 @@ pytest_asyncio_mark = pytest.mark.asyncio(loop_scope="function")
 
 class OneGeneration:
     """A scheduler that is busy once: `wait_busy` returns at once the first time (the
-    generation starts), then never again; `busy` until `finish`."""
+    generation starts), then never again; `busy` from then on."""
 
     def __init__(self, events: list[str]) -> None:
         self._events = events
@@ -61,6 +62,8 @@ async def test_no_load_reading_lands_on_a_generations_first_step(
         await asyncio.wait_for(read.wait(), 10)
     finally:
         monitor.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await monitor
     # Start-up's reading, then the busy edge with nothing read and the stale figure
     # dropped, then the first reading one SAMPLE_S into the generation.
     assert events[:3] == ["sample with 1.5", "busy", "sample with None"], events
