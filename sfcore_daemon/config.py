@@ -40,9 +40,9 @@ class ServerConfig(_Section, frozen=True):
     # Requests decoded together, each its own sequence in one KV pool of model.n_ctx
     # cells; see docs/performance/slots.md.
     slots: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
-    # Prompt tokens per decode step while others stream, bounding their inter-token gap
-    # (a prompt read alone goes in whole model.n_batch chunks).
-    prefill_per_step: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] = 64
+    # Prompt tokens per decode step while others stream (alone: whole n_batch chunks); 0: as
+    # many as cost what the streams' rows do, by measured step costs (engine/prefillshare.py).
+    prefill_per_step: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] = 0
     max_queue: NonNegInt = 64
     max_connections: PositiveInt = 64
     max_line_bytes: Annotated[int, msgspec.Meta(ge=256)] = 1 << 20

@@ -187,11 +187,18 @@ class Server:
         log.info("%s; adaptive threads %s", openmp.describe(os.environ, openmp.mapped_paths()),
                  "on" if engine.threads.adaptive else "off")
         ratios = engine.step_cost_ratios()
-        if ratios is not None:
+        share = engine.prefill_share
+        if ratios is not None or share is not None:
             # Only a first start on this machine measures them (engine/costsfile.py).
             engine.save_step_costs()
+        if ratios is not None:
             log.info("drafts judged by step costs %s (in one-row steps, by rows; %s)",
                      " ".join(f"{rows}:{ratio:.2f}" for rows, ratio in ratios.items()),
+                     _costs_source(engine))
+        if share is not None:
+            log.info("prompt rows a step beside one stream: %d, %d at depth %d (by the "
+                     "measured step costs; %s)", share.rows(1, 0, 0),
+                     share.rows(1, 0, engine.n_ctx // 2), engine.n_ctx // 2,
                      _costs_source(engine))
         state.ready.set()
         state.load_ended.set()

@@ -15,9 +15,9 @@ import msgspec
 
 log = logging.getLogger(__name__)
 
-# rows -> ns; at most a few dozen sizes, each a time under ten seconds. Rows 0: what a logit
-# row costs for each cell of context it attends to (llama/stepcost.py, DEPTH_KEY).
-_Rows = Annotated[int, msgspec.Meta(ge=0, le=4096)]
+# rows -> ns; at most a few dozen sizes, each a time under ten seconds. Rows 0 to -4: what
+# rows cost by the context they attend to, and a prompt row (llama/stepcost.py's keys).
+_Rows = Annotated[int, msgspec.Meta(ge=-4, le=4096)]
 _Nanoseconds = Annotated[float, msgspec.Meta(ge=0, lt=1e10)]
 _MAX_BYTES = 64 << 10
 
@@ -27,7 +27,7 @@ class CostsFile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     ns: dict[_Rows, _Nanoseconds]
 
 
-_VERSION = 2
+_VERSION = 3
 _decoder = msgspec.json.Decoder(CostsFile)
 
 

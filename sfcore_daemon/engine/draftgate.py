@@ -14,6 +14,8 @@ knows (docs/performance/speculative.md).
 
 from __future__ import annotations
 
+from sfcore_daemon.llama.stepcost import DEPTH, DEPTH_KEY, FAR_DEPTH_KEY
+
 # A draft must promise this much more throughput than the step without it: the
 # measurements are noisy, and a draft that only breaks even costs host time.
 _MARGIN = 1.02
@@ -26,6 +28,14 @@ _LONGEST = 320
 _DEPTH_STEP = 256
 
 
+def attended_ns(depth: int, near_ns: float, far_ns: float) -> float:
+    """What one row adds to a step by the `depth` cells it attends to, at `near_ns` a
+    cell up to stepcost.DEPTH and `far_ns` past it."""
+    if depth <= DEPTH:
+        return depth * near_ns
+    return DEPTH * near_ns + (depth - DEPTH) * far_ns
+
+
 class StepCosts:
     """The time of a step by its logit rows: the sizes measured at start-up
     (llama/stepcost.py), the others drawn between and past them, plus what each row
@@ -34,12 +44,14 @@ class StepCosts:
     drafts of a request do not depend on what it served before (nor on how busy the
     machine was a moment ago)."""
 
-    __slots__ = ("_estimate", "_slope", "_least", "_cell_ns", "depth")
+    __slots__ = ("_estimate", "_slope", "_least", "_cell_ns", "_far_cell_ns", "depth")
 
     def __init__(self, measured: dict[int, float], most_rows: int) -> None:
         """`measured`: rows -> ns, with 1 and at least one more size; under key 0
-        (stepcost.DEPTH_KEY), the ns a row adds per cell of context."""
-        self._cell_ns = max(measured.get(0, 0.0), 0.0)
+        (stepcost.DEPTH_KEY), the ns a row adds per cell of context up to stepcost.DEPTH,
+        and under FAR_DEPTH_KEY past it (where missing, the same)."""
+        self._cell_ns = max(measured.get(DEPTH_KEY, 0.0), 0.0)
+        self._far_cell_ns = max(measured.get(FAR_DEPTH_KEY, self._cell_ns), 0.0)
         # Cells of context of the step being planned (stepbatch.StepBatch.fill).
         self.depth = 0
         sizes = sorted(rows for rows in measured if rows > 0)
@@ -67,8 +79,12 @@ class StepCosts:
 
     def cost(self, rows: int) -> float:
         """The estimated ns of a step of `rows` logit rows at the step's depth."""
+        return self.cost_at(rows, self.depth)
+
+    def cost_at(self, rows: int, depth: int) -> float:
+        """The estimated ns of a step of `rows` logit rows at `depth` cells of context."""
         estimate = self._estimate
-        attention = rows * self.depth * self._cell_ns
+        attention = rows * attended_ns(depth, self._cell_ns, self._far_cell_ns)
         if rows < len(estimate):
             return estimate[rows] + attention
         return estimate[-1] + (rows - len(estimate) + 1) * self._slope + attention

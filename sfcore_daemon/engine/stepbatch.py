@@ -10,6 +10,7 @@ from typing import Any
 
 from sfcore_daemon.engine.draftgate import StepCosts
 from sfcore_daemon.engine.drafting import DraftPlan, count_aligned, logit_rows
+from sfcore_daemon.engine.prefillshare import PrefillShare
 from sfcore_daemon.engine.sequence import Seq
 from sfcore_daemon.engine.speculative import DraftSettings
 from sfcore_daemon.llama.capi import C
@@ -22,6 +23,9 @@ _SHORT_REST = 64
 # Rows of short rests a step, unless the shortest has more: a step's cost grows with its rows,
 # so a few a step gives a burst its least mean first token (docs/performance/slots.md).
 _SHORT_STEP_ROWS = 32
+# Prompt rows a step beside streams with prefill_per_step 0 when the step costs could not be
+# measured (a context or batch too small to measure them in): the count fixed before.
+_UNMEASURED_PER_STEP = 64
 
 
 def _rest(seq: Seq) -> int:
@@ -69,6 +73,8 @@ class StepBatch:
         # A step's time by its logit rows (draftgate.py), once measured: the drafts are
         # judged by them. None: every draft is taken ([speculative] policy "always").
         self.costs: StepCosts | None = None
+        # Prompt rows beside streams by the measured costs (prefill_per_step 0), else None.
+        self.share: PrefillShare | None = None
         self.most_rows = slots + self._draft_rows + (drafts.row_multiple if drafts else 0)
         self._n_batch = batch
         self.batch: Any = C.llama_batch_init(batch, 0, 1)
@@ -97,28 +103,31 @@ class StepBatch:
                    if not seq.generating and seq.parked is None and seq.loading is None]
         # Generating sequences first (pending token and draft, each row asking for logits);
         # drafts settle once the chunks are planned: a prompt read to its end adds a row.
-        if self.costs is not None and stepping:
+        depth = sum(len(seq.cached) for seq in stepping) // len(stepping) if stepping else 0
+        if self.costs is not None:
             # Each draft row attends over its sequence's context (draftgate.StepCosts).
-            self.costs.depth = sum(len(seq.cached) for seq in stepping) // len(stepping)
+            self.costs.depth = depth
         # A prompt begun while every interactive stream waited for its first token came with
         # them (a burst): its last n_batch rows are read whole (docs/performance/slots.md).
         streams = [(seq.job.t_start, seq.job.t_first) for seq in stepping
                    if seq.job is not None and not _background(seq)]
         chunk = self._n_batch
         bursting = {seq.id for seq in reading if _burst(seq, streams, chunk)} if streams else ()
+        if len(reading) > 1:
+            reading.sort(key=_reading_order)
+        per_step = self._per_step(len(stepping), depth, reading) if streams else chunk
         plan = (DraftPlan(self._drafts, self._draft_rows, stepping, self.costs,
                           shared=len(active) > 1,
-                          first_token=any(_rest(seq) <= self._prefill_per_step
+                          first_token=any(_rest(seq) <= per_step
                                           or seq.id in bursting for seq in reading))
                 if self._drafts is not None and stepping else None)
         n = len(stepping) + (plan.rows if plan is not None else 0)
         # Then prompts, short rests first, then oldest first; beside interactive streams at
-        # most prefill_per_step, so a long prompt never holds them up (docs/performance/slots.md).
+        # most per_step rows, so a long prompt never holds them up (docs/performance/slots.md).
         spare = self._n_batch - n
-        budget = min(self._prefill_per_step, spare) if streams else spare
+        budget = min(per_step, spare) if streams else spare
         long_rows = True
         if len(reading) > 1:
-            reading.sort(key=_reading_order)
             first_rest = _rest(reading[0])
             if first_rest <= _SHORT_REST:
                 spare = min(spare, max(_SHORT_STEP_ROWS, first_rest))
@@ -187,6 +196,16 @@ class StepBatch:
                           self._drafts.row_multiple)
         batch.n_tokens = n
         return n
+
+    def _per_step(self, streams: int, depth: int, reading: list[Seq]) -> int:
+        """Prompt rows of a step beside `streams` generating sequences (`depth` cells on
+        average): prefill_per_step, or with 0 what the measured costs give for the first
+        prompt in reading order."""
+        if self._prefill_per_step > 0:
+            return self._prefill_per_step
+        if self.share is None:
+            return _UNMEASURED_PER_STEP
+        return self.share.rows(streams, depth, reading[0].next_prompt if reading else 0)
 
     def decoded(self, cells: KVCache) -> int:
         """The batch was decoded: each sequence's cache holds its rows (a draft's, once

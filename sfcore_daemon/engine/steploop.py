@@ -27,6 +27,7 @@ from sfcore_daemon.engine.costdrift import CostDrift
 from sfcore_daemon.engine.crossing import Channel, EndReason, JobSpec, Placement
 from sfcore_daemon.engine.draftgate import AcceptanceBook, StepCosts
 from sfcore_daemon.engine.job import Job
+from sfcore_daemon.engine.prefillshare import PrefillShare
 from sfcore_daemon.engine.rows import Rows
 from sfcore_daemon.engine.sequence import NO_PARTS, Seq
 from sfcore_daemon.engine.speculative import DraftSettings, NgramStore
@@ -63,8 +64,7 @@ class StepLoop:
         self._threads = threads
         # Bumped on every step and abort-callback tick (see Engine.progress).
         self.progress = 0
-        # Decodes done and the tokens (rows) they held, for /metrics' tokens per step:
-        # plain int stores, read on the event loop (Engine.step_counts).
+        # Decodes and the rows they held: plain ints the event loop reads (Engine.step_counts).
         self.decode_steps = 0
         self.step_tokens = 0
         self.preempted_steps = 0  # prompt-only steps stopped for a newer job
@@ -108,6 +108,10 @@ class StepLoop:
     def use_step_costs(self, measured: dict[int, float]) -> None:
         """Judge drafts by these step costs (rows -> ns; draftgate.py), before serving."""
         self._steps.costs = StepCosts(measured, self._steps.most_rows)
+
+    def use_prefill_share(self, share: PrefillShare) -> None:
+        """Size prompt chunks beside streams by `share` (prefillshare.py), before serving."""
+        self._steps.share = share
 
     def submitted(self, spec: JobSpec) -> None:
         """A job was put in the inbox (event loop): an interactive one may stop a step

@@ -22,6 +22,7 @@ from sfcore_daemon.engine import costsfile, faults
 from sfcore_daemon.engine.costdrift import CostDrift
 from sfcore_daemon.engine.crossing import Channel, JobSpec, Placement
 from sfcore_daemon.engine.draftgate import StepCosts
+from sfcore_daemon.engine.prefillshare import PrefillShare, prefill_share
 from sfcore_daemon.engine.speculative import DraftSettings
 from sfcore_daemon.engine.steploop import StepLoop, Submitted
 from sfcore_daemon.engine.storepolicy import PromptStore, store_fingerprint
@@ -108,6 +109,8 @@ class Engine:
         self.step_costs_measured = False
         self.step_costs_ms = 0.0
         self.step_costs_busy = 0.0  # other processes' share of the CPUs meanwhile
+        # Prompt rows beside streams by the step costs (prefill_per_step 0), once measured.
+        self.prefill_share: PrefillShare | None = None
         self._abort_load = False
         # store/fingerprint.reply_fingerprint, once the model file's sha256 is known: from a
         # thread of its own beside the load, which may hash the file (a model's first start).
@@ -138,9 +141,10 @@ class Engine:
 
     def start(self) -> concurrent.futures.Future[None]:
         """Start loading on the decode thread; the returned future says when it is ready."""
-        if self._judges_drafts() and self._costs_dir is not None:
+        if self._measures_costs() and self._costs_dir is not None:
             context = tuple(sorted(msgspec.structs.asdict(self.config).items()))
-            key = step_costs_key(self.model_path, self.n_threads, (*context, self.slots))
+            key = step_costs_key(self.model_path, self.n_threads,
+                                 (*context, self.slots, self._draft_rows()))
             self._costs_path = self._costs_dir / f"{key}.json"
             self.step_costs = costsfile.load(self._costs_path)
         threading.Thread(target=self._hash_model, name="sfcore-model-sha256",
@@ -284,10 +288,11 @@ class Engine:
     def warm_up(self) -> None:
         """One batched decode before serving: the first request does not pay for
         first-touch costs, and a build that cannot run on this CPU dies now (selfcheck).
-        Then the step costs the drafts are judged by, unless they were read."""
+        Then the step costs the drafts and the prompt rows beside streams are judged by,
+        unless they were read."""
         model = self.loaded_model()
         self.warm_up_ms = check_batched_decode(model)
-        if not self._judges_drafts():
+        if not self._measures_costs():
             return
         if self.step_costs is None:
             started = time.perf_counter()
@@ -300,7 +305,12 @@ class Engine:
         if self.step_costs is not None:
             self.step_costs = faults.step_costs(self.step_costs)
             assert self._loop is not None
-            self._loop.use_step_costs(self.step_costs)
+            if self._judges_drafts():
+                self._loop.use_step_costs(self.step_costs)
+            if self._prefill_per_step == 0:
+                self.prefill_share = prefill_share(self.step_costs, self.slots)
+                if self.prefill_share is not None:
+                    self._loop.use_prefill_share(self.prefill_share)
 
     def save_step_costs(self) -> None:
         """Keep step costs measured at this start for the next (event loop, after
@@ -331,3 +341,6 @@ class Engine:
     def _judges_drafts(self) -> bool:
         drafts = self.drafts
         return drafts is not None and drafts.measured
+
+    def _measures_costs(self) -> bool:
+        return self._judges_drafts() or self._prefill_per_step == 0

@@ -6,7 +6,10 @@ One sequence after a short prompt, every row asking for logits (the shape of a s
 that verifies a draft), on the daemon's own threads; each size the fastest of a few
 rounds, in a shuffled order each round. Then the same after DEPTH cells of context: each
 verification row attends over the whole context, so a draft costs more at depth than its
-rows' share of the weights, and what one row adds per cell is kept under DEPTH_KEY.
+rows' share of the weights, and what one row adds per cell is kept under DEPTH_KEY (and
+past DEPTH under FAR_DEPTH_KEY, measured at twice DEPTH where some layers attend to a
+window only). With each, what a prompt row (no logits) adds to a one-row step: steps
+beside streams take prompt rows by it (engine/prefillshare.py).
 The threads and the machine's load both change the figures
 (docs/performance/speculative.md), so costs measured while other processes kept the
 CPUs busy serve this run only, and the next start measures again (`busy_share`).
@@ -33,8 +36,17 @@ ROUNDS = 2
 # The context the depth cost is measured at, and the row count compared with one row.
 DEPTH = 1024
 _DEPTH_ROWS = 8
-# The costs' key for the ns one logit row adds per cell of context (draftgate.StepCosts).
+# The costs' keys for the ns one logit row adds per cell of context up to DEPTH, and past it
+# (draftgate.StepCosts): a sliding-window layer's row attends to its window only.
 DEPTH_KEY = 0
+FAR_DEPTH_KEY = -3
+# The costs' keys for the ns a prompt row adds to a step, and what it adds per cell of
+# context up to DEPTH and past it (engine/prefillshare.py).
+PROMPT_ROW_KEY = -1
+PROMPT_CELL_KEY = -2
+FAR_PROMPT_CELL_KEY = -4
+# Prompt rows of the step that measures them: about as many as a step beside streams takes.
+_PROMPT_ROWS = 16
 # Other processes' share of the CPUs during the measurement above which it is not kept.
 BUSY_SHARE = 0.1
 _PROMPT_TOKENS = 8
@@ -46,31 +58,29 @@ def measure_step_costs(model: Model, sizes: tuple[int, ...] = SIZES,
     the decode thread before it serves; the cache is cleared after. No size past
     `most_rows`, the most logit rows a step of this daemon has: llama.cpp aborts the
     process on a batch with more outputs than its context's n_outputs_max (a daemon
-    with 2 slots and draft_max 8 died so at start-up)."""
+    with 2 slots and draft_max 8 died so at start-up). Under the keys below 1, what
+    rows add by the context they attend to, and a prompt row's cost."""
     sizes = tuple(size for size in sizes if size + _PROMPT_TOKENS <= model.n_batch
                   and size <= most_rows)
     most = max(sizes)
-    batch = C.llama_batch_init(_PROMPT_TOKENS + most, 0, 1)
+    batch = C.llama_batch_init(_PROMPT_TOKENS + max(most, _PROMPT_ROWS + 1), 0, 1)
     n_vocab = model.info.n_vocab
     shuffle = random.Random(0).shuffle
     best: dict[int, float] = {}
     try:
-        depth_ns = _depth_cost(model, batch, sizes, rounds, most)
+        at_depth = _depth_costs(model, batch, rows=min(_DEPTH_ROWS, most), sizes=sizes,
+                                rounds=rounds, most=most)
         for row in range(_PROMPT_TOKENS + most):
-            batch.token[row] = row * 7919 % (n_vocab - 1) + 1  # any valid ids do
-            batch.pos[row] = row
-            batch.n_seq_id[row] = 1
-            batch.seq_id[row][0] = 0
-            batch.logits[row] = 0
+            _put(batch, row, row * 7919 % (n_vocab - 1) + 1, row, 0)  # any valid ids do
         batch.n_tokens = _PROMPT_TOKENS
         if C.llama_decode(model.ctx, batch) != 0:
             return {}
         prompt_only = _PROMPT_TOKENS
-        for row in range(most):
-            batch.token[row] = batch.token[prompt_only + row]
-            batch.pos[row] = prompt_only + row
-            batch.logits[row] = 1
+        prompt_step = model.n_batch >= _PROMPT_TOKENS + _PROMPT_ROWS + 1
+        prompt_ns = float("inf")
         for _ in range(rounds):
+            for row in range(most):
+                _put(batch, row, row * 7919 % (n_vocab - 1) + 1, prompt_only + row, 1)
             order = list(sizes)
             shuffle(order)
             for size in order:
@@ -78,47 +88,74 @@ def measure_step_costs(model: Model, sizes: tuple[int, ...] = SIZES,
                 if elapsed is None:
                     return {}
                 best[size] = min(best.get(size, elapsed), elapsed)
+            elapsed = _prompt_step(model, batch, prompt_only) if prompt_step else None
+            if elapsed is not None:
+                prompt_ns = min(prompt_ns, elapsed)
     finally:
         C.llama_batch_free(batch)
         C.llama_memory_clear(model.memory, False)
-    if best and depth_ns is not None:
+    shallow = (best[1], best.get(min(_DEPTH_ROWS, most), 0.0), prompt_ns)
+    if prompt_ns < float("inf"):
+        best[PROMPT_ROW_KEY] = max(0.0, (prompt_ns - best[1]) / _PROMPT_ROWS)
+    for near, (depth_from, before), (depth_to, after) in zip(
+            (True, False), [(_PROMPT_TOKENS, shallow), *at_depth], at_depth, strict=False):
+        cells = depth_to - depth_from
+        logit_key, prompt_key = ((DEPTH_KEY, PROMPT_CELL_KEY) if near
+                                 else (FAR_DEPTH_KEY, FAR_PROMPT_CELL_KEY))
         rows = min(_DEPTH_ROWS, most)
-        shallow = best[rows] - best[1]
-        best[DEPTH_KEY] = max(0.0, (depth_ns[1] - depth_ns[0] - shallow)
-                              / ((rows - 1) * (DEPTH - _PROMPT_TOKENS)))
+        best[logit_key] = max(0.0, ((after[1] - after[0]) - (before[1] - before[0]))
+                              / ((rows - 1) * cells))
+        if before[2] < float("inf") and after[2] < float("inf"):
+            best[prompt_key] = max(0.0, ((after[2] - after[0]) - (before[2] - before[0]))
+                                   / (_PROMPT_ROWS * cells))
     return best
 
 
-def _depth_cost(model: Model, batch: object, sizes: tuple[int, ...], rounds: int,
-                most: int) -> tuple[float, float] | None:
-    """The ns of a one-row step and of a _DEPTH_ROWS-row step (fewer if `most` is less)
-    after DEPTH cells of context, the fastest of `rounds`; None where it cannot be
-    measured (a context or batch too small). The cache is cleared after."""
-    rows = min(_DEPTH_ROWS, most)
+def _depth_costs(model: Model, batch: object, *, rows: int, sizes: tuple[int, ...],
+                 rounds: int, most: int) -> list[tuple[int, tuple[float, float, float]]]:
+    """At DEPTH cells of context, and for a model with sliding-window layers at twice
+    that too (past the window only its other layers' rows cost more by the cell): the
+    ns of a one-row step, of a `rows`-row step and of a one-row step with _PROMPT_ROWS
+    prompt rows (_prompt_step; inf where the context or batch cannot hold it), the
+    fastest of `rounds`. Empty where it cannot be measured (a context or batch too
+    small). The cache is cleared after."""
     if rows < 2 or DEPTH + rows > model.n_ctx or rows not in sizes:
-        return None
+        return []
+    depths = [DEPTH]
+    if C.llama_model_n_swa(model.model) > 0 and 2 * DEPTH + rows <= model.n_ctx:
+        depths.append(2 * DEPTH)
     chunk = min(model.n_batch, _PROMPT_TOKENS + most)
     n_vocab = model.info.n_vocab
-    times = [float("inf"), float("inf")]
+    measured: list[tuple[int, tuple[float, float, float]]] = []
+    filled = 0
     try:
-        for start in range(0, DEPTH, chunk):
-            count = min(chunk, DEPTH - start)
-            for row in range(count):
-                _put(batch, row, (start + row) * 7919 % (n_vocab - 1) + 1, start + row, 0)
-            batch.n_tokens = count  # type: ignore[attr-defined]
-            if C.llama_decode(model.ctx, batch) != 0:
-                return None
-        for _ in range(rounds):
-            for index, size in enumerate((1, rows)):
-                for row in range(size):
-                    _put(batch, row, row * 104729 % (n_vocab - 1) + 1, DEPTH + row, 1)
-                elapsed = _timed_step(model, batch, size, DEPTH)
-                if elapsed is None:
-                    return None
-                times[index] = min(times[index], elapsed)
+        for depth in depths:
+            for start in range(filled, depth, chunk):
+                count = min(chunk, depth - start)
+                for row in range(count):
+                    _put(batch, row, (start + row) * 7919 % (n_vocab - 1) + 1, start + row, 0)
+                batch.n_tokens = count  # type: ignore[attr-defined]
+                if C.llama_decode(model.ctx, batch) != 0:
+                    return measured
+            filled = depth
+            prompt_step = (model.n_ctx >= depth + _PROMPT_ROWS + 1
+                           and model.n_batch >= _PROMPT_ROWS + 1)
+            times = [float("inf")] * 3
+            for _ in range(rounds):
+                for index, size in enumerate((1, rows)):
+                    for row in range(size):
+                        _put(batch, row, row * 104729 % (n_vocab - 1) + 1, depth + row, 1)
+                    elapsed = _timed_step(model, batch, size, depth)
+                    if elapsed is None:
+                        return measured
+                    times[index] = min(times[index], elapsed)
+                elapsed = _prompt_step(model, batch, depth) if prompt_step else None
+                if elapsed is not None:
+                    times[2] = min(times[2], elapsed)
+            measured.append((depth, (times[0], times[1], times[2])))
     finally:
         C.llama_memory_clear(model.memory, False)
-    return times[0], times[1]
+    return measured
 
 
 def _timed_step(model: Model, batch: object, rows: int, kept: int) -> int | None:
@@ -132,6 +169,16 @@ def _timed_step(model: Model, batch: object, rows: int, kept: int) -> int | None
     elapsed = time.perf_counter_ns() - started
     C.llama_memory_seq_rm(model.memory, 0, kept, -1)
     return elapsed if status == 0 else None
+
+
+def _prompt_step(model: Model, batch: object, kept: int) -> int | None:
+    """The ns of a step of _PROMPT_ROWS prompt rows and one logit row after `kept` cells
+    (the shape of a step that reads a prompt beside one stream), as _timed_step."""
+    n_vocab = model.info.n_vocab
+    rows = _PROMPT_ROWS + 1
+    for row in range(rows):
+        _put(batch, row, (kept + row) * 31 % (n_vocab - 1) + 1, kept + row, int(row == rows - 1))
+    return _timed_step(model, batch, rows, kept)
 
 
 def _put(batch: object, row: int, token: int, pos: int, logits: int) -> None:

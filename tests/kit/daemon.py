@@ -54,6 +54,10 @@ BASE_CONFIG: dict[str, Any] = {
     # request's bytes (cold against warm) would compare other batch shapes; the store
     # has its own tests (tests/e2e/ndjson/test_speculative.py).
     "speculative": {"policy": "always", "store_tokens": 0},
+    # A fixed count of prompt rows beside streams: with 0 (the default) every start with a
+    # new cache folder measures step costs, seconds each; the measured share has its own
+    # test (tests/e2e/ndjson/test_slots.py).
+    "server": {"prefill_per_step": 64},
     # All n_threads on a loaded machine too: the thread count partitions llama.cpp's sums,
     # and many tests compare bytes (cold against warm, before and after a restart). The
     # adaptation has its own tests (tests/e2e/ndjson/test_adaptive_threads.py).

@@ -179,6 +179,38 @@ async def test_a_long_prompt_is_read_in_chunks_while_another_streams() -> None:
         assert long_done["usage"]["completion_tokens"] == 4
 
 
+async def test_beside_a_stream_a_long_prompt_takes_the_rows_its_measured_costs_give() -> None:
+    # prefill_per_step 0: the step costs measured at start-up size the chunks.
+    config = {"server": {"slots": 2, "prefill_per_step": 0}}
+    long_prompt = "The quick brown fox jumps over the lazy dog. " * 60  # ~600 tokens
+    async with running_daemon(config) as daemon, daemon.client() as counter:
+        found = re.search(r"prompt rows a step beside one stream: (\d+), (\d+) at depth",
+                          daemon.log)
+        assert found is not None, daemon.log[-3000:]
+        shallow, deep = int(found.group(1)), int(found.group(2))
+        assert 1 <= deep <= shallow
+        streamer, reader = await daemon.connect(), await daemon.connect()
+        try:
+            await streamer.start_streaming(story(0, grammar=ENDLESS_GRAMMAR, max_tokens=3000,
+                                                 speculative=False))
+            before = await decode_steps(counter)
+            await reader.send({"id": "long", "prompt": long_prompt, "max_tokens": 1,
+                               "temperature": 0, "cache_prompt": False})
+            long_done = done_of(await reader.reply(180))
+            steps = await decode_steps(counter) - before
+            await streamer.send({"op": "cancel", "id": "c", "target": "s0"})
+            stream_done = done_of(await streamer.reply(60))
+            assert stream_done["finish_reason"] == "cancelled", stream_done["usage"]
+        finally:
+            await streamer.close()
+            await reader.close()
+    prompt_tokens = long_done["usage"]["prompt_tokens"]
+    assert prompt_tokens > 500
+    # Each step read at most about `shallow` rows of it (the stream's own depth adds a
+    # little to its rows' cost): in whole chunks or 64 a step it would take a few steps.
+    assert steps >= prompt_tokens / (2 * shallow + 2), (steps, shallow)
+
+
 async def test_a_request_waits_until_its_context_fits_instead_of_failing() -> None:
     # A 1024-cell pool: the first request reserves its prompt plus 900 tokens, so the
     # second (prompt plus 300) cannot fit beside it and must wait, not fail.

@@ -29,8 +29,10 @@ from sfcore_daemon.engine.draftgate import (
     search_length,
 )
 from sfcore_daemon.engine.drafting import DraftPlan
+from sfcore_daemon.engine.prefillshare import PrefillShare
 from sfcore_daemon.engine.sequence import Seq
 from sfcore_daemon.engine.speculative import NgramDrafter, draft_settings
+from sfcore_daemon.llama.stepcost import PROMPT_ROW_KEY
 
 
 def costs_of(table: dict[int, float], most: int = 70) -> StepCosts:
@@ -241,11 +243,13 @@ def test_the_costs_file_round_trips(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("text", [
-    b"", b"{", b"[]", b'{"version": 2}', b'{"version": 1, "ns": {"1": 5, "2": 9}}',
-    b'{"version": 2, "ns": {"1": 5}}', b'{"version": 2, "ns": {"2": 5, "3": 9}}',
-    b'{"version": 2, "ns": {"1": -5, "2": 9}}', b'{"version": 2, "ns": {"0": 5, "1": 9}}',
-    b'{"version": 2, "ns": {"1": 0, "2": 9}}', b'{"version": 2, "ns": {"0": -1, "1": 5, "2": 9}}',
-    b'{"version": 2, "ns": {"1": 5, "2": 9}, "more": 1}', b"\xff\xfe",
+    b"", b"{", b"[]", b'{"version": 3}', b'{"version": 2, "ns": {"1": 5, "2": 9}}',
+    b'{"version": 3, "ns": {"1": 5}}', b'{"version": 3, "ns": {"2": 5, "3": 9}}',
+    b'{"version": 3, "ns": {"1": -5, "2": 9}}', b'{"version": 3, "ns": {"0": 5, "1": 9}}',
+    b'{"version": 3, "ns": {"1": 0, "2": 9}}', b'{"version": 3, "ns": {"0": -1, "1": 5, "2": 9}}',
+    b'{"version": 3, "ns": {"-5": 1, "1": 5, "2": 9}}',
+    b'{"version": 3, "ns": {"-1": -2, "1": 5, "2": 9}}',
+    b'{"version": 3, "ns": {"1": 5, "2": 9}, "more": 1}', b"\xff\xfe",
 ])
 def test_a_file_that_is_not_costs_is_measured_again(text: bytes) -> None:
     assert costsfile.parse(text) is None
@@ -257,16 +261,20 @@ def test_any_bytes_read_as_costs_or_as_nothing(data: bytes) -> None:
     parsed = costsfile.parse(data)
     if parsed is not None:
         assert 1 in parsed and sum(rows > 0 for rows in parsed) >= 2
-        assert all(ns > 0 if rows > 0 else rows == 0 and ns >= 0 for rows, ns in parsed.items())
+        assert all(ns > 0 if rows > 0 else rows >= -4 and ns >= 0 for rows, ns in parsed.items())
         StepCosts(parsed, 64)  # and the gate takes them
+        try:
+            PrefillShare(parsed, 64)  # and so do steps beside streams, given a prompt row's cost
+        except ValueError:
+            assert parsed.get(PROMPT_ROW_KEY, 0.0) <= 0.0
 
 
-@given(st.dictionaries(st.integers(1, 64), st.floats(1.0, 1e9), min_size=1, max_size=20))
+@given(st.dictionaries(st.integers(-4, 64), st.floats(1.0, 1e9), min_size=1, max_size=20))
 def test_costs_survive_the_file(ns: dict[int, float]) -> None:
     ns = {1: 1e6, **ns}
-    data = msgspec.json.encode({"version": 2, "ns": ns})
+    data = msgspec.json.encode({"version": 3, "ns": ns})
     parsed = costsfile.parse(data)
-    assert parsed == (ns if len(ns) >= 2 else None)
+    assert parsed == (ns if sum(rows > 0 for rows in ns) >= 2 else None)
 
 
 def _copying_seq(seq_id: int, book: AcceptanceBook | None = None) -> Seq:

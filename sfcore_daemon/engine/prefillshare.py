@@ -1,0 +1,46 @@
+"""How many prompt rows a step takes beside interactive streams, when `[server]
+prefill_per_step` is 0: as many as cost about what the streams' own rows cost in that
+step, by the step costs measured at start-up (llama/stepcost.py).
+
+A long prompt read beside streams then takes about half of each step's time, and the
+streams keep about half their pace: a fixed count of rows costs a stream from a tenth
+to several times its step, by the model, the machine and how deep the prompt already
+is (docs/performance/slots.md).
+"""
+
+from __future__ import annotations
+
+from sfcore_daemon.engine.draftgate import StepCosts, attended_ns
+from sfcore_daemon.llama.stepcost import FAR_PROMPT_CELL_KEY, PROMPT_CELL_KEY, PROMPT_ROW_KEY
+
+
+class PrefillShare:
+    """The prompt rows of a step beside streams, from the measured step costs."""
+
+    __slots__ = ("_steps", "_row_ns", "_cell_ns", "_far_cell_ns")
+
+    def __init__(self, measured: dict[int, float], most_rows: int) -> None:
+        """`measured`: as llama/stepcost.py measures them; ValueError without a prompt
+        row's cost or without the logit rows' (StepCosts)."""
+        self._steps = StepCosts(measured, most_rows)
+        self._row_ns = measured.get(PROMPT_ROW_KEY, 0.0)
+        self._cell_ns = max(measured.get(PROMPT_CELL_KEY, 0.0), 0.0)
+        self._far_cell_ns = max(measured.get(FAR_PROMPT_CELL_KEY, self._cell_ns), 0.0)
+        if self._row_ns <= 0.0:
+            raise ValueError("step costs without a prompt row's cost")
+
+    def rows(self, streams: int, stream_depth: int, prompt_depth: int) -> int:
+        """Prompt rows (at least 1) for a step of `streams` logit rows whose sequences
+        hold `stream_depth` cells on average, for a prompt read to `prompt_depth`."""
+        streams_ns = self._steps.cost_at(max(streams, 1), stream_depth)
+        row_ns = self._row_ns + attended_ns(prompt_depth, self._cell_ns, self._far_cell_ns)
+        return max(1, int(streams_ns / row_ns))
+
+
+def prefill_share(measured: dict[int, float], most_rows: int) -> PrefillShare | None:
+    """The share by `measured`; None without a prompt row's cost (a context or batch too
+    small to measure it in: prompt chunks beside streams then keep a fixed count)."""
+    try:
+        return PrefillShare(measured, most_rows)
+    except ValueError:
+        return None
