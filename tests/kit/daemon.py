@@ -207,16 +207,21 @@ async def start_daemon(
     The caller stops it (`stop`, the exit code) and then `close`s it.
     """
     directory = Path(tempfile.mkdtemp(prefix="sf", dir="/tmp"))  # sun_path holds 108 bytes
-    notify_path = directory / "n"
-    notify_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify_sock.bind(str(notify_path))
-    notify_sock.setblocking(False)
     config_path = directory / "c.toml"
     merged = merge(base or {}, config or {})
     # Each daemon its own prompt store, unless a test shares one (a restart): states
     # another test left behind would turn its cold requests into restored ones.
     merged.setdefault("cache", {}).setdefault("dir", str(directory / "prompts"))
-    config_path.write_text(_toml(merged))
+    try:
+        # Before the socket: a config TOML cannot hold fails here and leaks nothing.
+        config_path.write_text(_toml(merged))
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    notify_path = directory / "n"
+    notify_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify_sock.bind(str(notify_path))
+    notify_sock.setblocking(False)
     socket_path = socket_path or str(directory / "d.sock")
     log_path = log_path or directory / "daemon.log"
     tree = Path(tree).resolve() if tree is not None else REPO

@@ -17,7 +17,14 @@ from typing import Any
 import pytest
 
 from sfcore_daemon.engine import costsfile
-from sfcore_daemon.llama.stepcost import BusyMeter
+from sfcore_daemon.llama.stepcost import (
+    DEPTH_KEY,
+    FAR_DEPTH_KEY,
+    FAR_PROMPT_CELL_KEY,
+    PROMPT_CELL_KEY,
+    PROMPT_ROW_KEY,
+    BusyMeter,
+)
 from tests.kit import done_of, merge, running_daemon
 
 pytest_asyncio_mark = pytest.mark.asyncio(loop_scope="function")
@@ -59,7 +66,12 @@ async def test_a_daemon_measures_its_step_costs_once_and_judges_drafts_by_them(
     kept = list((tmp_path / "step-costs").glob("*.json"))
     if "kept for later starts" in log:
         assert len(kept) == 1, kept
-        assert costsfile.load(kept[0]) is not None
+        costs_kept = costsfile.load(kept[0])
+        assert costs_kept is not None
+        # A prompt row's cost, and by the cell up to DEPTH and past it: the default model
+        # has window layers, so it is measured again at twice DEPTH.
+        assert costs_kept[PROMPT_ROW_KEY] > 0
+        assert {DEPTH_KEY, FAR_DEPTH_KEY, PROMPT_CELL_KEY, FAR_PROMPT_CELL_KEY} <= set(costs_kept)
     else:  # measured while the machine was busy: for that run only
         assert "for this run only" in log and kept == []
     async with running_daemon(measured) as again:
