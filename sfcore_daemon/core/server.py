@@ -196,10 +196,12 @@ class Server:
                      " ".join(f"{rows}:{ratio:.2f}" for rows, ratio in ratios.items()),
                      _costs_source(engine))
         if share is not None:
-            log.info("prompt rows a step beside one stream: %d, %d at depth %d (by the "
-                     "measured step costs; %s)", share.rows(1, 0, 0),
-                     share.rows(1, 0, engine.n_ctx // 2), engine.n_ctx // 2,
-                     _costs_source(engine))
+            beside = (f"{share.rows(1, 0, 0)}, {share.rows(1, 0, engine.n_ctx // 2)} at depth "
+                      f"{engine.n_ctx // 2}" if self.config.server.prefill_per_step == 0
+                      else f"{self.config.server.prefill_per_step} (prefill_per_step)")
+            log.info("prompt rows a step beside one stream: %s; of eight 32-token short rests: "
+                     "%d (by the measured step costs; %s)", beside,
+                     share.short_rows(0, 0, 0, 8 * 32), _costs_source(engine))
         state.ready.set()
         state.load_ended.set()
         # The one line a person or a script waits for; systemd gets the same as STATUS.

@@ -20,11 +20,10 @@ from sfcore_daemon.llama.model import Model
 # Prompt tokens left up to which a prompt is a short rest (a question after a restored or
 # reused prefix, a chat's new turn, a short prompt): read whole, before the long ones.
 _SHORT_REST = 64
-# Rows of short rests a step, unless the shortest has more: a step's cost grows with its rows,
-# so a few a step gives a burst its least mean first token (docs/performance/slots.md).
-_SHORT_STEP_ROWS = 32
-# Prompt rows a step beside streams with prefill_per_step 0 when the step costs could not be
-# measured (a context or batch too small to measure them in): the count fixed before.
+# Without measured step costs (a context or batch too small to measure them in, one slot):
+# rows of short rests a step, unless the shortest has more (else PrefillShare.short_rows)...
+_UNMEASURED_SHORT_ROWS = 32
+# ...and prompt rows a step beside streams with prefill_per_step 0 (else PrefillShare.rows).
 _UNMEASURED_PER_STEP = 64
 
 
@@ -73,7 +72,8 @@ class StepBatch:
         # A step's time by its logit rows (draftgate.py), once measured: the drafts are
         # judged by them. None: every draft is taken ([speculative] policy "always").
         self.costs: StepCosts | None = None
-        # Prompt rows beside streams by the measured costs (prefill_per_step 0), else None.
+        # Prompt rows a step by the measured costs (short rests; beside streams with
+        # prefill_per_step 0), else None.
         self.share: PrefillShare | None = None
         self.most_rows = slots + self._draft_rows + (drafts.row_multiple if drafts else 0)
         self._n_batch = batch
@@ -130,7 +130,8 @@ class StepBatch:
         if len(reading) > 1:
             first_rest = _rest(reading[0])
             if first_rest <= _SHORT_REST:
-                spare = min(spare, max(_SHORT_STEP_ROWS, first_rest))
+                rows = self._short_rows(len(stepping), depth, reading)
+                spare = min(spare, max(rows, first_rest))
                 budget = min(budget, spare)
                 # A long prompt's rows attend over its context read so far: at depth a few
                 # of them cost the step more than the short rest that waits for them.
@@ -206,6 +207,18 @@ class StepBatch:
         if self.share is None:
             return _UNMEASURED_PER_STEP
         return self.share.rows(streams, depth, reading[0].next_prompt if reading else 0)
+
+    def _short_rows(self, streams: int, depth: int, reading: list[Seq]) -> int:
+        """Rows of short rests a step (reading in reading order, a short rest first)."""
+        if self.share is None:
+            return _UNMEASURED_SHORT_ROWS
+        waiting = 0
+        for seq in reading:
+            rest = _rest(seq)
+            if rest > _SHORT_REST:
+                break
+            waiting += rest
+        return self.share.short_rows(streams, depth, reading[0].next_prompt, waiting)
 
     def decoded(self, cells: KVCache) -> int:
         """The batch was decoded: each sequence's cache holds its rows (a draft's, once

@@ -109,7 +109,8 @@ class Engine:
         self.step_costs_measured = False
         self.step_costs_ms = 0.0
         self.step_costs_busy = 0.0  # other processes' share of the CPUs meanwhile
-        # Prompt rows beside streams by the step costs (prefill_per_step 0), once measured.
+        # Prompt rows a step by the step costs (short rests; beside streams with
+        # prefill_per_step 0), once measured.
         self.prefill_share: PrefillShare | None = None
         self._abort_load = False
         # store/fingerprint.reply_fingerprint, once the model file's sha256 is known: from a
@@ -307,10 +308,9 @@ class Engine:
             assert self._loop is not None
             if self._judges_drafts():
                 self._loop.use_step_costs(self.step_costs)
-            if self._prefill_per_step == 0:
-                self.prefill_share = prefill_share(self.step_costs, self.slots)
-                if self.prefill_share is not None:
-                    self._loop.use_prefill_share(self.prefill_share)
+            self.prefill_share = prefill_share(self.step_costs, self.slots)
+            if self.prefill_share is not None:
+                self._loop.use_prefill_share(self.prefill_share)
 
     def save_step_costs(self) -> None:
         """Keep step costs measured at this start for the next (event loop, after
@@ -343,4 +343,5 @@ class Engine:
         return drafts is not None and drafts.measured
 
     def _measures_costs(self) -> bool:
-        return self._judges_drafts() or self._prefill_per_step == 0
+        # One slot never reads a prompt beside a stream or another prompt.
+        return self._judges_drafts() or self.slots > 1

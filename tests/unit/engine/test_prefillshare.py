@@ -1,8 +1,10 @@
-"""Prompt rows a step takes beside streams by the measured step costs
-(engine/prefillshare.py), and what a row adds by the context it attends to
+"""Prompt rows a step takes beside streams and of short rests by the measured step
+costs (engine/prefillshare.py), and what a row adds by the context it attends to
 (draftgate.attended_ns): pure arithmetic on given costs, no model."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 from hypothesis import given
@@ -82,3 +84,39 @@ def test_the_prompt_rows_cost_at_most_the_streams_step_unless_one(
     assert rows >= 1
     assert rows == 1 or rows * row_ns <= streams_ns * (1 + 1e-9)
     assert (rows + 1) * row_ns > streams_ns * (1 - 1e-9)
+
+
+def test_short_rests_take_more_rows_a_step_where_a_step_s_fixed_part_costs_more() -> None:
+    # a = 10 ms (a one-row step), b = 1 ms a row: eight 32-token rests, sqrt(10 * 256).
+    assert share(1.0).short_rows(0, 0, 0, 256) == 50
+    # A dearer row (a wider model on the same machine): fewer rows a step.
+    assert share(4.0).short_rows(0, 0, 0, 256) == 25
+    # Streams in the step make its fixed part dearer: more rows a step.
+    assert share(1.0).short_rows(4, 0, 0, 256) > share(1.0).short_rows(0, 0, 0, 256)
+    # Rests after a long restored prefix attend over it: fewer rows a step.
+    deep = share(1.0, cell=1000.0)
+    assert deep.short_rows(0, 0, 4000, 256) < deep.short_rows(0, 0, 0, 256)
+    assert share(1.0).short_rows(0, 0, 0, 0) == 1
+
+
+def mean_wait(fixed: float, row: float, waiting: int, rows: int) -> float:
+    """Short rests' mean wait when `waiting` rows of them are read `rows` a step, a step
+    costing `fixed` plus `row` a row: step j ends at j (fixed + row * rows)."""
+    steps = math.ceil(waiting / rows)
+    ends = [(index + 1) * (fixed + row * rows) for index in range(steps)]
+    # Each rest ends with the step that reads its last row; rows spread evenly.
+    read = [min(rows, waiting - index * rows) for index in range(steps)]
+    return sum(end * count for end, count in zip(ends, read, strict=True)) / waiting
+
+
+@given(one=st.floats(1e5, 1e8), prompt_row=st.floats(1e4, 1e8), waiting=st.integers(1, 512))
+def test_the_short_rows_are_within_a_row_of_the_least_mean_wait(
+        *, one: float, prompt_row: float, waiting: int) -> None:
+    measured = {1: one, 8: 4 * one, PROMPT_ROW_KEY: prompt_row}
+    rows = PrefillShare(measured, 8).short_rows(0, 0, 0, waiting)
+    assert rows >= 1
+    fixed = StepCosts(measured, 8).cost_at(1, 0)
+    chosen = mean_wait(fixed, prompt_row, waiting, min(rows, waiting))
+    best = min(mean_wait(fixed, prompt_row, waiting, size) for size in range(1, waiting + 1))
+    # The continuous optimum; whole steps move the mean by at most one step's rows.
+    assert chosen <= best + fixed + prompt_row * (rows + 1)

@@ -14,8 +14,10 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sfcore_daemon.engine.prefillshare import PrefillShare
 from sfcore_daemon.engine.sequence import Seq
 from sfcore_daemon.engine.stepbatch import _SHORT_REST, StepBatch
+from sfcore_daemon.llama.stepcost import PROMPT_ROW_KEY
 
 N_BATCH = 512
 PREFILL_PER_STEP = 64
@@ -93,6 +95,17 @@ def test_short_rests_share_a_step_with_each_other_but_not_with_a_long_prompt() -
     with step_batch() as steps:
         n = steps.fill([long, *shorts])
         assert rows_of(steps, n) == {2: 7, 1: 9}  # the shortest first
+
+
+def test_short_rests_a_step_follow_the_measured_costs() -> None:
+    # Eight 20-token rests. A step's fixed part of 10 ms and 1 ms a prompt row give
+    # sqrt(10 * 160) = 40 rows: two rests a step. At 10 ms a row, one a step.
+    shorts = [reading(seq_id, 20, started=seq_id) for seq_id in range(8)]
+    for row_ms, rests in ((1.0, 2), (10.0, 1), (0.1, 6)):
+        with step_batch(slots=8) as steps:
+            steps.share = PrefillShare({1: 10e6, 2: 12e6, PROMPT_ROW_KEY: row_ms * 1e6}, 8)
+            n = steps.fill(shorts)
+            assert len(steps.prefilling) == rests and n == 20 * rests, (row_ms, n)
 
 
 def test_a_background_short_rest_leaves_the_long_prompt_its_rows() -> None:
