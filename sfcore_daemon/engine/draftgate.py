@@ -90,13 +90,14 @@ class StepCosts:
         return estimate[-1] + (rows - len(estimate) + 1) * self._slope + attention
 
     def as_one_row(self, elapsed_ns: int, rows: int) -> int:
-        """A step of `rows` logit rows that took `elapsed_ns`, as the time of a one-row
-        step at the same pace: what the thread policy compares (threadpolicy.py). Its
-        baseline is a one-row step's time; a step of drafts or of several requests'
-        tokens takes longer with nothing slowing it down."""
-        if rows <= 1:
+        """A step of `rows` logit rows at the step's depth that took `elapsed_ns`, as the
+        time of a one-row step with no context at the same pace: what the thread policy
+        compares (threadpolicy.py). Its baseline is a one-row step's time; a step of
+        drafts or of several requests' tokens, or one deep in a long context, takes
+        longer with nothing slowing it down."""
+        if rows <= 1 and self.depth == 0:
             return elapsed_ns
-        return int(elapsed_ns * self.cost(1) / self.cost(rows))
+        return int(elapsed_ns * self._estimate[1] / self.cost(max(rows, 1)))
 
     def least_paying(self, rows: int) -> float:
         """A chance of acceptance below which no draft (of 2 to _LONGEST tokens) pays

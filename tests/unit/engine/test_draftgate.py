@@ -323,7 +323,11 @@ def test_drafts_cost_more_at_depth() -> None:
     assert costs.cost(4) == 1.3e6 + 4 * 4000 * 100.0
     assert costs.cost(1) == 1e6 + 4000 * 100.0
     assert costs.least_paying(1) > shallow
-    assert costs.as_one_row(int(costs.cost(4)), 4) == int(costs.cost(1))
+    # At depth a step at the measured pace reads as a one-row step with no context: the
+    # thread policy's baseline does not take a long context for a loaded machine.
+    assert costs.as_one_row(int(costs.cost(4)), 4) == pytest.approx(1e6, abs=1)
+    assert costs.as_one_row(int(costs.cost(1)), 1) == pytest.approx(1e6, abs=1)
+    assert costs.as_one_row(int(2 * costs.cost(1)), 1) == pytest.approx(2e6, abs=2)
     costs.depth = 0
     assert costs.least_paying(1) == shallow
     flat = StepCosts({1: 1e6, 4: 1.3e6, 8: 1.8e6}, 16)
