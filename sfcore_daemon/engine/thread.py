@@ -343,5 +343,6 @@ class Engine:
         return drafts is not None and drafts.measured
 
     def _measures_costs(self) -> bool:
-        # One slot never reads a prompt beside a stream or another prompt.
-        return self._judges_drafts() or self.slots > 1
+        # One slot never reads a prompt beside a stream. Once measured, the costs also size
+        # short rests' steps (prefillshare.py); they alone do not pay seconds at each start.
+        return self._judges_drafts() or (self._prefill_per_step == 0 and self.slots > 1)

@@ -361,7 +361,9 @@ async def test_of_two_prompts_that_arrive_together_the_shorter_gets_its_first_to
     longer = {"id": "longer", "max_tokens": 2, "temperature": 0, "cache_prompt": False,
               "prompt": "Here is a list of animals: cat, dog, horse, cow, sheep, goat, pig,"
                         " duck, goose, hen, rabbit, mouse. Which of them can fly?"}
-    async with running_daemon({"server": {"slots": 2}}) as daemon, daemon.client() as client:
+    # prefill_per_step 0: the step costs are measured, and they size the short rests' steps.
+    config = {"server": {"slots": 2, "prefill_per_step": 0}}
+    async with running_daemon(config) as daemon, daemon.client() as client:
         await client.send(shorter, longer)
         first, second = done_of(await client.reply(120)), done_of(await client.reply(120))
         found = re.search(r"of eight 32-token short rests: (\d+)", daemon.log)
