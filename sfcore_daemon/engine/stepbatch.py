@@ -20,7 +20,7 @@ from sfcore_daemon.llama.model import Model
 # Prompt tokens left up to which a prompt is a short rest (a question after a restored or
 # reused prefix, a chat's new turn, a short prompt): read whole, before the long ones.
 _SHORT_REST = 64
-# Without measured step costs (a context or batch too small to measure them in, one slot):
+# Without step costs (not measured by this config, or a context too small to measure them in):
 # rows of short rests a step, unless the shortest has more (else PrefillShare.short_rows)...
 _UNMEASURED_SHORT_ROWS = 32
 # ...and prompt rows a step beside streams with prefill_per_step 0 (else PrefillShare.rows).
