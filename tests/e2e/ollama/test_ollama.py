@@ -134,8 +134,10 @@ async def test_format_json_schema_holds_the_answer(url: str) -> None:
 
 
 async def test_a_tool_call_has_its_arguments_as_an_object(url: str) -> None:
+    # Asked by name: whether the small model calls a tool unasked turns on near-ties that
+    # differ by CPU (on an AVX2-only one it answered in prose), and Ollama has no tool_choice.
     question = [{"role": "system", "content": "Answer only by calling a tool."},
-                {"role": "user", "content": "What is the weather in Paris?"}]
+                {"role": "user", "content": "Call get_weather for Paris."}]
     async with client(url) as ollama_client:
         answer = await ollama_client.chat(model="m", messages=question, tools=[WEATHER],
                                           options={"temperature": 0, "num_predict": 48})
