@@ -110,8 +110,7 @@ class StepLoop:
         self._steps.costs = StepCosts(measured, self._steps.most_rows)
 
     def use_prefill_share(self, share: PrefillShare) -> None:
-        """Size prompt chunks beside streams (prefill_per_step 0) and short rests' steps
-        by `share` (prefillshare.py), before serving."""
+        """Size prompt rows a step by `share` (prefillshare.py), before serving."""
         self._steps.share = share
 
     def submitted(self, spec: JobSpec) -> None:
