@@ -41,8 +41,7 @@ class PrefillShare:
         """Prompt rows (at least 1) for a step of `streams` logit rows whose sequences
         hold `stream_depth` cells on average, for a prompt read to `prompt_depth`."""
         streams_ns = self._steps.cost_at(max(streams, 1), stream_depth)
-        row_ns = self._row_ns + attended_ns(prompt_depth, self._cell_ns, self._far_cell_ns)
-        return max(1, int(streams_ns / row_ns))
+        return max(1, int(streams_ns / self._row_at(prompt_depth)))
 
     def short_rows(self, streams: int, stream_depth: int, prompt_depth: int,
                    waiting: int) -> int:
@@ -51,8 +50,11 @@ class PrefillShare:
         step of g such rows costing a + b * g, each rest waits (a + b * g)(waiting / g
         + 1) / 2 on average: least at g = sqrt(a * waiting / b)."""
         fixed_ns = self._steps.cost_at(max(streams, 1), stream_depth)
-        row_ns = self._row_ns + attended_ns(prompt_depth, self._cell_ns, self._far_cell_ns)
-        return max(1, int(math.sqrt(fixed_ns * max(waiting, 0) / row_ns)))
+        return max(1, int(math.sqrt(fixed_ns * max(waiting, 0) / self._row_at(prompt_depth))))
+
+    def _row_at(self, prompt_depth: int) -> float:
+        """The ns one prompt row adds to a step, read at `prompt_depth`."""
+        return self._row_ns + attended_ns(prompt_depth, self._cell_ns, self._far_cell_ns)
 
 
 def prefill_share(measured: dict[int, float], most_rows: int) -> PrefillShare | None:
