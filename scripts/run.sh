@@ -7,6 +7,6 @@ scripts/bootstrap.sh
 # libgomp's spin window (docs/operations.md, "Sharing the machine"): yours wins, and so
 # does the spin of an OMP_WAIT_POLICY you set.
 if [ -z "${GOMP_SPINCOUNT+set}" ] && [ -z "${OMP_WAIT_POLICY+set}" ]; then
-    export GOMP_SPINCOUNT=10000
+    export GOMP_SPINCOUNT=30000
 fi
 exec .venv/bin/sfcore-daemon "$@"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 # libgomp's spin count at a barrier before it sleeps: short beside a busy neighbour, long
 # enough that a request after a pause does not sleep at its barriers (sharing-the-machine.md).
-SPIN_DEFAULT = "10000"
+SPIN_DEFAULT = "30000"
 # libgomp's own values when GOMP_SPINCOUNT is unset (OMP_WAIT_POLICY decides).
 _LIBGOMP_SPIN = {"": 300_000, "active": 30_000_000_000, "passive": 0}
 
