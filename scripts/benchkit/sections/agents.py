@@ -66,6 +66,9 @@ MAX_OUTPUT = 24
 # table shows turn 1's input tokens); other sizes scale the words.
 SYSTEM_TOKENS = 2000
 SYSTEM_WORDS = 1450
+# A server prompt this much shorter than the daemon's is padded (server_padding); template
+# text alone differs by less.
+EQUAL_WITHIN = 0.02
 TOOLS = [
     {"type": "function", "name": "get_weather", "description": "The weather in a city now",
      "parameters": {"type": "object", "properties": {
@@ -141,6 +144,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system-tokens", type=int, default=SYSTEM_TOKENS,
                         help=f"agents: about this many tokens of instructions (default "
                              f"{SYSTEM_TOKENS})")
+    parser.add_argument("--unequal-prompts", action="store_true",
+                        help="agents: do not pad llama-server's instructions to the daemon's "
+                             "prompt size where its template drops the tools")
     parser.add_argument("--tools", type=int, default=len(TOOLS),
                         help=f"agents: function tools offered (default {len(TOOLS)}, at most "
                              f"{len(TOOLS) + len(MORE_TOOLS)})")
@@ -267,11 +273,13 @@ async def conversation_whole(client: HttpResponses, instructions: str,
 @dataclass(frozen=True)
 class Shape:
     """The conversation's size: its instructions' tokens and its tools; `own`: each
-    server at its own default context (llama-server without `-c` or `-np`)."""
+    server at its own default context (llama-server without `-c` or `-np`);
+    `equal_prompts`: llama-server's instructions padded to the daemon's prompt size."""
 
     system_tokens: int
     tools: list[dict[str, Any]]
     own: bool
+    equal_prompts: bool = True
 
     @property
     def system_words(self) -> int:
@@ -284,10 +292,12 @@ class Shape:
 
 
 async def measure(params: dict[str, Any], runs: int, llama_server: str | None, shape: Shape
-                  ) -> dict[str, list[list[dict[str, Any]]]]:
-    """Per side, per run, the conversation's turns' figures."""
+                  ) -> tuple[dict[str, list[list[dict[str, Any]]]], int]:
+    """Per side, per run, the conversation's turns' figures; the words llama-server's
+    instructions were padded with (server_padding)."""
     daemon = await Daemon.start(params, config=DAEMON_CONFIG)
     tools = shape.tools
+    cold_tokens: dict[str, int] = {}  # each side's prompt tokens at its unmeasured cold turn
     server: LlamaServer | None = None
     clients: list[HttpResponses] = []
     try:
@@ -314,28 +324,50 @@ async def measure(params: dict[str, Any], runs: int, llama_server: str | None, s
         names = list(sides)
         system = filler_text(shape.system_words, 7)
         samples: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in names}
-        # Run 0, unmeasured: one cold turn a side (first-touch costs).
+        padding = ""
+        # Run 0, unmeasured: one cold turn a side (first-touch costs, and each side's prompt
+        # size, which sets llama-server's padding).
         for index in range(runs + 1):
             shift = index % len(names)
             for number, name in enumerate(names[shift:] + names[:shift]):
                 instructions = f"Conversation {index * 10 + number}. You are an agent. {system}"
+                if name == "llama-server" and padding:
+                    instructions += " " + padding
                 try:
                     turns = await sides[name](instructions, TURNS if index else TURNS[:1])
                 except (RuntimeError, OSError, ValueError, KeyError) as error:
                     raise RuntimeError(f"{LABELS[name]}: {error!r}") from error
                 if index:
                     samples[name].append(turns)
+                else:
+                    cold_tokens[name] = turns[0]["input_tokens"]
+            if not index and "llama-server" in cold_tokens and shape.equal_prompts:
+                padding = server_padding(cold_tokens["chained"], cold_tokens["llama-server"],
+                                         shape.system_words)
             if index:
                 log(f"responses: run {index}/{runs} " + ", ".join(
                     f"{name} {sum(t['turn_ms'] for t in samples[name][-1]):.0f} ms"
                     for name in names))
-        return samples
+        return samples, len(padding.split())
     finally:
         for client in clients:
             await client.close()
         if server is not None:
             server.stop()
         await daemon.stop()
+
+
+def server_padding(daemon_tokens: int, server_tokens: int, system_words: int) -> str:
+    """Filler that brings llama-server's cold prompt to the daemon's size where its chat
+    template dropped the tools (Gemma 3's takes none under --jinja), so that both read
+    as many tokens and the conversation's time compares the servers, not the prompts."""
+    missing = daemon_tokens - server_tokens
+    if missing <= server_tokens * EQUAL_WITHIN:
+        return ""
+    words = round(missing * system_words / server_tokens)
+    log(f"agents: llama-server's cold prompt is {server_tokens} tokens, the daemon's "
+        f"{daemon_tokens}: {words} words added to llama-server's instructions")
+    return filler_text(words, 11)
 
 
 def per_turn(samples: list[list[dict[str, Any]]], key: str) -> list[dict[str, float]]:
@@ -504,13 +536,18 @@ def run(bench: Bench) -> dict[str, Any]:
     args = bench.args
     standard = (args.system_tokens, args.tools) == (SYSTEM_TOKENS, len(TOOLS))
     n_ctx = args.n_ctx or (STANDARD_N_CTX if standard else 0)
-    shape = Shape(args.system_tokens, tool_list(args.tools), own=n_ctx == 0)
+    shape = Shape(args.system_tokens, tool_list(args.tools), own=n_ctx == 0,
+                  equal_prompts=not args.unequal_prompts)
     context = ("each server's own default context" if shape.own
                else f"n_ctx {n_ctx}, llama-server -np 1 -c {n_ctx}")
     params = {**bench.params, "tokens": MAX_OUTPUT, "n_ctx": n_ctx}
     log(f"[agents] daemon{' and llama-server' if llama_server else ''}, {runs} runs, "
         f"~{shape.system_tokens} instruction tokens, {len(shape.tools)} tools, {context} ...")
-    samples = bench.runner(measure(params, runs, llama_server, shape))
+    samples, padded_words = bench.runner(measure(params, runs, llama_server, shape))
+    if padded_words:
+        context += (f"; llama-server's template dropped the tools, so its instructions have "
+                    f"{padded_words} more words of filler")
     rows, ratios = print_table(samples, bench.header, shape, context)
     return {"samples": samples, "targets": rows, "system_tokens": shape.system_tokens,
-            "tools": len(shape.tools), "n_ctx": n_ctx, **ratios}
+            "tools": len(shape.tools), "n_ctx": n_ctx, "server_padding_words": padded_words,
+            **ratios}
