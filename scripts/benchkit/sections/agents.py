@@ -364,10 +364,10 @@ def server_padding(daemon_tokens: int, server_tokens: int, system_words: int) ->
     missing = daemon_tokens - server_tokens
     if missing <= server_tokens * EQUAL_WITHIN:
         return ""
-    words = round(missing * system_words / server_tokens)
+    padding = filler_text(round(missing * system_words / server_tokens), 11)
     log(f"agents: llama-server's cold prompt is {server_tokens} tokens, the daemon's "
-        f"{daemon_tokens}: {words} words added to llama-server's instructions")
-    return filler_text(words, 11)
+        f"{daemon_tokens}: {len(padding.split())} words added to llama-server's instructions")
+    return padding
 
 
 def per_turn(samples: list[list[dict[str, Any]]], key: str) -> list[dict[str, float]]:
