@@ -133,7 +133,9 @@ class StepLoop:
         active = self._active
         while True:
             if not active:
+                self._states.engine_idle(True)
                 submitted = inbox.get()  # idle: sleep until work comes
+                self._states.engine_idle(False)
                 if submitted is None:
                     self._states.keep_all()
                     return

@@ -58,6 +58,12 @@ class PromptStates:
     def enabled(self) -> bool:
         return self._store is not None
 
+    def engine_idle(self, idle: bool) -> None:
+        """The step loop waits for work (`idle`), or has some again: the store writes
+        its files while it waits."""
+        if self._store is not None:
+            self._store.engine_idle(idle)
+
     def restore(self, seq: Seq, job: Job) -> None:
         """Give `seq` a stored state of the prompt's prefix when it is longer than what
         the slots hold: at once from RAM, or from disk through the reader thread.

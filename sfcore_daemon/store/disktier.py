@@ -19,12 +19,16 @@ import logging
 import os
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 from sfcore_daemon.store import disk, statefile
 from sfcore_daemon.store.index import Cleared, Entry, PromptIndex
 from sfcore_daemon.store.statefile import BadStateFile, StateHeader
+
+# A file is checksummed and written in parts of this size, each when the writer is let.
+_WRITE_PART = 4 << 20
 
 # The prompt store's lines keep the one logger name they had before the split.
 log = logging.getLogger("sfcore_daemon.store.promptstore")
@@ -125,11 +129,19 @@ class DiskTier(PromptIndex):
                     and self._entries.get(entry.name) is entry:
                 del self._entries[entry.name]
 
-    def _write(self, entry: Entry, data: bytearray) -> None:
+    def _write(self, entry: Entry, data: bytearray, ready: Callable[[], None] = lambda: None
+               ) -> None:
+        """Write the state's file; `ready` is called before its checksum and before each
+        part of it is written (it may wait for a better moment)."""
         folder = self.folder
         if folder is None:
             return
-        head = statefile.encode(self.fingerprint, entry.tokens, data)
+        crc = 0
+        with memoryview(data) as view:
+            for start in range(0, len(data), _WRITE_PART):
+                ready()
+                crc = zlib.crc32(view[start:start + _WRITE_PART], crc)
+        head = statefile.encode(self.fingerprint, entry.tokens, data, crc)
         size = len(head) + len(data)
         final = folder / entry.name
         # Temporary name, then atomic rename: a daemon sharing the folder sees whole files.
@@ -139,9 +151,12 @@ class DiskTier(PromptIndex):
             folder.mkdir(parents=True, exist_ok=True)  # removed while running: made again
             if not self._make_room(size, entry.name):
                 return
-            with partial.open("wb") as file:
+            with partial.open("wb") as file, memoryview(data) as view:
                 file.write(head)
-                file.write(data)
+                for start in range(0, len(data), _WRITE_PART):
+                    if start:
+                        ready()
+                    file.write(view[start:start + _WRITE_PART])
             with self._files:
                 os.replace(partial, final)
         except OSError as exc:

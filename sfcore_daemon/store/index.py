@@ -73,13 +73,15 @@ class CacheCounters(msgspec.Struct, kw_only=True):
 
 
 class _Write:
-    """A state on its way to disk; it holds the bytes the RAM tier may drop first."""
+    """A state on its way to disk; it holds the bytes the RAM tier may drop first.
+    `queued`: when it was queued (the clock of time.monotonic)."""
 
-    __slots__ = ("entry", "data")
+    __slots__ = ("entry", "data", "queued")
 
     def __init__(self, entry: Entry, data: bytearray) -> None:
         self.entry = entry
         self.data: bytearray | None = data
+        self.queued = time.monotonic()
 
 
 class Cleared(msgspec.Struct, frozen=True):
@@ -120,6 +122,7 @@ class PromptIndex:
         self._writes: queue.SimpleQueue[_Write | Future[Cleared] | None] = queue.SimpleQueue()
         self._flushed = threading.Condition()
         self._pending = 0  # writes queued and not yet done
+        self._pending_bytes = 0  # their states' bytes
         self._opened = threading.Event()
 
     def find(self, prompt: list[int], prefer: Collection[int] = (),
@@ -218,6 +221,7 @@ class PromptIndex:
                 entry.writing = True
                 with self._flushed:
                     self._pending += 1
+                    self._pending_bytes += size
         if to_disk:
             self._writes.put(_Write(entry, data))
         return True

@@ -13,13 +13,15 @@ folder named after the fingerprint (fingerprint.py), each checked before it is t
 Threads: the decode thread calls `find`, `stored_prefix`, `put`, `take_ram`, `load` and
 `read_overdue` (no I/O, no logging: a lock held for microseconds); the store's own
 thread hashes the model, scans the folder, then writes files at idle priority
-(system/background.py); a reader thread loads
+(system/background.py) while the decode thread waits for work (`engine_idle`); a reader
+thread loads
 files for the decode thread, which gives up on a read that takes longer than
 `[cache] disk_read_timeout_ms` (engine/storepolicy.py).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -46,6 +48,9 @@ log = logging.getLogger(__name__)
 _READ_HANG = "disk_read_hang"
 _WRITE_HANG = "disk_write_hang"
 _HANG_S = 3600.0
+# A state's file waits for the engine to be idle at most this long after it was queued,
+# or until the writes queued hold half the RAM budget (see `_wait_idle`).
+_WRITE_DEFER_S = 10.0
 
 
 class PromptStore(DiskTier):
@@ -65,6 +70,9 @@ class PromptStore(DiskTier):
             queue.SimpleQueue()
         self._read_since: float | None = None  # when the read in progress began
         self._closing = threading.Event()
+        # Set while the decode thread waits for work: the files are written then.
+        self._engine_idle = threading.Event()
+        self._engine_idle.set()
         self._failpoint = os.environ.get("SFCORE_FAILPOINT", "")
 
     # --- lifetime -------------------------------------------------------------------
@@ -85,6 +93,7 @@ class PromptStore(DiskTier):
         """Write what is queued (at most `timeout` seconds), then stop the threads."""
         deadline = time.monotonic() + timeout
         self._closing.set()
+        self._engine_idle.set()  # wakes a write waiting for it
         flushed = self.flush(timeout)
         self._writes.put(None)
         self._reads.put(None)
@@ -98,6 +107,13 @@ class PromptStore(DiskTier):
             return self._flushed.wait_for(lambda: self._pending == 0, timeout)
 
     # --- the decode thread ------------------------------------------------------------
+
+    def engine_idle(self, idle: bool) -> None:
+        """The decode thread has no work (`idle`), or has some again."""
+        if idle:
+            self._engine_idle.set()
+        elif not self._closing.is_set():
+            self._engine_idle.clear()
 
     def load(self, entry: Entry) -> Future[bytearray | None]:
         """Read the entry's file on the reader thread: its checked payload, or None.
@@ -146,12 +162,26 @@ class PromptStore(DiskTier):
                 if self._failpoint == _WRITE_HANG:
                     self._closing.wait(_HANG_S)
                 assert data is not None
-                self._write(entry, data)
+                self._write(entry, data, functools.partial(self._wait_idle, write.queued))
             except Exception:
                 log.exception("prompt cache: writing a state failed")
             finally:
                 del data
                 self._written(entry)
+
+    def _wait_idle(self, queued: float) -> None:
+        """Before each part of a file: wait until the decode thread is idle. On a
+        machine whose cores the decode holds, a write beside it slowed every step
+        (the writer's GIL, the kernel's copy), whatever the writer's priority
+        (docs/performance/prompt-store.md). Not past `_WRITE_DEFER_S` after it was
+        queued, nor while the queued writes hold half the RAM budget: under steady
+        load files still get written, and the RAM tier keeps taking states."""
+        deadline = queued + _WRITE_DEFER_S
+        while not self._engine_idle.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._pending_bytes * 2 >= self.ram_budget:
+                return
+            self._engine_idle.wait(min(left, 1.0))
 
     def _written(self, entry: Entry) -> None:
         """Its write is done (or failed): its bytes are held only if in the RAM tier."""
@@ -163,6 +193,7 @@ class PromptStore(DiskTier):
                     del self._entries[entry.name]  # in neither tier: not written
         with self._flushed:
             self._pending -= 1
+            self._pending_bytes -= entry.nbytes
             self._flushed.notify_all()
 
     # --- the reader thread --------------------------------------------------------------

@@ -67,11 +67,14 @@ def state_name(tokens: list[int]) -> str:
     return hashlib.sha256(array.array("i", tokens).tobytes()).hexdigest()[:40] + SUFFIX
 
 
-def encode(fingerprint: str, tokens: list[int], payload: bytes | bytearray) -> bytes:
-    """What a file holds before its payload: the magic, the header's length, the header."""
+def encode(fingerprint: str, tokens: list[int], payload: bytes | bytearray,
+           crc32: int | None = None) -> bytes:
+    """What a file holds before its payload: the magic, the header's length, the header.
+    `crc32`: the payload's, if already worked out."""
     header = _header_encoder.encode(StateHeader(
         fingerprint=fingerprint, tokens=array.array("i", tokens).tobytes(),
-        payload_bytes=len(payload), payload_crc32=zlib.crc32(payload)))
+        payload_bytes=len(payload),
+        payload_crc32=zlib.crc32(payload) if crc32 is None else crc32))
     return MAGIC + len(header).to_bytes(_LENGTH, "little") + header
 
 

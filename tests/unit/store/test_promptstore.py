@@ -7,13 +7,14 @@ import os
 import threading
 import time
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sfcore_daemon.store.fingerprint import state_fingerprint
-from sfcore_daemon.store.promptstore import PromptStore, state_name
+from sfcore_daemon.store.promptstore import Entry, PromptStore, state_name
 
 
 def opened(directory: Path | None, ram: int = 1 << 20, disk: int = 1 << 20,
@@ -221,9 +222,10 @@ def test_queued_writes_count_against_the_ram_budget(tmp_path: Path) -> None:
     release = threading.Event()
     write = store._write
 
-    def stuck(entry: Any, data: bytearray) -> None:
+    def stuck(entry: Entry, data: bytearray, ready: Callable[[], None] = lambda: None
+              ) -> None:
         release.wait(30)
-        write(entry, data)
+        write(entry, data, ready)
 
     store._write = stuck  # type: ignore[method-assign]
     tracemalloc.start()
