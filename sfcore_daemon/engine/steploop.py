@@ -133,9 +133,7 @@ class StepLoop:
         active = self._active
         while True:
             if not active:
-                self._states.engine_idle(True)
-                submitted = inbox.get()  # idle: sleep until work comes
-                self._states.engine_idle(False)
+                submitted = self._states.wait_for_work(inbox)  # idle: sleep until work comes
                 if submitted is None:
                     self._states.keep_all()
                     return

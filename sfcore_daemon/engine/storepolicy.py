@@ -13,8 +13,10 @@ tail, a prefix two prompts share, a slot's cells before they are overwritten.
 from __future__ import annotations
 
 import concurrent.futures
+import queue
 import time
 from collections.abc import Sequence
+from typing import TypeVar
 
 from sfcore_daemon.config import ModelConfig
 from sfcore_daemon.engine.job import Job
@@ -26,6 +28,8 @@ from sfcore_daemon.store.fingerprint import state_fingerprint
 from sfcore_daemon.store.promptstore import Entry, PromptStore
 
 __all__ = ["Entry", "PromptStates", "PromptStore", "store_fingerprint"]
+
+_T = TypeVar("_T")
 
 
 # Prompt tokens a stored state must save beyond what the slots give, to be restored:
@@ -58,11 +62,17 @@ class PromptStates:
     def enabled(self) -> bool:
         return self._store is not None
 
-    def engine_idle(self, idle: bool) -> None:
-        """The step loop waits for work (`idle`), or has some again: the store writes
-        its files while it waits."""
-        if self._store is not None:
-            self._store.engine_idle(idle)
+    def wait_for_work(self, inbox: queue.SimpleQueue[_T]) -> _T:
+        """The step loop's next item of work, once it comes: the store writes its files
+        while the loop waits for it."""
+        store = self._store
+        if store is None:
+            return inbox.get()
+        store.engine_idle(True)
+        try:
+            return inbox.get()
+        finally:
+            store.engine_idle(False)
 
     def restore(self, seq: Seq, job: Job) -> None:
         """Give `seq` a stored state of the prompt's prefix when it is longer than what
