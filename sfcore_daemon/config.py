@@ -92,6 +92,9 @@ class ModelConfig(_Section, frozen=True):
     # llama.cpp build has a GPU backend that finds a device, else 0 (gpu.py).
     n_gpu_layers: Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)] | Literal["auto"] = "auto"
     flash_attn: bool | Literal["auto"] = "auto"
+    # A long prompt's full steps with attention as matrix products (llama/attnprobe.py):
+    # "auto" where measured faster on this machine, "on" at every depth, "off" never.
+    matmul_attention: Literal["auto", "on", "off"] = "auto"
     # Row-invariant kernels (llama/invariant.py): a reply's bytes do not depend on what
     # else the batch holds, on speculation, on the thread count or on the cache's history.
     reproducible: bool = False

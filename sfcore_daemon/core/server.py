@@ -186,6 +186,8 @@ class Server:
         log.info("llama.cpp system info: %s", engine.system_info.strip())
         log.info("%s; adaptive threads %s", openmp.describe(os.environ, openmp.mapped_paths()),
                  "on" if engine.threads.adaptive else "off")
+        # Kept for later starts where this one measured it (engine/attnchoice.py).
+        engine.attention.save()
         ratios = engine.step_cost_ratios()
         share = engine.prefill_share
         if ratios is not None or share is not None:

@@ -19,6 +19,7 @@ import msgspec
 
 from sfcore_daemon.config import ModelConfig
 from sfcore_daemon.engine import costsfile, faults
+from sfcore_daemon.engine.attnchoice import AttentionChoice
 from sfcore_daemon.engine.costdrift import CostDrift
 from sfcore_daemon.engine.crossing import Channel, JobSpec, Placement
 from sfcore_daemon.engine.draftgate import StepCosts
@@ -112,6 +113,7 @@ class Engine:
         # Prompt rows a step by the step costs (short rests; beside streams with
         # prefill_per_step 0), once measured.
         self.prefill_share: PrefillShare | None = None
+        self.attention = AttentionChoice(model_config, model_path, n_threads_batch)
         self._abort_load = False
         # store/fingerprint.reply_fingerprint, once the model file's sha256 is known: from a
         # thread of its own beside the load, which may hash the file (a model's first start).
@@ -137,8 +139,7 @@ class Engine:
     def preempted_steps(self) -> int:
         """Prompt-only steps stopped for a newer interactive job with a prompt of at most
         n_ubatch tokens (steploop.py)."""
-        loop = self._loop
-        return loop.preempted_steps if loop is not None else 0
+        return self._loop.preempted_steps if self._loop is not None else 0
 
     def start(self) -> concurrent.futures.Future[None]:
         """Start loading on the decode thread; the returned future says when it is ready."""
@@ -148,6 +149,7 @@ class Engine:
                                  (*context, self.slots, self._draft_rows()))
             self._costs_path = self._costs_dir / f"{key}.json"
             self.step_costs = costsfile.load(self._costs_path)
+        self.attention.read(self._costs_dir)
         threading.Thread(target=self._hash_model, name="sfcore-model-sha256",
                          daemon=True).start()
         self._thread = threading.Thread(target=self._main, name="sfcore-decode", daemon=True)
@@ -204,7 +206,7 @@ class Engine:
                 # (kvcache.KVCache.state, .protect and .restore).
                 slots=self.slots, draft_rows=self._draft_rows(),
                 spare_seqs=self.slots + 2 if self.store is not None else 0,
-                progress=self._on_load_progress)
+                progress=self._on_load_progress, before_context=self.attention.choose)
         except ModelLoadError:
             if self._abort_load:
                 raise LoadAborted("the model load was stopped") from None
@@ -239,8 +241,7 @@ class Engine:
         return self.loaded_model().detokenize(tokens)
 
     def loaded_model(self) -> Model:
-        model = self.model
-        if model is None:
+        if (model := self.model) is None:
             raise EngineClosed("the model is not loaded")
         return model
 

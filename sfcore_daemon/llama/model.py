@@ -91,14 +91,18 @@ class Model:
     @classmethod
     def load(cls, path: str, config: ModelConfig, n_threads: int, n_threads_batch: int, *,
              slots: int, draft_rows: int = 0, spare_seqs: int = 0,
-             progress: Callable[[float], bool] | None = None) -> Model:
+             progress: Callable[[float], bool] | None = None,
+             before_context: Callable[[Any, int], None] | None = None) -> Model:
         """The model with its context; ModelLoadError (with llama.cpp's reason) if either
-        cannot be made. `progress`: see load_model."""
+        cannot be made. `progress`: see load_model. `before_context`: called with the
+        loaded model and the context's size before the context is made."""
         started = time.perf_counter()
         huge_pages = HugePageLoad() if config.huge_pages else None
         model = load_model(path, config, progress, huge_pages)
         size = context_size(model, functools.partial(_meta, model), config.n_ctx,
                             config.kv_budget_mb)
+        if before_context is not None:
+            before_context(model, size.n_ctx)
         ctx = C.llama_init_from_model(model, context_params(
             config, n_threads, n_threads_batch, slots, draft_rows, spare_seqs=spare_seqs,
             n_ctx=size.n_ctx))

@@ -43,7 +43,9 @@ _PROGRESS_RECORD = re.compile(r"^\d\d:\d\d:\d\d\.\d{3} (DEBUG|INFO) ")
 
 # Small and quick by default; tests override what they exercise.
 BASE_CONFIG: dict[str, Any] = {
-    "model": {"n_ctx": 4096},
+    # Flash attention for every step: the choice measured at start-up costs seconds with a
+    # new cache folder; it has its own tests (tests/e2e/ndjson/test_matmul_attention.py).
+    "model": {"n_ctx": 4096, "matmul_attention": "off"},
     "generation": {"max_tokens": 16},
     "log": {"level": "info"},
     # Every draft the matching proposes: with "measured" (the default) whether a draft

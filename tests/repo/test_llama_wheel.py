@@ -92,8 +92,8 @@ def test_a_portable_key_does_not_depend_on_the_cpu(tmp_path: Path) -> None:
         "amx-tile-config.patch", "cpu-abort-in-node.patch", "cpu-row-invariant.patch",
         "fa-split-kv-balance.patch", "fa-tiled-hidden-tiles.patch", "fa-units-ops.patch",
         "fa-units-plan.patch", "fa-units-tls.patch", "fa-whole-tiles.patch",
-        "kv-position-order.patch", "repack-row-invariant.patch", "swa-window-cells-cpp.patch",
-        "swa-window-cells-graph.patch", "swa-window-cells-h.patch"]
+        "kv-position-order.patch", "matmul-attention.patch", "repack-row-invariant.patch",
+        "swa-window-cells-cpp.patch", "swa-window-cells-graph.patch", "swa-window-cells-h.patch"]
 
 
 def _patch() -> object:
