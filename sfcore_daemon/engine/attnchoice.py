@@ -5,17 +5,19 @@ loop once the daemon is ready."""
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from sfcore_daemon.config import ModelConfig
+from sfcore_daemon.engine import costsfile
 from sfcore_daemon.llama import attnprobe
 from sfcore_daemon.llama.attnprobe import Range, Shape
 from sfcore_daemon.llama.capi import C
+from sfcore_daemon.llama.ctxsize import head_widths
 from sfcore_daemon.llama.gpu import gpu_layers
+from sfcore_daemon.llama.model import model_meta
 from sfcore_daemon.llama.stepcost import BUSY_SHARE, BusyMeter, step_costs_key
 
 log = logging.getLogger(__name__)
@@ -46,7 +48,7 @@ class AttentionChoice:
         if self._config.matmul_attention == "auto":
             try:
                 with open(path, "rb") as file:
-                    self._kept = file.read(4097)
+                    self._kept = file.read(attnprobe.MAX_BYTES + 1)
             except OSError:
                 self._kept = None
 
@@ -93,10 +95,7 @@ class AttentionChoice:
             return
         data, self._measured = self._measured, None
         try:
-            self._path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=self._path.parent, delete=False) as temp:
-                temp.write(data)
-            os.replace(temp.name, self._path)
+            costsfile.write_atomically(self._path, data)
             log.info("matmul attention choice kept for later starts in %s", self._path)
         except OSError as exc:
             log.warning("could not keep the attention choice in %s: %s", self._path, exc)
@@ -104,26 +103,6 @@ class AttentionChoice:
 
 def model_shape(model: Any, rows: int) -> Shape:
     """The model's attention heads and head sizes, for a step of `rows` prompt rows."""
-    n_head = max(C.llama_model_n_head(model), 1)
-    n_head_kv = max(C.llama_model_n_head_kv(model), 1)
-    head = max(C.llama_model_n_embd(model) // n_head, 1)
-    arch = _meta(model, "general.architecture") or ""
-    head_k = _int(_meta(model, f"{arch}.attention.key_length"), head)
-    head_v = _int(_meta(model, f"{arch}.attention.value_length"), head_k)
-    return Shape(n_head, n_head_kv, head_k, head_v, rows)
-
-
-def _meta(model: Any, key: str) -> str | None:
-    import ctypes
-
-    buf = ctypes.create_string_buffer(64)
-    n = C.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
-    return buf.value.decode(errors="replace") if 0 <= n < len(buf) else None
-
-
-def _int(text: str | None, default: int) -> int:
-    try:
-        value = int(text) if text is not None else default
-    except ValueError:
-        return default
-    return value if 1 <= value <= 4096 else default
+    head_k, head_v = head_widths(model, functools.partial(model_meta, model))
+    return Shape(max(C.llama_model_n_head(model), 1), max(C.llama_model_n_head_kv(model), 1),
+                 min(max(head_k, 1), 4096), min(max(head_v, 1), 4096), rows)

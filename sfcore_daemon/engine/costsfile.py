@@ -61,12 +61,17 @@ def save(path: Path, ns: dict[int, float]) -> None:
     the next start measures again."""
     data = msgspec.json.encode(CostsFile(version=_VERSION, ns=ns))
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as temp:
-            temp.write(data)
-        os.replace(temp.name, path)
+        write_atomically(path, data)
     except OSError as exc:
         log.warning("could not keep the measured step costs in %s: %s", path, exc)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """`data` in a temp file beside `path`, renamed over it; OSError if it fails."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as temp:
+        temp.write(data)
+    os.replace(temp.name, path)
 
 
 def discard(path: Path) -> bool:

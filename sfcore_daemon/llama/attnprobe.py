@@ -39,7 +39,7 @@ FIRST_CELLS = 1024
 SCORES_BUDGET = 128 << 20
 _F32, _F16 = 0, 1
 _PREC_F32 = 10
-_MAX_BYTES = 4096
+MAX_BYTES = 4096
 
 
 class Shape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -118,7 +118,7 @@ def choose(rows: int, timings: list[tuple[int, float, float]]) -> Range | None:
 def parse(data: bytes, shape: Shape, cells: int) -> Kept | None:
     """The kept choice in `data` if it was measured for `shape` and `cells`; None when
     it was not or `data` is not a kept file (measure again)."""
-    if len(data) > _MAX_BYTES:
+    if len(data) > MAX_BYTES:
         return None
     try:
         kept = _decoder.decode(data)

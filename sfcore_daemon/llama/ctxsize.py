@@ -42,16 +42,21 @@ class ContextSize(NamedTuple):
 
 def kv_bytes_per_token(model: Any, meta: Any) -> int:
     """K and V of every layer and KV head, F16. `meta(key)`: a GGUF metadata value or
-    None (model._meta); a head's key and value widths come from `<arch>.attention.
+    None (model.model_meta); a head's key and value widths come from `<arch>.attention.
     key_length`/`value_length` when the file has them, else n_embd / n_head."""
-    n_head = max(1, C.llama_model_n_head(model))
-    head = C.llama_model_n_embd(model) // n_head
-    architecture = meta("general.architecture") or ""
-    key = _int(meta(f"{architecture}.attention.key_length"), head)
-    value = _int(meta(f"{architecture}.attention.value_length"), head)
+    key, value = head_widths(model, meta)
     n_kv: int = max(1, C.llama_model_n_head_kv(model))
     n_layer: int = C.llama_model_n_layer(model)
     return n_layer * n_kv * (key + value) * F16_BYTES
+
+
+def head_widths(model: Any, meta: Any) -> tuple[int, int]:
+    """A head's key and value widths (see kv_bytes_per_token)."""
+    n_head = max(1, C.llama_model_n_head(model))
+    head = C.llama_model_n_embd(model) // n_head
+    architecture = meta("general.architecture") or ""
+    return (_int(meta(f"{architecture}.attention.key_length"), head),
+            _int(meta(f"{architecture}.attention.value_length"), head))
 
 
 def budget_bytes(kv_budget_mb: int) -> int:

@@ -99,7 +99,7 @@ class Model:
         started = time.perf_counter()
         huge_pages = HugePageLoad() if config.huge_pages else None
         model = load_model(path, config, progress, huge_pages)
-        size = context_size(model, functools.partial(_meta, model), config.n_ctx,
+        size = context_size(model, functools.partial(model_meta, model), config.n_ctx,
                             config.kv_budget_mb)
         if before_context is not None:
             before_context(model, size.n_ctx)
@@ -318,7 +318,8 @@ def _flash_attn_type(setting: bool | str) -> int:
     return C.LLAMA_FLASH_ATTN_TYPE_ENABLED if setting else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
 
 
-def _meta(model: Any, key: str) -> str | None:
+def model_meta(model: Any, key: str) -> str | None:
+    """A GGUF metadata value of the loaded model, or None."""
     buf = ctypes.create_string_buffer(1024)
     n = C.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
     if n < 0:
@@ -333,8 +334,8 @@ def _read_model_info(model: Any, vocab: Any, path: str) -> ModelInfo:
     template = C.llama_model_chat_template(model, None)
     return ModelInfo(
         path=path,
-        name=_meta(model, "general.name") or os.path.basename(path),
-        architecture=_meta(model, "general.architecture") or "unknown",
+        name=model_meta(model, "general.name") or os.path.basename(path),
+        architecture=model_meta(model, "general.architecture") or "unknown",
         n_params=C.llama_model_n_params(model),
         n_ctx_train=C.llama_model_n_ctx_train(model),
         n_vocab=C.llama_vocab_n_tokens(vocab),
