@@ -35,10 +35,8 @@ ENV: Final = "SFCORE_MATMUL_ATTN"
 MARGIN = 0.03
 # The first depth measured; each next one doubles it, up to the context.
 FIRST_CELLS = 1024
-# The scores of one chunk of a step's rows (rows x cells x heads floats) may take this
-# much of the compute buffer; their softmax takes as much again. The patch splits a step
-# into chunks of whole CHUNK_ROWS groups, at most MAX_CHUNKS (llama.cpp sizes a graph's
-# context for few more nodes than the model's own).
+# A chunk of a step's rows may keep this much of scores (and as much of their softmax);
+# docs/performance/longctx.md, "Window layers, chunks of rows", says why at most 4 chunks.
 SCORES_BUDGET = 128 << 20
 CHUNK_ROWS = 32
 MAX_CHUNKS = 4
