@@ -60,6 +60,8 @@ class Scheduler:
         # What each idle slot holds in the KV cache, as the decode thread left it.
         self._slot_tokens: list[list[int]] = [[] for _ in range(slots)]
         self._slot_used: list[int] = [0] * slots
+        # Whether each slot's tokens were left by a cache_prompt: false request.
+        self._slot_unkept: list[bool] = [False] * slots
         # The prompt_cache_key of each slot's last request that gave one.
         self._slot_keys: list[str | None] = [None] * slots
         self._uses = 0
@@ -203,15 +205,17 @@ class Scheduler:
         another conversation's cells took up to a third longer than on its own
         (docs/performance/slots.md, "Idle caches are not free"). Only slots the store
         holds already (all but fewer than min_tokens of their tokens) move: a state
-        copied and written to disk now would slow this prompt about as much."""
-        store = self._engine.store if idle else None
-        if store is None:
+        copied and written to disk now would slow this prompt about as much. Slots a
+        cache_prompt: false request left (no state of theirs was kept) go too, store or not."""
+        if not idle:
             return []
         reading = len(prompt) - (shared_prefix(self._slot_tokens[slot], prompt) if reuse else 0)
         if reading <= self._engine.n_ubatch:
             return []
-        return [other for other in idle if len(held := self._slot_tokens[other])
-                >= store.min_tokens and store.stored_already(held)]
+        store = self._engine.store
+        return [other for other in idle if self._slot_unkept[other] or (
+            store is not None and len(held := self._slot_tokens[other]) >= store.min_tokens
+            and store.stored_already(held))]
 
     def _pick_slot(self, free: list[int], prompt: list[int], key: str | None = None) -> int:
         """The free slot whose cache shares the longest worthwhile prefix with `prompt`,
@@ -246,6 +250,7 @@ class Scheduler:
         slot = placement.slot
         del self.running[slot]
         self._slot_tokens[slot] = end.kept if end is not None else []
+        self._slot_unkept[slot] = not generation.job.cache_prompt
         self._uses += 1
         self._slot_used[slot] = self._uses
         self._pump()

@@ -253,6 +253,27 @@ async def test_a_long_prompt_is_read_after_idle_slots_move_into_the_store(
         assert back["text"] == first["text"]
 
 
+async def test_a_long_prompt_is_read_after_a_cache_prompt_false_slot_lets_go(
+        cache_dir: Path) -> None:
+    """A cache_prompt: false request keeps no state, so its slot's cells are in no
+    store: before a prompt longer than one batch they leave the pool all the same (they
+    slowed such a prompt by 7-9%), and its prompt sent again is read cold."""
+    config = store_config(cache_dir)
+    config["server"]["slots"] = 2
+    async with running_daemon(config) as daemon, daemon.client() as client:
+        await generate(client, LONG + QUESTION_1, cache_prompt=False)
+        await generate(client, SHORT_PREFIXES[0])  # 450 tokens, the other slot: they stay
+        slots = (await client.final({"op": "stats"}))["slots"]
+        assert min(slot["cached_tokens"] for slot in slots) > 400, slots
+        # On the short prompt's slot (it shares those 450 tokens), 899 tokens to read.
+        await generate(client, SHORT_PREFIXES[0] + SHORT_PREFIXES[2] + SHORT_PREFIXES[3])
+        slots = (await client.final({"op": "stats"}))["slots"]
+        held = sorted(slot["cached_tokens"] for slot in slots)
+        assert held[0] == 0 and held[1] > 1300, slots
+        again = await generate(client, LONG + QUESTION_1)
+        assert again["usage"]["cached_tokens"] <= 1, again  # BOS at most
+
+
 async def test_a_conversation_finds_its_earlier_turn_after_an_eviction(cache_dir: Path) -> None:
     system = "You answer from these records only. " + SHORT_PREFIXES[1]
     turn_1 = [{"role": "system", "content": system},
