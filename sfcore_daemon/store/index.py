@@ -73,15 +73,13 @@ class CacheCounters(msgspec.Struct, kw_only=True):
 
 
 class _Write:
-    """A state on its way to disk; it holds the bytes the RAM tier may drop first.
-    `queued`: when it was queued (the clock of time.monotonic)."""
+    """A state on its way to disk; it holds the bytes the RAM tier may drop first."""
 
-    __slots__ = ("entry", "data", "queued")
+    __slots__ = ("entry", "data")
 
     def __init__(self, entry: Entry, data: bytearray) -> None:
         self.entry = entry
         self.data: bytearray | None = data
-        self.queued = time.monotonic()
 
 
 class Cleared(msgspec.Struct, frozen=True):

@@ -21,7 +21,6 @@ files for the decode thread, which gives up on a read that takes longer than
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import queue
@@ -48,9 +47,6 @@ log = logging.getLogger(__name__)
 _READ_HANG = "disk_read_hang"
 _WRITE_HANG = "disk_write_hang"
 _HANG_S = 3600.0
-# A state's file waits for the engine to be idle at most this long after it was queued,
-# or until the writes queued hold half the RAM budget (see `_wait_idle`).
-_WRITE_DEFER_S = 10.0
 
 
 class PromptStore(DiskTier):
@@ -162,26 +158,24 @@ class PromptStore(DiskTier):
                 if self._failpoint == _WRITE_HANG:
                     self._closing.wait(_HANG_S)
                 assert data is not None
-                self._write(entry, data, functools.partial(self._wait_idle, write.queued))
+                self._write(entry, data, self._wait_idle)
             except Exception:
                 log.exception("prompt cache: writing a state failed")
             finally:
                 del data
                 self._written(entry)
 
-    def _wait_idle(self, queued: float) -> None:
+    def _wait_idle(self) -> None:
         """Before each part of a file: wait until the decode thread is idle. On a
         machine whose cores the decode holds, a write beside it slowed every step
         (the writer's GIL, the kernel's copy), whatever the writer's priority
-        (docs/performance/prompt-store.md). Not past `_WRITE_DEFER_S` after it was
-        queued, nor while the queued writes hold half the RAM budget: under steady
-        load files still get written, and the RAM tier keeps taking states."""
-        deadline = queued + _WRITE_DEFER_S
+        (docs/performance/prompt-store.md). Not while the queued writes hold half the
+        RAM budget: under steady load files still get written, and the RAM tier keeps
+        taking states. No deadline: files written beside warm turns slowed their decode."""
         while not self._engine_idle.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0 or self._pending_bytes * 2 >= self.ram_budget:
+            if self._pending_bytes * 2 >= self.ram_budget:
                 return
-            self._engine_idle.wait(min(left, 1.0))
+            self._engine_idle.wait(1.0)
 
     def _written(self, entry: Entry) -> None:
         """Its write is done (or failed): its bytes are held only if in the RAM tier."""
