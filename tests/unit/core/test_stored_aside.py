@@ -69,8 +69,10 @@ def _text(start: int, n: int) -> list[int]:
 
 
 async def _evicted(store: _Store | None, idle: list[int], prompt: list[int],
-                   cache_prompt: bool = True) -> tuple[int, ...]:
-    """Slot 0 left holding `idle`; what the next job, on another slot, evicts."""
+                   cache_prompt: bool = True, idle_cache_prompt: bool = True
+                   ) -> tuple[int, ...]:
+    """Slot 0 left holding `idle` (by a request of `idle_cache_prompt`); what the next
+    job, on another slot, evicts."""
     engine = _Engine(store)
     scheduler = Scheduler(engine, max_queue=8, slots=2)  # type: ignore[arg-type]
     stats = Stats()
@@ -85,7 +87,7 @@ async def _evicted(store: _Store | None, idle: list[int], prompt: list[int],
         scheduler.submit(generation)
         return generation
 
-    first = submit(idle[:1])
+    first = submit(idle[:1], idle_cache_prompt)
     first.end = JobEnd(end_reason="length", kept=idle)
     scheduler.release(first)
     submit(prompt, cache_prompt)
@@ -126,27 +128,8 @@ async def test_short_slots_and_a_store_turned_off_keep_their_cells() -> None:
 
 async def test_a_slot_a_cache_prompt_false_request_left_leaves_store_or_not() -> None:
     # No state of it was kept, and it was not asked to be reused: nothing is lost.
-    async def left_unkept(store: _Store | None, prompt: list[int]) -> tuple[int, ...]:
-        engine = _Engine(store)
-        scheduler = Scheduler(engine, max_queue=8, slots=2)  # type: ignore[arg-type]
-        stats = Stats()
-        generations = []
-        for tokens, reuse in ((LONG_IDLE, False), (prompt, True)):
-            generation = Generation(
-                request_id="r", stream=False, stops=(), prompt=tokens, max_tokens=8,
-                sampling=Sampling(temperature=0.0, top_k=40, top_p=1.0, min_p=0.0,
-                                  repeat_penalty=1.0, seed=None),
-                cache_prompt=reuse, sink=_Sink(), arrived_ns=0,  # type: ignore[arg-type]
-                loop=asyncio.get_running_loop(), stats=stats, priority="interactive")
-            scheduler.submit(generation)
-            generations.append(generation)
-            if not generations[1:]:
-                generation.end = JobEnd(end_reason="length", kept=LONG_IDLE + ANSWER)
-                scheduler.release(generation)
-        (_, placement) = engine.placements
-        assert placement.slot == 1
-        return placement.evict
-
     for store in (_Store([]), None):
-        assert await left_unkept(store, _text(5000, N_UBATCH + 1)) == (0,)
-        assert await left_unkept(store, _text(5000, N_UBATCH)) == ()
+        assert await _evicted(store, LONG_IDLE + ANSWER, _text(5000, N_UBATCH + 1),
+                              idle_cache_prompt=False) == (0,)
+        assert await _evicted(store, LONG_IDLE + ANSWER, _text(5000, N_UBATCH),
+                              idle_cache_prompt=False) == ()
