@@ -203,10 +203,11 @@ class Scheduler:
         than one physical batch to read: attention in every one of its batches passes
         over all the pool's cells, other sequences' too, and a long prompt read beside
         another conversation's cells took up to a third longer than on its own
-        (docs/performance/slots.md, "Idle caches are not free"). Only slots the store
-        holds already (all but fewer than min_tokens of their tokens) move: a state
-        copied and written to disk now would slow this prompt about as much. Slots a
-        cache_prompt: false request left (no state of theirs was kept) go too, store or not."""
+        (docs/performance/slots.md, "Idle caches are not free"). With a store, every
+        idle slot of min_tokens or more moves, its state taken on the way out unless
+        stored already: a copy of its rows costs far less than reading a batch beside
+        them, and its file waits for an idle engine. Slots a cache_prompt: false request
+        left (no state of theirs is kept) go too, store or not."""
         if not idle:
             return []
         reading = len(prompt) - (shared_prefix(self._slot_tokens[slot], prompt) if reuse else 0)
@@ -214,8 +215,7 @@ class Scheduler:
             return []
         store = self._engine.store
         return [other for other in idle if self._slot_unkept[other] or (
-            store is not None and len(held := self._slot_tokens[other]) >= store.min_tokens
-            and store.stored_already(held))]
+            store is not None and len(self._slot_tokens[other]) >= store.min_tokens)]
 
     def _pick_slot(self, free: list[int], prompt: list[int], key: str | None = None) -> int:
         """The free slot whose cache shares the longest worthwhile prefix with `prompt`,

@@ -34,8 +34,8 @@ class Seq(SeqCells):
 
     __slots__ = ("job", "sampler", "argmax", "next_prompt", "chunk_end", "n_out", "limit",
                  "generating", "last_token", "parked", "drafter", "draft", "loading",
-                 "keep_state", "keep_prefix", "prompt_kept", "boundaries", "protect_from", "cuts",
-                 "penalties", "forced", "draft_parts")
+                 "keep_state", "keep_prefix", "continued", "prompt_kept", "boundaries",
+                 "protect_from", "cuts", "penalties", "forced", "draft_parts")
 
     def __init__(self, seq_id: int) -> None:
         super().__init__(seq_id)
@@ -71,6 +71,9 @@ class Seq(SeqCells):
         # A prefix its prompt shares with an earlier text (a common system prompt): its
         # state is stored once the prompt is read, to be restored for the next one.
         self.keep_prefix = 0
+        # The slot's text, when the prompt goes on from all of it (0: it does not): not
+        # a prefix worth a state of its own, as the cells stay (kept when they go).
+        self.continued = 0
         self.prompt_kept = False  # its prompt's states were taken (or were not worth it)
         # Where the states taken once the prompt is read end (its end, turn or line
         # starts), and the first row they need kept meanwhile (PromptStates.protect).

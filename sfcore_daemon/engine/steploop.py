@@ -175,8 +175,10 @@ class StepLoop:
             for slot in placement.evict:
                 self._states.keep(self._seqs[slot], len(self._seqs[slot].cached))
                 self._cells.forget(self._seqs[slot])
-            if shared_prefix(seq.cached, spec.prompt) < len(seq.cached):
+            own = shared_prefix(seq.cached, spec.prompt)
+            if own < len(seq.cached):
                 self._states.keep(seq, len(seq.cached))  # its cells are about to be overwritten
+            seq.continued = own if own == len(seq.cached) else 0
             n_reused = self._cells.reuse_prefix(seq, spec.prompt) if spec.cache_prompt else 0
             if n_reused == 0:
                 self._cells.forget(seq)

@@ -85,7 +85,10 @@ class PromptStates:
         cuts = seq.cuts if self._cells.can_place(seq) else ()
         entry, n, shared = store.find(job.spec.prompt, cuts, _EXACT_SLACK)
         common = max(shared, job.n_cached)
-        if common >= store.min_tokens and common > (n if entry is not None else 0):
+        # A conversation's next turn shares its slot's whole text: that text's state is
+        # taken when the slot's cells go, not between the turn's first tokens.
+        if (common >= store.min_tokens and common > (n if entry is not None else 0)
+                and common > seq.continued):
             seq.keep_prefix = common
         if entry is None or n < job.n_cached + _RESTORE_GAIN:
             return

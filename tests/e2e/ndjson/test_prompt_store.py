@@ -253,6 +253,26 @@ async def test_a_long_prompt_is_read_after_idle_slots_move_into_the_store(
         assert back["text"] == first["text"]
 
 
+async def test_an_idle_slot_the_store_lacks_leaves_with_its_state_before_a_long_prompt(
+        cache_dir: Path) -> None:
+    """An idle slot whose answer ran past its prompt's stored states by more than
+    min_tokens (64 here) leaves the pool before a prompt longer than one batch all the
+    same, its whole text's state taken on the way out: it comes back from RAM."""
+    config = store_config(cache_dir)
+    config["server"]["slots"] = 2
+    async with running_daemon(config) as daemon, daemon.client() as client:
+        first = await generate(client, LONG + QUESTION_1, max_tokens=112)
+        assert first["usage"]["completion_tokens"] > 96, first
+        await generate(client, SHORT_PREFIXES[0])  # 450 tokens: the other slot
+        # On the short prompt's slot (it shares those 450 tokens), 899 tokens to read.
+        await generate(client, SHORT_PREFIXES[0] + SHORT_PREFIXES[2] + SHORT_PREFIXES[3])
+        slots = (await client.final({"op": "stats"}))["slots"]
+        assert sorted(slot["cached_tokens"] for slot in slots)[0] == 0, slots
+        back = await generate(client, LONG + QUESTION_1 + first["text"])
+        assert back["timings"]["cache_source"] == "ram", back
+        assert back["usage"]["cached_tokens"] > first["usage"]["prompt_tokens"] + 90, back
+
+
 async def test_a_long_prompt_is_read_after_a_cache_prompt_false_slot_lets_go(
         cache_dir: Path) -> None:
     """A cache_prompt: false request keeps no state, so its slot's cells are in no
@@ -295,6 +315,41 @@ async def test_a_conversation_finds_its_earlier_turn_after_an_eviction(cache_dir
         assert second["timings"]["cache_source"] == "ram"
         cached = second["usage"]["cached_tokens"]
         assert first["usage"]["prompt_tokens"] - 32 < cached < first["usage"]["prompt_tokens"] + 2
+
+
+async def test_a_turn_that_goes_on_from_its_slot_takes_no_state_until_the_slot_goes(
+        cache_dir: Path) -> None:
+    """A conversation's next turn reuses its slot's whole text, whose cells stay: no
+    state of that text is taken while they do (the copy held the turn's decode between
+    its first two tokens). It is taken when the cells go, and the turn after comes back
+    from it."""
+    system = "You answer from these records only. " + SHORT_PREFIXES[1]
+    turn_1 = [{"role": "system", "content": system},
+              {"role": "user", "content": "Describe the animal that sleeps longest."}]
+
+    async def chat(client: Any, messages: list[dict[str, str]], max_tokens: int
+                   ) -> dict[str, Any]:
+        return done_of(await client.request(
+            {"op": "chat", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+             "stream": False}, timeout=180))
+
+    async with running_daemon(store_config(cache_dir)) as daemon, daemon.client() as client:
+        first = await chat(client, turn_1, 48)
+        # Past _RESTORE_GAIN: a state of the text so far would be worth taking.
+        assert first["usage"]["completion_tokens"] > 24, first
+        saved = (await cache_stats(client))["saved"]
+        turn_2 = [*turn_1, {"role": "assistant", "content": first["text"]},
+                  {"role": "user", "content": "And which sleeps least?"}]
+        second = await chat(client, turn_2, 8)
+        assert second["timings"]["cache_source"] == "slot"
+        assert second["usage"]["cached_tokens"] > first["usage"]["prompt_tokens"] + 24
+        assert (await cache_stats(client))["saved"] == saved
+        await generate(client, OTHER)  # the one slot goes to another prompt
+        turn_3 = [*turn_2, {"role": "assistant", "content": second["text"]},
+                  {"role": "user", "content": "Why?"}]
+        third = await chat(client, turn_3, 8)
+        assert third["timings"]["cache_source"] == "ram", third
+        assert third["usage"]["cached_tokens"] >= second["usage"]["prompt_tokens"], third
 
 
 async def test_a_prefix_seen_once_comes_back_for_another_question_after_a_restart(
