@@ -35,7 +35,7 @@ from sfcore_daemon.engine.stepbatch import StepBatch
 from sfcore_daemon.engine.storepolicy import PromptStates, PromptStore
 from sfcore_daemon.engine.threadpolicy import ThreadPolicy
 from sfcore_daemon.llama.capi import C
-from sfcore_daemon.llama.kvcache import KVCache, shared_prefix
+from sfcore_daemon.llama.kvcache import KVCache
 from sfcore_daemon.llama.model import Model
 from sfcore_daemon.structured.forced import ForcedDrafts
 
@@ -175,10 +175,7 @@ class StepLoop:
             for slot in placement.evict:
                 self._states.keep(self._seqs[slot], len(self._seqs[slot].cached))
                 self._cells.forget(self._seqs[slot])
-            own = shared_prefix(seq.cached, spec.prompt)
-            if own < len(seq.cached):
-                self._states.keep(seq, len(seq.cached))  # its cells are about to be overwritten
-            seq.continued = own if own == len(seq.cached) else 0
+            self._states.before_reuse(seq, spec.prompt)
             n_reused = self._cells.reuse_prefix(seq, spec.prompt) if spec.cache_prompt else 0
             if n_reused == 0:
                 self._cells.forget(seq)

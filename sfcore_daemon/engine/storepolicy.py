@@ -22,7 +22,7 @@ from sfcore_daemon.config import ModelConfig
 from sfcore_daemon.engine.job import Job
 from sfcore_daemon.engine.sequence import Seq
 from sfcore_daemon.llama.capi import C
-from sfcore_daemon.llama.kvcache import KVCache
+from sfcore_daemon.llama.kvcache import KVCache, shared_prefix
 from sfcore_daemon.llama.model import Model, llama_cpp_version
 from sfcore_daemon.store.fingerprint import state_fingerprint
 from sfcore_daemon.store.promptstore import Entry, PromptStore
@@ -223,6 +223,15 @@ class PromptStates:
         data = self._cells.state(seq, n)
         if data is not None:
             store.put(tokens, data)
+
+    def before_reuse(self, seq: Seq, prompt: list[int]) -> None:
+        """Before `seq`'s cells serve `prompt`: their state is kept if the prompt parts
+        from them (they are about to be overwritten); `seq.continued` says whether it
+        goes on from all of them."""
+        own = shared_prefix(seq.cached, prompt)
+        if own < len(seq.cached):
+            self.keep(seq, len(seq.cached))
+        seq.continued = own if own == len(seq.cached) else 0
 
     def cuts(self, prompt: list[int]) -> list[int]:
         """Where a prompt long enough for the prompt store is cut into chunks besides
