@@ -95,6 +95,9 @@ class ModelConfig(_Section, frozen=True):
     # A long prompt's full steps with attention as matrix products (llama/attnprobe.py):
     # "auto" where measured faster on this machine, "on" at every depth, "off" never.
     matmul_attention: Literal["auto", "on", "off"] = "auto"
+    # Q5_0 tensors loaded from a copy of the file that holds them as Q8_0, the same
+    # numbers (llama/repack.py): "auto" where they are a mix's fallbacks, "on", "off".
+    rewrite_q5_0: Literal["auto", "on", "off"] = "auto"
     # Row-invariant kernels (llama/invariant.py): a reply's bytes do not depend on what
     # else the batch holds, on speculation, on the thread count or on the cache's history.
     reproducible: bool = False

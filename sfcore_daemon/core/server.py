@@ -176,6 +176,7 @@ class Server:
                  f"{info.n_params:,}", info.size_bytes / 1e6, info.path,
                  engine.load_seconds * 1000, engine.warm_up_ms)
         log.info("%s", engine.loaded_model().placement)
+        log.info("%s", engine.loaded_model().weights.line())
         log.info("%s", engine.huge_pages.line())
         log.info("%s", engine.context_size.line())
         log.info("n_ctx=%d n_batch=%d n_ubatch=%d threads=%d threads_batch=%d cpus=%s "

@@ -299,12 +299,13 @@ def _spaced(ends: list[int]) -> list[int]:
     return taken
 
 
-def store_fingerprint(sha256: concurrent.futures.Future[str], config: ModelConfig) -> str:
+def store_fingerprint(sha256: concurrent.futures.Future[str],
+                      rewritten: concurrent.futures.Future[bool], config: ModelConfig) -> str:
     """The fingerprint of the states this model and context make (store/fingerprint.py).
     Runs on the store's thread: it waits for the model file's sha256 (Engine hashes it
-    once, for this and for the replies' fingerprint)."""
+    once, for this and for the replies' fingerprint) and for the load's weights file."""
     return state_fingerprint(
-        model_sha256=sha256.result(),
+        model_sha256=sha256.result(), rewritten=rewritten.result(),
         llama_cpp=llama_cpp_version(),
         flash_attn=config.flash_attn,
         n_ubatch=min(config.n_ubatch, config.n_batch),

@@ -8,7 +8,6 @@ llama.cpp context happens on it.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import os
 import queue
 import threading
@@ -23,24 +22,22 @@ from sfcore_daemon.engine.attnchoice import AttentionChoice
 from sfcore_daemon.engine.costdrift import CostDrift
 from sfcore_daemon.engine.crossing import Channel, JobSpec, Placement
 from sfcore_daemon.engine.draftgate import StepCosts
+from sfcore_daemon.engine.identity import ModelIdentity
 from sfcore_daemon.engine.prefillshare import PrefillShare, prefill_share
 from sfcore_daemon.engine.speculative import DraftSettings
 from sfcore_daemon.engine.steploop import StepLoop, Submitted
-from sfcore_daemon.engine.storepolicy import PromptStore, store_fingerprint
+from sfcore_daemon.engine.storepolicy import PromptStore
 from sfcore_daemon.engine.threadpolicy import ThreadLimits, ThreadPolicy
-from sfcore_daemon.llama.invariant import row_invariant
 from sfcore_daemon.llama.model import (
     EngineClosed,
     LoadAborted,
     Model,
     ModelLoadError,
-    llama_cpp_version,
 )
-from sfcore_daemon.llama.modelfile import known_sha256, model_sha256
+from sfcore_daemon.llama.modelfile import known_sha256
 from sfcore_daemon.llama.sampling import import_numpy_beside
 from sfcore_daemon.llama.selfcheck import check_batched_decode
 from sfcore_daemon.llama.stepcost import BUSY_SHARE, BusyMeter, measure_step_costs, step_costs_key
-from sfcore_daemon.store.fingerprint import reply_fingerprint
 
 # How long the start-up waits for the store to index its folder (headers only: a few
 # milliseconds for hundreds of files); only a hung disk takes longer.
@@ -115,10 +112,7 @@ class Engine:
         self.prefill_share: PrefillShare | None = None
         self.attention = AttentionChoice(model_config, model_path, n_threads_batch)
         self._abort_load = False
-        # store/fingerprint.reply_fingerprint, once the model file's sha256 is known: from a
-        # thread of its own beside the load, which may hash the file (a model's first start).
-        self.reply_fingerprint = ""
-        self._model_sha256: concurrent.futures.Future[str] = concurrent.futures.Future()
+        self.identity = ModelIdentity(model_path, model_config)
 
     @property
     def progress(self) -> int:
@@ -150,43 +144,33 @@ class Engine:
             self._costs_path = self._costs_dir / f"{key}.json"
             self.step_costs = costsfile.load(self._costs_path)
         self.attention.read(self._costs_dir)
-        threading.Thread(target=self._hash_model, name="sfcore-model-sha256",
-                         daemon=True).start()
+        self.identity.start_hashing()
         self._thread = threading.Thread(target=self._main, name="sfcore-decode", daemon=True)
         self._thread.start()
         if self.store is not None:
             # Beside the model load: the store reads its folder meanwhile.
-            self.store.open(functools.partial(store_fingerprint, self._model_sha256,
-                                              self.config))
+            self.store.open(self.identity.store_fingerprint)
         return self.ready
 
-    def _set_reply_fingerprint(self, sha256: concurrent.futures.Future[str]) -> None:
-        if sha256.exception() is None:
-            self.reply_fingerprint = reply_fingerprint(
-                model_sha256=sha256.result(), llama_cpp=llama_cpp_version(),
-                flash_attn=self.config.flash_attn, row_invariant=row_invariant(),
-                system_info=self.system_info)
-
-    def _hash_model(self) -> None:
-        try:
-            self._model_sha256.set_result(model_sha256(self.model_path))
-        except BaseException as exc:  # an unreadable model file: the load fails too
-            self._model_sha256.set_exception(exc)
+    @property
+    def reply_fingerprint(self) -> str:
+        return self.identity.reply_fingerprint
 
     def _main(self) -> None:
         try:
             importing = import_numpy_beside()
             self._load()
+            self.identity.loaded(self.loaded_model().weights.rewritten, self.system_info)
             if self._abort_load:
                 raise LoadAborted("the model load was stopped")
             importing.join()  # before the first request: no import then competes for the GIL
             self.warm_up()
-            self._model_sha256.add_done_callback(self._set_reply_fingerprint)
             if self.store is not None and known_sha256(self.model_path) is not None:
                 # The first request after a restart finds the states on disk (unless the
                 # model must be hashed first: then the disk tier joins when that is done).
                 self.store.wait_open(_STORE_OPEN_TIMEOUT_S)
         except BaseException as exc:
+            self.identity.load_failed()
             self.ready.set_exception(exc)
             return
         self.ready.set_result(None)

@@ -23,6 +23,7 @@ from sfcore_daemon.llama.capi import C
 from sfcore_daemon.llama.ctxsize import ContextSize, context_size
 from sfcore_daemon.llama.gpu import gpu_layers, placement
 from sfcore_daemon.llama.logrouter import llama_log_router
+from sfcore_daemon.llama.repack import Repacked, weights_for
 from sfcore_daemon.system.hugepages import HugePageLoad, HugePages
 
 
@@ -70,6 +71,8 @@ class Model:
         self.n_ctx: int = C.llama_n_ctx(ctx)
         # How n_ctx was chosen and what its KV cache costs (ctxsize.py); set by load.
         self.context_size = ContextSize(self.n_ctx, 0, 0, 0)
+        # The file llama.cpp read: `path`, or its copy with Q5_0 as Q8_0 (repack.py).
+        self.weights = Repacked(path, False)
         self.n_ubatch: int = C.llama_n_ubatch(ctx)
         self.n_batch: int = C.llama_n_batch(ctx)
         self.info = _read_model_info(model, self.vocab, path)
@@ -98,7 +101,8 @@ class Model:
         loaded model and the context's size before the context is made."""
         started = time.perf_counter()
         huge_pages = HugePageLoad() if config.huge_pages else None
-        model = load_model(path, config, progress, huge_pages)
+        weights = weights_for(path, config)
+        model = load_model(weights.path, config, progress, huge_pages)
         size = context_size(model, functools.partial(model_meta, model), config.n_ctx,
                             config.kv_budget_mb)
         if before_context is not None:
@@ -117,6 +121,7 @@ class Model:
                      n_gpu_layers=gpu_layers(config.n_gpu_layers),
                      huge_pages=huge_pages.finish() if huge_pages is not None else None)
         loaded.context_size = size._replace(n_ctx=loaded.n_ctx)
+        loaded.weights = weights
         return loaded
 
     def tokenize(self, text: str, add_special: bool = True,

@@ -17,11 +17,12 @@ STATE_FORMAT = 1
 
 
 def state_fingerprint(*, model_sha256: str, llama_cpp: str, flash_attn: bool | str,
-                      n_ubatch: int, gpu_layers: int | str, system_info: str) -> str:
+                      n_ubatch: int, gpu_layers: int | str, system_info: str,
+                      rewritten: bool = False) -> str:
     """Everything that decides a stored state's layout and numbers, hashed: the model
-    file's sha256, the llama.cpp build, the context parameters and the CPU features
-    (llama_print_system_info)."""
-    identity = {
+    file's sha256, the llama.cpp build, the context parameters, the CPU features
+    (llama_print_system_info) and whether Q5_0 weights ran as Q8_0 (llama/repack.py)."""
+    identity: dict[str, object] = {
         "format": STATE_FORMAT,
         "model_sha256": model_sha256,
         "llama_cpp": llama_cpp,
@@ -34,20 +35,28 @@ def state_fingerprint(*, model_sha256: str, llama_cpp: str, flash_attn: bool | s
         "gpu_layers": gpu_layers,
         "system_info": system_info,
     }
+    _add_weights(identity, rewritten)
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
 def reply_fingerprint(*, model_sha256: str, llama_cpp: str, flash_attn: bool | str,
-                      row_invariant: bool, system_info: str) -> str:
+                      row_invariant: bool, system_info: str, rewritten: bool = False) -> str:
     """What a reply's bytes depend on besides the request, hashed for its `done` line:
     the model file, the llama.cpp build, the CPU features and the kernels' mode. Two
     replies with the same fingerprint, request and seed are the same bytes."""
-    identity = {
+    identity: dict[str, object] = {
         "model_sha256": model_sha256,
         "llama_cpp": llama_cpp,
         "flash_attn": flash_attn,
         "row_invariant": row_invariant,
         "system_info": system_info,
     }
+    _add_weights(identity, rewritten)
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     return "sha256:" + digest[:16]
+
+
+def _add_weights(identity: dict[str, object], rewritten: bool) -> None:
+    # Only when rewritten: the fingerprints of files loaded as they are stay what they were.
+    if rewritten:
+        identity["weights"] = "q5_0-as-q8_0"

@@ -346,7 +346,8 @@ def test_the_fingerprint_is_the_same_hash_of_the_same_values() -> None:
 
 @pytest.mark.parametrize("field, other", [
     ("model_sha256", "1" * 64), ("llama_cpp", "0.3.17"), ("flash_attn", True),
-    ("n_ubatch", 256), ("gpu_layers", 0), ("system_info", "CPU : AVX2 = 0 |")])
+    ("n_ubatch", 256), ("gpu_layers", 0), ("system_info", "CPU : AVX2 = 0 |"),
+    ("rewritten", True)])
 def test_every_value_the_engine_passes_changes_the_fingerprint(field: str, other: Any) -> None:
     assert state_fingerprint(**{**_FINGERPRINTED, field: other}) != \
         state_fingerprint(**_FINGERPRINTED)
