@@ -53,6 +53,7 @@ _MAX_STRING = 1 << 30
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
 _ALIGNMENT_KEY = b"general.alignment"
+_SPLIT_COUNT_KEY = b"split.count"
 
 Mode = Literal["auto", "on", "off"]
 
@@ -158,6 +159,10 @@ def read_layout(data: mmap.mmap | bytes) -> Layout:
         vtype = cursor.u32()
         if key == _ALIGNMENT_KEY and vtype == 4:
             alignment = cursor.u32()
+        elif key == _SPLIT_COUNT_KEY:
+            # llama.cpp finds a split model's other parts by the first one's name, which
+            # a copy would not have.
+            raise GgufError("one part of a split model")
         else:
             cursor.skip_value(vtype)
     if alignment <= 0 or alignment & (alignment - 1) or alignment > 1 << 16:

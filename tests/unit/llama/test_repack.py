@@ -24,10 +24,10 @@ def _string(text: bytes) -> bytes:
 
 
 def make_gguf(tensors: list[tuple[bytes, tuple[int, ...], int, bytes]],
-              alignment: int = 32) -> bytes:
+              alignment: int = 32, extra_kv: tuple[bytes, ...] = ()) -> bytes:
     """A GGUF v3 file: a string, a string array, a u32 array and the alignment as KV
-    pairs; `tensors` as (name, dims, ggml type, data)."""
-    kv = [
+    pairs (and `extra_kv`); `tensors` as (name, dims, ggml type, data)."""
+    kv = [*extra_kv,
         _string(b"general.name") + struct.pack("<I", 8) + _string(b"tiny"),
         _string(b"tokenizer.tokens") + struct.pack("<IIQ", 9, 8, 3)
         + b"".join(_string(t) for t in (b"a", b"bc", b"\xe2\x82\xac")),
@@ -193,3 +193,15 @@ def test_an_unwritable_cache_loads_the_source_with_a_warning(
         result = repack.prepare(str(source), "auto", not_a_folder / "cache")
     assert result == repack.Repacked(str(source), False)
     assert "loading it as it is" in caplog.text
+
+
+def test_a_split_model_is_loaded_as_it_is(tmp_path: Path) -> None:
+    """llama.cpp finds a split model's other parts by its first file's name."""
+    rng = np.random.default_rng(6)
+    split = _string(b"split.count") + struct.pack("<IH", 2, 3)
+    source = tmp_path / "model-00001-of-00003.gguf"
+    source.write_bytes(make_gguf(
+        [(b"q5", (32,), repack.GGML_Q5_0, rng.integers(0, 256, 22, np.uint8).tobytes())],
+        extra_kv=(split,)))
+    assert repack.prepare(str(source), "on", tmp_path / "cache") == \
+        repack.Repacked(str(source), False)
