@@ -190,7 +190,7 @@ def tensor_spans(layout: Layout) -> dict[int, int]:
     if not offsets:
         return {}
     data_bytes = layout.file_size - layout.data_start
-    if len(set(offsets)) != len(offsets) or (offsets and offsets[-1] > data_bytes):
+    if len(set(offsets)) != len(offsets) or offsets[-1] > data_bytes:
         raise GgufError("tensor offsets that overlap or run past the end")
     ends = [*offsets[1:], data_bytes]
     spans = {start: end - start for start, end in zip(offsets, ends, strict=True)}
@@ -276,7 +276,6 @@ def write_repacked(source: mmap.mmap | bytes, layout: Layout, out: os.PathLike[s
                 file.write(source[start:start + written])
             file.write(b"\0" * (-written % layout.alignment))
     return converted
-
 
 
 def _cache_names(path: Path, folder: Path) -> tuple[Path, Path, str]:
