@@ -101,8 +101,7 @@ class Model:
         loaded model and the context's size before the context is made."""
         started = time.perf_counter()
         huge_pages = HugePageLoad() if config.huge_pages else None
-        weights = weights_for(path, config)
-        model = load_model(weights.path, config, progress, huge_pages)
+        model, weights = load_model(path, config, progress, huge_pages)
         size = context_size(model, functools.partial(model_meta, model), config.n_ctx,
                             config.kv_budget_mb)
         if before_context is not None:
@@ -246,9 +245,10 @@ class Model:
 
 def load_model(model_path: str, model_config: ModelConfig,
                progress: Callable[[float], bool] | None = None,
-               huge_pages: HugePageLoad | None = None) -> Any:
-    """llama_backend_init, then the model with the daemon's settings; ModelLoadError
-    (with llama.cpp's own reason, in one line) if it cannot be loaded.
+               huge_pages: HugePageLoad | None = None) -> tuple[Any, Repacked]:
+    """llama_backend_init, then the model with the daemon's settings, and the file it was
+    read from (the source or its copy with Q5_0 as Q8_0, repack.py); ModelLoadError (with
+    llama.cpp's own reason, in one line, naming `model_path`) if it cannot be loaded.
 
     `progress`: called with the fraction loaded before each tensor; when it returns
     False the load stops (and fails like any other load; the caller knows why).
@@ -275,13 +275,14 @@ def load_model(model_path: str, model_config: ModelConfig,
     callback = C.llama_progress_callback(on_progress)
     if progress is not None or huge_pages is not None:
         params.progress_callback = callback
+    weights = weights_for(model_path, model_config)
     with llama_log_router.capturing_errors() as errors:
-        model = C.llama_model_load_from_file(model_path.encode(), params)
+        model = C.llama_model_load_from_file(weights.path.encode(), params)
     if not model:
         C.llama_backend_free()
         reason = errors[0] if errors else "not a GGUF model this llama.cpp can load"
         raise ModelLoadError(f"cannot load model {model_path}: {reason}")
-    return model
+    return model, weights
 
 
 def context_params(model_config: ModelConfig, n_threads: int, n_threads_batch: int,

@@ -53,7 +53,6 @@ class Bench:
     def __init__(self, model_path: str, config: Config, pinned: Sequence[int]) -> None:
         from sfcore_daemon.llama.capi import C
         from sfcore_daemon.llama.model import ModelLoadError, load_model
-        from sfcore_daemon.llama.repack import weights_for
         from sfcore_daemon.system.hugepages import HugePageLoad
 
         self.C = C
@@ -63,8 +62,7 @@ class Bench:
         try:
             # The weights in the pages the daemon gives them, so that they cost the same.
             huge_pages = HugePageLoad() if config.model.huge_pages else None
-            weights = weights_for(model_path, config.model)
-            self.model = load_model(weights.path, config.model, huge_pages=huge_pages)
+            self.model, _ = load_model(model_path, config.model, huge_pages=huge_pages)
         except ModelLoadError as exc:
             raise TuneError(str(exc)) from None
         self.vocab = C.llama_model_get_vocab(self.model)
