@@ -89,7 +89,8 @@ def test_a_portable_key_does_not_depend_on_the_cpu(tmp_path: Path) -> None:
     assert [name for name, _ in native.patches] == sorted(
         path.name for path in PATCHES.glob("*.patch"))
     assert [name for name, _ in native.patches] == [
-        "amx-tile-config.patch", "cpu-abort-in-node.patch", "cpu-row-invariant.patch",
+        "amx-tile-config.patch", "cpu-abort-in-node.patch", "cpu-buffer-cache-line.patch",
+        "cpu-row-invariant.patch",
         "fa-split-kv-balance.patch", "fa-tiled-hidden-tiles.patch", "fa-units-ops.patch",
         "fa-units-plan.patch", "fa-units-tls.patch", "fa-whole-tiles.patch",
         "kv-position-order.patch", "matmul-attention.patch", "repack-row-invariant.patch",
