@@ -254,11 +254,17 @@ def _key_name(key: bytes) -> str:
     return key[1:-1].decode("ascii")
 
 
+# Control characters and Unicode line breaks are escaped so that a grammar stays one rule a
+# line for any reader that splits lines the way Python's str.splitlines does.
+_LITERAL_ESCAPES = {ord("\\"): "\\\\", ord('"'): '\\"', ord("\r"): "\\r", ord("\n"): "\\n",
+                    ord("\t"): "\\t", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+_LITERAL_ESCAPES.update({code: f"\\x{code:02x}" for code in [*range(0x20), *range(0x7F, 0xA0)]
+                         if code not in _LITERAL_ESCAPES})
+
+
 def _literal(text: str) -> str:
     """A GBNF literal for `text`."""
-    escaped = (text.replace("\\", "\\\\").replace('"', '\\"')
-               .replace("\r", "\\r").replace("\n", "\\n"))
-    return f'"{escaped}"'
+    return f'"{text.translate(_LITERAL_ESCAPES)}"'
 
 
 def _repetition(item: str, low: int, high: int | None, separator: str = "") -> str:

@@ -29,7 +29,7 @@ def accepts(grammar: str, text: str) -> bool:
 class _Grammar:
     def __init__(self, text: str) -> None:
         self.rules: dict[str, Matcher] = {}
-        for line in text.splitlines():
+        for line in text.split("\n"):  # llama.cpp ends a line at \n only, not at NEL or U+2028
             if line.strip() and not line.lstrip().startswith("#"):
                 name, body = line.split(" ::= ", 1)
                 self.rules[name.strip()] = self._rule(name.strip(), body)

@@ -210,6 +210,7 @@ def test_every_value_of_every_keyword_replaced_by_any_json_is_named_or_converts(
     {"const": {"$ref": 5}},
     {"type": "object", "properties": {"*": {"type": "integer"}, "b": {"type": "null"}}},
     {"type": "string", "pattern": "^a|b$"},
+    {"enum": [{"\x85": None}, "\x01\u2028\t"]},  # written as \x, \u and \t escapes
     ref_chain(30),
     {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(3000)}},
 ])

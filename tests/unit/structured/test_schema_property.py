@@ -76,6 +76,8 @@ def test_the_grammar_is_written_from_the_shape_and_accepts_its_shortest_document
     ({"type": "string", "format": "uuid"}, '"123e4567-E89B-12d3-a456-426614174000"'),
     ({"type": ["boolean", "null", "integer"]}, "null "),
     ({"enum": ["a\\b", {"k": "é"}, None]}, '{"k": "é"}'),
+    # A line break Python splits on (NEL) and a control character, written as escapes.
+    ({"enum": [{"\x85": None}, "\x01\u2028"]}, '"\\u0001\u2028"'),
     ({"$defs": {"n": {"type": "object", "properties": {"c": {"type": "array", "items": {
         "$ref": "#/$defs/n"}}}}}, "$ref": "#/$defs/n"}, '{"c": [{}, {"c": [{"c": []}]}]}'),
     ({"type": "array", "items": {"type": "string", "maxLength": 300}, "minItems": 2,
