@@ -74,6 +74,22 @@ async def test_sampled_outputs_are_valid_against_their_schemas(name: str) -> Non
 
 
 @pytest.mark.asyncio
+@pytest.mark.timeout(300)
+async def test_enum_values_with_control_characters_and_line_breaks_come_back_whole() -> None:
+    """The grammar writes these characters as escapes; llama.cpp must read the escapes as
+    the characters, so every sampled document is one of the values, byte for byte."""
+    values: list[Any] = [{"\x85": None}, "\x01\u2028\t", "a\u2029\x7f"]
+    schema = {"enum": values}
+    async with running_daemon() as daemon, daemon.client() as client:
+        answers = await pipelined(client, [
+            {"prompt": "Pick one:", "json_schema": schema, "temperature": 1.0, "seed": seed,
+             "max_tokens": 64, "stream": False} for seed in range(6)])
+        assert (await client.final({"op": "health"}))["type"] != "error"
+    for done in answers:
+        assert done["type"] == "done" and done["finish_reason"] == "stop", done
+        assert json.loads(done["text"]) in values, done
+
+@pytest.mark.asyncio
 @pytest.mark.timeout(600)
 async def test_gbnf_grammars_and_format_json() -> None:
     yes_no = 'root ::= ("yes" | "no") "."'
